@@ -1,0 +1,35 @@
+# Two set-up-and-go targets: `make bench` (the default benchmark comparison) and
+# `make test` (lint + tests). Both create .venv and install what they need.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned for this install only: a CPU wheel of 2.13.0 is available offline,
+# an unpinned resolve pulls a newer torch with several GB of CUDA packages.
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: test bench lint format clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_PIN)" -e ".[test]"
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q -n 2
+
+bench: $(STAMP)
+	$(PY) benchmarks/run.py --multirun +sweep=default
+	$(PY) benchmarks/report.py
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) outputs multirun

@@ -1,0 +1,141 @@
+"""Directionally damped Newton steps along GGN eigenvectors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Generator, Tensor
+
+from dampednewton.computations.base import Block, GGNComputation
+from dampednewton.computations.directions import select_directions, to_parameter_space
+from dampednewton.damping import as_damping, checked_damping
+from dampednewton.directional import (
+    directional_curvatures,
+    directional_gradients,
+    gram_space_step,
+    newton_coefficients,
+)
+
+
+@dataclass
+class NewtonStep:
+    """A block's damped Newton step and the quantities it was built from.
+
+    Attributes:
+        step: One tensor per parameter of the group (``p.shape``).
+        evals: Selected GGN eigenvalues ``[K]``, ascending.
+        gamma_mean: Mean directional gradients ``γ̄_k`` ``[K]``.
+        lambda_mean: Mean directional curvatures ``λ̄_k`` ``[K]``.
+        damping: Directional damping ``δ_k`` ``[K]``.
+        coefficients: Step lengths ``c_k = −γ̄_k / (λ̄_k + δ_k)`` ``[K]``.
+    """
+
+    step: tuple[Tensor, ...]
+    evals: Tensor
+    gamma_mean: Tensor
+    lambda_mean: Tensor
+    damping: Tensor
+    coefficients: Tensor
+
+
+class DirectionalDampedNewtonComputation(GGNComputation):
+    r"""BackPACK extensions and hook for directionally damped Newton steps.
+
+    With ``e_k`` the selected GGN eigenvectors, ``γ̄_k``/``λ̄_k`` the mean first/second
+    directional derivatives and ``δ_k`` the damping, the step is
+
+    .. math::
+
+        s = \sum_k \frac{-\bar\gamma_k}{\bar\lambda_k + \delta_k} e_k = V \beta,
+
+    formed in Gram space (``β = Σ_k c_k ũ_k/√λ_k``) and mapped by one product. Groups
+    need ``'params'``, ``'criterion'`` (callable or int ``k``) and ``'damping'``
+    (callable ``(evals, gram_evecs, gammas, lambdas) -> δ`` or a number).
+
+    The loss must use ``reduction='mean'``.
+    """
+
+    required_group_keys = ("criterion", "damping")
+    needs_gradients = True
+    keeps_factors = True
+
+    def __init__(
+        self,
+        subsampling_grad: Sequence[int] | None = None,
+        subsampling_ggn: Sequence[int] | None = None,
+        mc_samples_ggn: int = 0,
+        verbose: bool = False,
+        warn_small_eigvals: float = 1e-4,
+        *,
+        generator: Generator | None = None,
+    ):
+        """Specify the gradient and GGN approximations (none by default).
+
+        Args:
+            subsampling_grad: Samples for the directional gradients (``None``: all).
+            subsampling_ggn: Samples for directions and curvatures (``None``: all).
+            mc_samples_ggn: ``0`` for the exact GGN, else Monte-Carlo samples.
+            verbose: Print what happens during backpropagation.
+            warn_small_eigvals: Warn when a selected eigenvalue's magnitude is below.
+            generator: Random source for Monte-Carlo sampling (``None``: global).
+        """
+        super().__init__(
+            subsampling_ggn=subsampling_ggn,
+            subsampling_grad=subsampling_grad,
+            mc_samples=mc_samples_ggn,
+            verbose=verbose,
+            warn_small_eigvals=warn_small_eigvals,
+            generator=generator,
+        )
+
+    def _finish(self, block: Block) -> NewtonStep:
+        directions = select_directions(block, self._warn_small_eigvals)
+        evals, gram_evecs = directions.evals, directions.gram_evecs
+        gammas = directional_gradients(block.gradient_products, gram_evecs, evals)
+        lambdas = directional_curvatures(
+            gram_evecs, evals, block.num_outputs, block.num_samples
+        )
+        policy = as_damping(block.group["damping"])
+        damping = checked_damping(
+            policy(evals, gram_evecs, gammas, lambdas), evals.numel()
+        ).to(evals)
+        gamma_mean, lambda_mean = gammas.mean(0), lambdas.mean(0)
+        coefficients = newton_coefficients(gamma_mean, lambda_mean, damping)
+        beta = gram_space_step(coefficients, gram_evecs, evals)
+        return NewtonStep(
+            step=tuple(to_parameter_space(block, beta)),
+            evals=evals,
+            gamma_mean=gamma_mean,
+            lambda_mean=lambda_mean,
+            damping=damping,
+            coefficients=coefficients,
+        )
+
+    def get_result(self, group: dict) -> tuple[Tensor, ...]:
+        """Return a block's damped Newton step in parameter format.
+
+        Args:
+            group: Parameter group that defines the GGN block.
+
+        Returns:
+            One tensor per parameter of ``group['params']``, shaped like it.
+
+        Raises:
+            KeyError: If there is no result for the group.
+        """
+        return super().get_result(group).step
+
+    def get_details(self, group: dict) -> NewtonStep:
+        """Return the step with its eigenvalues, slopes, curvatures and damping.
+
+        Args:
+            group: Parameter group that defines the GGN block.
+
+        Returns:
+            The block's :class:`NewtonStep`.
+
+        Raises:
+            KeyError: If there is no result for the group.
+        """
+        return super().get_result(group)

@@ -1,0 +1,81 @@
+"""First- and second-order directional derivatives along GGN eigenvectors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Generator, Tensor
+
+from dampednewton.computations.base import Block, GGNComputation
+from dampednewton.computations.directions import select_directions
+from dampednewton.directional import directional_curvatures, directional_gradients
+
+
+class DirectionalDerivativesComputation(GGNComputation):
+    """BackPACK extensions and hook for ``γ_nk`` and ``λ_nk`` along GGN eigenvectors.
+
+    ``γ_nk = ∇ℓ_nᵀ e_k`` is the slope of sample ``n``'s loss ``ℓ_n`` (not ``ℓ_n/N``),
+    ``λ_nk = e_kᵀ G_n e_k`` its GGN curvature; the mean of ``λ_nk`` over the GGN
+    samples is the eigenvalue ``λ_k``. Groups need ``'params'`` and ``'criterion'``.
+
+    The loss must use ``reduction='mean'``.
+    """
+
+    required_group_keys = ("criterion",)
+    needs_gradients = True
+
+    def __init__(
+        self,
+        subsampling_grad: Sequence[int] | None = None,
+        subsampling_ggn: Sequence[int] | None = None,
+        mc_samples_ggn: int = 0,
+        verbose: bool = False,
+        warn_small_eigvals: float = 1e-4,
+        *,
+        generator: Generator | None = None,
+    ):
+        """Specify the gradient and GGN approximations (none by default).
+
+        Args:
+            subsampling_grad: Samples for the directional gradients (``None``: all).
+            subsampling_ggn: Samples for directions and curvatures (``None``: all).
+            mc_samples_ggn: ``0`` for the exact GGN, else Monte-Carlo samples.
+            verbose: Print what happens during backpropagation.
+            warn_small_eigvals: Warn when a selected eigenvalue's magnitude is below.
+            generator: Random source for Monte-Carlo sampling (``None``: global).
+        """
+        super().__init__(
+            subsampling_ggn=subsampling_ggn,
+            subsampling_grad=subsampling_grad,
+            mc_samples=mc_samples_ggn,
+            verbose=verbose,
+            warn_small_eigvals=warn_small_eigvals,
+            generator=generator,
+        )
+
+    def _finish(self, block: Block) -> tuple[Tensor, Tensor]:
+        directions = select_directions(block, self._warn_small_eigvals)
+        gammas = directional_gradients(
+            block.gradient_products, directions.gram_evecs, directions.evals
+        )
+        lambdas = directional_curvatures(
+            directions.gram_evecs,
+            directions.evals,
+            block.num_outputs,
+            block.num_samples,
+        )
+        return gammas, lambdas
+
+    def get_result(self, group: dict) -> tuple[Tensor, Tensor]:
+        """Return the directional derivatives of a block.
+
+        Args:
+            group: Parameter group that defines the GGN block.
+
+        Returns:
+            ``γ`` as ``[N_grad, K]`` and ``λ`` as ``[N_ggn, K]`` tensors.
+
+        Raises:
+            KeyError: If there is no result for the group.
+        """
+        return super().get_result(group)

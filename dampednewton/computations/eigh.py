@@ -1,0 +1,73 @@
+"""GGN eigenpairs: Gram eigenvalues and parameter-space eigenvectors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Generator, Tensor
+
+from dampednewton.computations.base import Block, GGNComputation
+from dampednewton.computations.directions import select_directions, to_parameter_space
+
+
+class EighComputation(GGNComputation):
+    """BackPACK extension and hook that compute GGN eigenpairs.
+
+    Each group needs ``'params'`` (one GGN block) and ``'criterion'`` (ascending
+    eigenvalues → indices, or an int ``k`` for the ``k`` largest positive ones). The
+    eigenvector of a selected eigenvalue ``λ_k`` with Gram eigenvector ``ũ_k`` is
+    ``e_k = V ũ_k / √λ_k``.
+
+    The loss must use ``reduction='mean'``.
+    """
+
+    required_group_keys = ("criterion",)
+    keeps_factors = True
+
+    def __init__(
+        self,
+        subsampling: Sequence[int] | None = None,
+        mc_samples: int = 0,
+        verbose: bool = False,
+        warn_small_eigvals: float = 1e-4,
+        *,
+        generator: Generator | None = None,
+    ):
+        """Specify the GGN approximation (none by default).
+
+        Args:
+            subsampling: Samples used for the GGN; ``None`` uses the whole batch.
+            mc_samples: ``0`` for the exact GGN, else Monte-Carlo samples of the loss
+                Hessian's square root.
+            verbose: Print what happens during backpropagation.
+            warn_small_eigvals: Warn when a selected eigenvalue's magnitude is below
+                this (``0`` disables the warning).
+            generator: Random source for Monte-Carlo sampling (``None``: global).
+        """
+        super().__init__(
+            subsampling_ggn=subsampling,
+            mc_samples=mc_samples,
+            verbose=verbose,
+            warn_small_eigvals=warn_small_eigvals,
+            generator=generator,
+        )
+
+    def _finish(self, block: Block) -> tuple[Tensor, list[Tensor]]:
+        directions = select_directions(block, self._warn_small_eigvals)
+        scaled = directions.gram_evecs / directions.evals.sqrt()
+        return directions.evals, to_parameter_space(block, scaled)
+
+    def get_result(self, group: dict) -> tuple[Tensor, list[Tensor]]:
+        """Return the selected eigenvalues and eigenvectors of a block.
+
+        Args:
+            group: Parameter group that defines the GGN block.
+
+        Returns:
+            Eigenvalues ``[K]`` (ascending) and, per parameter ``p`` of the group, a
+            tensor ``[K, *p.shape]``: eigenvector ``k`` is ``[v[k] for v in evecs]``.
+
+        Raises:
+            KeyError: If there is no result for the group.
+        """
+        return super().get_result(group)

@@ -1,0 +1,114 @@
+"""BackPACK extensions used by the computations, with errors that say what to do.
+
+BackPACK's own errors surface deep inside ``loss.backward()`` and name BackPACK's
+internals; these subclasses translate the common ones (unsupported layer, BatchNorm in
+training mode, loss not extended) and let Monte-Carlo sampling draw from a
+``torch.Generator`` instead of the global random state.
+"""
+
+from __future__ import annotations
+
+from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
+from backpack.extensions.backprop_extension import BackpropExtension
+from torch import Generator, Tensor, cuda, get_rng_state, set_rng_state
+from torch.nn import Module
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.loss import _Loss
+from torch.random import fork_rng
+
+
+def _supported_modules(extension: BackpropExtension) -> list[str]:
+    registry = getattr(extension, "_BackpropExtension__module_extensions", {})
+    return sorted(cls.__name__ for cls in registry)
+
+
+def _run_translating_errors(
+    extension: BackpropExtension,
+    call: type,
+    module: Module,
+    g_inp: tuple[Tensor],
+    g_out: tuple[Tensor],
+) -> None:
+    try:
+        call.__call__(extension, module, g_inp, g_out)
+    except NotImplementedError as error:
+        if isinstance(module, _BatchNorm) and module.training:
+            raise RuntimeError(
+                f"{module} is in training mode: it mixes the samples of a batch, so "
+                "per-sample GGN factors and gradients are not defined. Call "
+                "model.eval() on the BatchNorm layers (or remove them) before the step."
+            ) from error
+        raise NotImplementedError(
+            f"BackPACK's {type(extension).__name__} cannot handle module {module} "
+            f"({type(module).__module__}.{type(module).__name__}). Supported modules: "
+            f"{', '.join(_supported_modules(extension))}. Replace the layer by a "
+            "supported one or exclude its parameters from the model."
+        ) from error
+    except AssertionError as error:
+        if "expects a backpropagation quantity" in str(error):
+            raise RuntimeError(
+                "The loss function is not extended with BackPACK, so no curvature "
+                "information reached the model. Call `loss_fn = backpack.extend("
+                "loss_fn)` (and `model = backpack.extend(model)`)."
+            ) from error
+        raise
+
+
+class ExactSqrtGGN(SqrtGGNExact):
+    """:class:`backpack.extensions.SqrtGGNExact` with actionable error messages."""
+
+    def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
+        """Run BackPACK's extension, translating its errors."""
+        _run_translating_errors(self, SqrtGGNExact, module, g_inp, g_out)
+
+
+class MonteCarloSqrtGGN(SqrtGGNMC):
+    """:class:`backpack.extensions.SqrtGGNMC` drawing from a private generator.
+
+    BackPACK samples the loss Hessian's square root with the global random state. With a
+    ``generator``, the sampling runs inside a forked random state seeded from the
+    generator, whose state then advances, so results are reproducible and the user's
+    global random stream is untouched.
+    """
+
+    def __init__(
+        self,
+        mc_samples: int,
+        subsampling: list[int] | None = None,
+        generator: Generator | None = None,
+    ):
+        """Store the sampling settings.
+
+        Args:
+            mc_samples: Number of Monte-Carlo samples.
+            subsampling: Indices of the samples used, ``None`` for all.
+            generator: Source of randomness, ``None`` for the global random state.
+        """
+        super().__init__(mc_samples=mc_samples, subsampling=subsampling)
+        self.generator = generator
+
+    def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
+        """Run BackPACK's extension; sample from the generator at the loss."""
+        if self.generator is None or not isinstance(module, _Loss):
+            _run_translating_errors(self, SqrtGGNMC, module, g_inp, g_out)
+            return
+        device = self.generator.device
+        if device.type == "cuda":
+            index = device.index if device.index is not None else cuda.current_device()
+            with fork_rng(devices=[index]):
+                cuda.set_rng_state(self.generator.get_state(), index)
+                _run_translating_errors(self, SqrtGGNMC, module, g_inp, g_out)
+                self.generator.set_state(cuda.get_rng_state(index))
+        else:
+            with fork_rng(devices=[]):
+                set_rng_state(self.generator.get_state())
+                _run_translating_errors(self, SqrtGGNMC, module, g_inp, g_out)
+                self.generator.set_state(get_rng_state())
+
+
+class IndividualGradients(BatchGrad):
+    """:class:`backpack.extensions.BatchGrad` with actionable error messages."""
+
+    def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
+        """Run BackPACK's extension, translating its errors."""
+        _run_translating_errors(self, BatchGrad, module, g_inp, g_out)

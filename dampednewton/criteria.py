@@ -1,0 +1,155 @@
+"""Criteria: which GGN eigen-directions a step uses.
+
+A criterion receives a block's Gram eigenvalues in ascending order and returns the
+indices of the selected ones (ViViT's convention). The built-in policies only select
+strictly positive eigenvalues: dividing by ``√λ`` is meaningless for ``λ ≤ 0``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+Criterion = Callable[[Tensor], Sequence[int]]
+
+
+def _positive_indices(evals: Tensor) -> Tensor:
+    return torch.nonzero(evals > 0).flatten()
+
+
+@dataclass(frozen=True)
+class TopK:
+    """Select the ``k`` largest strictly positive eigenvalues.
+
+    Attributes:
+        k: Number of directions (at least 1). Fewer are selected when fewer
+            eigenvalues are positive.
+    """
+
+    k: int
+
+    def __post_init__(self) -> None:
+        """Validate ``k``."""
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"TopK needs an integer k >= 1, got {self.k!r}.")
+
+    def __call__(self, evals: Tensor) -> list[int]:
+        """Return the indices of the selected eigenvalues (ascending)."""
+        positive = _positive_indices(evals)
+        return positive[-self.k :].tolist()
+
+
+@dataclass(frozen=True)
+class EigenvalueThreshold:
+    """Select every eigenvalue strictly above ``min_value``.
+
+    Attributes:
+        min_value: Threshold (non-negative), e.g. ``1e-4`` to skip directions whose
+            eigenvector computation divides by a tiny ``√λ``.
+    """
+
+    min_value: float
+
+    def __post_init__(self) -> None:
+        """Validate the threshold."""
+        if not math.isfinite(self.min_value) or self.min_value < 0:
+            raise ValueError(
+                f"EigenvalueThreshold needs a finite min_value >= 0, got "
+                f"{self.min_value!r}."
+            )
+
+    def __call__(self, evals: Tensor) -> list[int]:
+        """Return the indices of the selected eigenvalues (ascending)."""
+        return torch.nonzero(evals > self.min_value).flatten().tolist()
+
+
+@dataclass(frozen=True)
+class RelativeThreshold:
+    """Select eigenvalues of at least ``fraction`` times the largest one.
+
+    Attributes:
+        fraction: In ``(0, 1]``; ``1`` keeps only the leading direction (and ties).
+    """
+
+    fraction: float
+
+    def __post_init__(self) -> None:
+        """Validate the fraction."""
+        if not 0 < self.fraction <= 1:
+            raise ValueError(
+                f"RelativeThreshold needs 0 < fraction <= 1, got {self.fraction!r}."
+            )
+
+    def __call__(self, evals: Tensor) -> list[int]:
+        """Return the indices of the selected eigenvalues (ascending)."""
+        if evals.numel() == 0 or evals.max() <= 0:
+            return []
+        keep = (evals >= self.fraction * evals.max()) & (evals > 0)
+        return torch.nonzero(keep).flatten().tolist()
+
+
+def as_criterion(criterion: int | Criterion) -> Criterion:
+    """Turn the shorthand ``int k`` into :class:`TopK`; pass callables through.
+
+    Args:
+        criterion: An integer ``k >= 1`` or a callable ``evals -> indices``.
+
+    Returns:
+        A callable criterion.
+
+    Raises:
+        ValueError: For an integer below 1.
+        TypeError: For anything that is neither an integer nor callable.
+    """
+    if isinstance(criterion, int) and not isinstance(criterion, bool):
+        return TopK(criterion)
+    if callable(criterion):
+        return criterion
+    raise TypeError(
+        "criterion must be an int k (the k largest positive eigenvalues) or a callable "
+        f"mapping ascending eigenvalues to indices, got {type(criterion).__name__}."
+    )
+
+
+def selected_indices(criterion: Criterion, evals: Tensor) -> Tensor:
+    """Apply a criterion and check its answer.
+
+    Args:
+        criterion: Callable receiving the ascending eigenvalues.
+        evals: Eigenvalues of one GGN block, ascending.
+
+    Returns:
+        Sorted ``int64`` index tensor on the eigenvalues' device.
+
+    Raises:
+        IndexError: If an index is out of range.
+        ValueError: If an index repeats or selects an eigenvalue ``<= 0``.
+    """
+    indices = torch.as_tensor(list(criterion(evals)), dtype=torch.int64)
+    num_evals = evals.numel()
+    if indices.numel() and (indices.min() < -num_evals or indices.max() >= num_evals):
+        raise IndexError(
+            f"The criterion returned indices {indices.tolist()} but there are only "
+            f"{num_evals} eigenvalues (valid indices 0..{num_evals - 1})."
+        )
+    indices = torch.remainder(indices, max(num_evals, 1)).sort().values
+    if indices.unique().numel() != indices.numel():
+        raise ValueError(f"The criterion repeated indices: {indices.tolist()}.")
+    indices = indices.to(evals.device)
+    chosen = evals[indices]
+    if (chosen <= 0).any():
+        bad = chosen[chosen <= 0].tolist()
+        raise ValueError(
+            f"The criterion selected eigenvalues <= 0 ({bad}): their eigenvectors are "
+            "undefined (division by √λ). Select only positive eigenvalues, e.g. with "
+            "TopK, EigenvalueThreshold or RelativeThreshold."
+        )
+    return indices
+
+
+# Policies live in param groups: let `torch.load(weights_only=True)` restore them.
+torch.serialization.add_safe_globals([TopK, EigenvalueThreshold, RelativeThreshold])

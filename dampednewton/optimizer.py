@@ -1,0 +1,368 @@
+"""``DampedNewton``: a ``torch.optim`` optimizer of damped Newton steps."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from backpack import backpack
+from torch import Generator, Tensor
+from torch.optim import Optimizer
+
+from dampednewton.computations import DirectionalDampedNewtonComputation, NewtonStep
+from dampednewton.computations.groups import validate_subsampling
+from dampednewton.criteria import Criterion, as_criterion
+from dampednewton.damping import Damping, as_damping
+
+CLOSURE_PATTERN = """\
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    loss = optimizer.step(closure)"""
+
+SHARED_SETTINGS = ("mc_samples", "subsampling_ggn", "subsampling_grad")
+# Keys a group may carry besides the hyperparameters: a label, and LR schedulers' own.
+EXTRA_GROUP_KEYS = ("name", "initial_lr")
+GLOBAL = "global"
+GROUPS = "groups"
+
+
+class DampedNewton(Optimizer):
+    r"""Directionally damped Newton steps along the GGN's leading eigenvectors.
+
+    Each parameter group is one block of the generalized Gauss-Newton matrix
+    ``G = V Vᵀ``. Per group, the criterion selects eigenvectors ``e_k`` of ``G`` from
+    the small Gram matrix ``VᵀV``, and with the mean directional slopes
+    ``γ̄_k = mean_n ∇ℓ_nᵀ e_k``, curvatures ``λ̄_k = mean_n e_kᵀ G_n e_k`` and the
+    damping ``δ_k`` of the group's damping policy, the update is
+
+    .. math::
+
+        s = \sum_k \frac{-\bar\gamma_k}{\bar\lambda_k + \delta_k} e_k, \qquad
+        \theta \leftarrow \theta + \mathrm{lr} \cdot s .
+
+    ``step(closure)`` runs the closure (``zero_grad``, forward, ``backward``) inside a
+    BackPACK context, so model and loss function must be extended with
+    :func:`backpack.extend` and the loss must use ``reduction='mean'``. All groups'
+    steps are computed before any parameter moves; a refused step (error, or a
+    non-finite loss or step) leaves parameters and optimizer state untouched.
+
+    Every hyperparameter lives in the param groups. ``mc_samples``, ``subsampling_ggn``
+    and ``subsampling_grad`` shape the single backward pass and must agree across
+    groups.
+
+    Example:
+        >>> import torch
+        >>> from backpack import extend
+        >>> from dampednewton import DampedNewton
+        >>> gen = torch.Generator().manual_seed(0)
+        >>> model = extend(torch.nn.Linear(3, 2))
+        >>> loss_fn = extend(torch.nn.CrossEntropyLoss())
+        >>> x, y = torch.randn(8, 3, generator=gen), torch.tensor([0, 1] * 4)
+        >>> optimizer = DampedNewton(model.parameters(), damping=0.1, criterion=4)
+        >>> def closure():
+        ...     optimizer.zero_grad()
+        ...     loss = loss_fn(model(x), y)
+        ...     loss.backward()
+        ...     return loss
+        >>> first = optimizer.step(closure)
+        >>> second = optimizer.step(closure)
+        >>> bool(second < first)
+        True
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict],
+        lr: float = 1.0,
+        damping: float | Damping = 1e-2,
+        criterion: int | Criterion = 10,
+        *,
+        mc_samples: int = 0,
+        subsampling_ggn: Sequence[int] | None = None,
+        subsampling_grad: Sequence[int] | None = None,
+        warn_small_eigvals: float = 1e-4,
+        nonfinite: str = "raise",
+        seed: int | None = None,
+    ):
+        """Set the defaults of every parameter group.
+
+        Args:
+            params: Parameters or parameter groups (each group is one GGN block).
+            lr: Learning rate (>= 0) multiplying the damped Newton step.
+            damping: Number >= 0 (constant damping) or a damping policy
+                ``(evals, gram_evecs, gammas, lambdas) -> δ``.
+            criterion: Int ``k`` (the ``k`` largest positive eigenvalues) or a
+                callable mapping ascending eigenvalues to indices.
+            mc_samples: ``0`` for the exact GGN, else Monte-Carlo samples of the loss
+                Hessian's square root (``1`` replaces ``C`` by 1 in the costs).
+            subsampling_ggn: Sample indices for directions and curvatures.
+            subsampling_grad: Sample indices for the directional gradients.
+            warn_small_eigvals: Warn when a selected eigenvalue is below this.
+            nonfinite: ``'raise'`` a ``FloatingPointError`` on a non-finite loss or
+                step, or ``'skip'`` the update with a warning (counted in the state).
+            seed: Seed of the optimizer's own generator for Monte-Carlo sampling;
+                ``None`` draws one from torch's global generator.
+
+        Raises:
+            ValueError: For invalid hyperparameters.
+        """
+        if nonfinite not in ("raise", "skip"):
+            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}.")
+        defaults = {
+            "lr": lr,
+            "damping": damping,
+            "criterion": criterion,
+            "mc_samples": mc_samples,
+            "subsampling_ggn": subsampling_ggn,
+            "subsampling_grad": subsampling_grad,
+            "warn_small_eigvals": warn_small_eigvals,
+        }
+        self._nonfinite = nonfinite
+        self._seed = (
+            int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed)
+        )
+        self._generator: Generator | None = None
+        self._warned_no_direction: set[int] = set()
+        super().__init__(params, defaults)
+        self.state[GLOBAL] = {"step": 0, "skipped_steps": 0}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group (one GGN block) after validating its settings.
+
+        Args:
+            param_group: Group with ``'params'`` and optional hyperparameters.
+
+        Raises:
+            ValueError: For invalid hyperparameters or settings that differ from the
+                existing groups' shared ones.
+            TypeError: For hyperparameters of the wrong type.
+        """
+        unknown = set(param_group) - {"params", *self.defaults, *EXTRA_GROUP_KEYS}
+        if unknown:
+            raise ValueError(
+                f"Unknown hyperparameters {sorted(unknown)} in parameter group; "
+                f"DampedNewton knows {sorted(self.defaults)}."
+            )
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _validate_group(group)
+            for key in SHARED_SETTINGS:
+                if group[key] != self.param_groups[0][key]:
+                    raise ValueError(
+                        f"'{key}' must be the same in all parameter groups (one "
+                        f"backward pass serves all): {self.param_groups[0][key]!r} vs "
+                        f"{group[key]!r}."
+                    )
+        except (ValueError, TypeError):
+            self.param_groups.pop()
+            raise
+        if GROUPS in self.state:
+            self.state[GROUPS].append(_empty_group_stats())
+
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor:
+        """Run the closure in a BackPACK context and take a damped Newton step.
+
+        Args:
+            closure: Re-evaluates the model: ``zero_grad``, forward, ``backward``,
+                returns the loss. Required.
+
+        Returns:
+            The loss returned by the closure (before the update).
+
+        Raises:
+            RuntimeError: Without a closure, or when the model or loss function is not
+                extended with BackPACK.
+            FloatingPointError: For a non-finite loss or step with
+                ``nonfinite='raise'``.
+        """
+        if closure is None:
+            raise RuntimeError(
+                "DampedNewton.step needs a closure: it runs the backward pass itself, "
+                f"inside a BackPACK context. Use\n{CLOSURE_PATTERN}"
+            )
+        for group in self.param_groups:
+            _validate_group(group)
+        generator = self._mc_generator()
+        generator_state = None if generator is None else generator.get_state()
+        computation = DirectionalDampedNewtonComputation(
+            subsampling_grad=self.param_groups[0]["subsampling_grad"],
+            subsampling_ggn=self.param_groups[0]["subsampling_ggn"],
+            mc_samples_ggn=self.param_groups[0]["mc_samples"],
+            warn_small_eigvals=min(g["warn_small_eigvals"] for g in self.param_groups),
+            generator=generator,
+        )
+        blocks = [
+            {
+                "params": group["params"],
+                "criterion": group["criterion"],
+                "damping": group["damping"],
+            }
+            for group in self.param_groups
+        ]
+        try:
+            hook = computation.get_extension_hook(blocks)
+            with (
+                torch.enable_grad(),
+                backpack(*computation.get_extensions(), extension_hook=hook),
+            ):
+                loss = closure()
+            results = [self._result(computation, block) for block in blocks]
+            if self._refuse_nonfinite(loss, results):
+                if generator is not None:
+                    generator.set_state(generator_state)
+                return loss
+        except BaseException:
+            if generator is not None:
+                generator.set_state(generator_state)
+            raise
+        with torch.no_grad():
+            for group, result in zip(self.param_groups, results, strict=True):
+                if result is None:
+                    continue
+                for param, direction in zip(group["params"], result.step, strict=True):
+                    param.add_(direction.to(param.dtype), alpha=group["lr"])
+        self._record(results)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the optimizer state, including the Monte-Carlo generator's state.
+
+        Returns:
+            A ``torch.optim`` state dict; the extra entry ``'generator'`` holds the
+            random state of Monte-Carlo sampling.
+        """
+        state = super().state_dict()
+        generator = self._mc_generator(create=True)
+        state["dampednewton"] = {
+            "seed": self._seed,
+            "generator": None if generator is None else generator.get_state(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by :meth:`state_dict` (after validating its groups).
+
+        Args:
+            state_dict: State as returned by :meth:`state_dict`.
+        """
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("dampednewton", None)
+        for group in state_dict["param_groups"]:
+            _validate_group(group)
+        super().load_state_dict(state_dict)
+        if extra is not None:
+            self._seed = extra["seed"]
+            self._generator = None
+            if extra["generator"] is not None:
+                generator = self._mc_generator(create=True)
+                generator.set_state(extra["generator"])
+
+    def _mc_generator(self, create: bool = False) -> Generator | None:
+        if self.param_groups[0]["mc_samples"] == 0 and not create:
+            return None
+        if self._generator is None:
+            device = self.param_groups[0]["params"][0].device
+            self._generator = torch.Generator(device=device).manual_seed(self._seed)
+        return self._generator
+
+    def _result(
+        self, computation: DirectionalDampedNewtonComputation, block: dict
+    ) -> NewtonStep | None:
+        if not any(p.requires_grad for p in block["params"]):
+            return None
+        try:
+            return computation.get_details(block)
+        except KeyError as error:
+            raise RuntimeError(
+                "No curvature information reached the parameters of a group. Extend "
+                "model and loss function with BackPACK (`model = backpack.extend("
+                "model)`, `loss_fn = backpack.extend(loss_fn)`), make sure the closure "
+                "calls `loss.backward()` and that every parameter is used in the "
+                "forward pass."
+            ) from error
+
+    def _refuse_nonfinite(self, loss: Tensor, results: list[NewtonStep | None]) -> bool:
+        problem = None
+        if not isinstance(loss, Tensor):
+            raise TypeError(
+                f"The closure must return the loss tensor, got {type(loss).__name__}."
+            )
+        if not torch.isfinite(loss).all():
+            problem = f"the loss is {loss.item()}"
+        elif any(
+            not all(torch.isfinite(s).all() for s in r.step)
+            for r in results
+            if r is not None
+        ):
+            problem = "the damped Newton step is not finite"
+        if problem is None:
+            return False
+        message = f"DampedNewton refused the update: {problem}; parameters unchanged."
+        if self._nonfinite == "raise":
+            raise FloatingPointError(
+                message + " Pass nonfinite='skip' to skip such steps with a warning."
+            )
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        self.state[GLOBAL]["skipped_steps"] += 1
+        return True
+
+    def _record(self, results: list[NewtonStep | None]) -> None:
+        self.state[GLOBAL]["step"] += 1
+        stats = self.state.setdefault(
+            GROUPS, [_empty_group_stats() for _ in self.param_groups]
+        )
+        for index, result in enumerate(results):
+            if result is None:
+                continue
+            num_directions = result.evals.numel()
+            stats[index].update(
+                num_directions=num_directions,
+                evals=result.evals.detach().cpu(),
+                gamma_mean=result.gamma_mean.detach().cpu(),
+                lambda_mean=result.lambda_mean.detach().cpu(),
+                damping=result.damping.detach().cpu(),
+                coefficients=result.coefficients.detach().cpu(),
+            )
+            if num_directions == 0:
+                stats[index]["steps_without_direction"] += 1
+                if index not in self._warned_no_direction:
+                    self._warned_no_direction.add(index)
+                    warnings.warn(
+                        f"The criterion of parameter group {index} selected no "
+                        "direction: the group does not move this step (counted in "
+                        "optimizer.state['groups'][i]['steps_without_direction']).",
+                        stacklevel=3,
+                    )
+
+
+def _empty_group_stats() -> dict[str, Any]:
+    return {"num_directions": 0, "steps_without_direction": 0}
+
+
+def _validate_group(group: dict[str, Any]) -> None:
+    lr = group["lr"]
+    if isinstance(lr, Tensor):
+        lr = lr.item()
+    if not isinstance(lr, int | float) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"Invalid learning rate {group['lr']!r}: must be >= 0.")
+    as_damping(group["damping"])
+    as_criterion(group["criterion"])
+    mc_samples = group["mc_samples"]
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int):
+        raise TypeError(f"mc_samples must be an int >= 0, got {mc_samples!r}.")
+    if mc_samples < 0:
+        raise ValueError(f"mc_samples must be >= 0, got {mc_samples}.")
+    for key in ("subsampling_ggn", "subsampling_grad"):
+        validate_subsampling(group[key], key)
+    if not group["warn_small_eigvals"] >= 0:
+        raise ValueError(
+            f"warn_small_eigvals must be >= 0, got {group['warn_small_eigvals']!r}."
+        )
