@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -13,6 +14,7 @@ from torch import Generator, Tensor
 from torch.optim import Optimizer
 
 from dampednewton.computations import DirectionalDampedNewtonComputation, NewtonStep
+from dampednewton.computations.base import Block
 from dampednewton.computations.groups import validate_subsampling
 from dampednewton.criteria import Criterion, as_criterion
 from dampednewton.damping import Damping, as_damping
@@ -154,13 +156,7 @@ class DampedNewton(Optimizer):
         group = self.param_groups[-1]
         try:
             _validate_group(group)
-            for key in SHARED_SETTINGS:
-                if group[key] != self.param_groups[0][key]:
-                    raise ValueError(
-                        f"'{key}' must be the same in all parameter groups (one "
-                        f"backward pass serves all): {self.param_groups[0][key]!r} vs "
-                        f"{group[key]!r}."
-                    )
+            _check_shared_settings(self.param_groups)
         except (ValueError, TypeError):
             self.param_groups.pop()
             raise
@@ -180,6 +176,8 @@ class DampedNewton(Optimizer):
         Raises:
             RuntimeError: Without a closure, or when the model or loss function is not
                 extended with BackPACK.
+            ValueError: For invalid hyperparameters in a group, shared settings that
+                differ between groups, or a loss without ``reduction='mean'``.
             FloatingPointError: For a non-finite loss or step with
                 ``nonfinite='raise'``.
         """
@@ -190,9 +188,10 @@ class DampedNewton(Optimizer):
             )
         for group in self.param_groups:
             _validate_group(group)
+        _check_shared_settings(self.param_groups)
         generator = self._mc_generator()
         generator_state = None if generator is None else generator.get_state()
-        computation = DirectionalDampedNewtonComputation(
+        computation = _FiniteCurvatureComputation(
             subsampling_grad=self.param_groups[0]["subsampling_grad"],
             subsampling_ggn=self.param_groups[0]["subsampling_ggn"],
             mc_samples_ggn=self.param_groups[0]["mc_samples"],
@@ -215,7 +214,7 @@ class DampedNewton(Optimizer):
             ):
                 loss = closure()
             results = [self._result(computation, block) for block in blocks]
-            if self._refuse_nonfinite(loss, results):
+            if self._refuse_nonfinite(loss, results, computation.curvature_finite):
                 if generator is not None:
                     generator.set_state(generator_state)
                 return loss
@@ -258,6 +257,11 @@ class DampedNewton(Optimizer):
         for group in state_dict["param_groups"]:
             _validate_group(group)
         super().load_state_dict(state_dict)
+        # torch.optim keeps entries that are not per-parameter by reference: copy them,
+        # so that this optimizer's counters are not shared with the source's.
+        for key in (GLOBAL, GROUPS):
+            if key in self.state:
+                self.state[key] = copy.deepcopy(self.state[key])
         if extra is not None:
             self._seed = extra["seed"]
             self._generator = None
@@ -289,7 +293,9 @@ class DampedNewton(Optimizer):
                 "forward pass."
             ) from error
 
-    def _refuse_nonfinite(self, loss: Tensor, results: list[NewtonStep | None]) -> bool:
+    def _refuse_nonfinite(
+        self, loss: Tensor, results: list[NewtonStep | None], curvature_finite: bool
+    ) -> bool:
         problem = None
         if not isinstance(loss, Tensor):
             raise TypeError(
@@ -297,6 +303,8 @@ class DampedNewton(Optimizer):
             )
         if not torch.isfinite(loss).all():
             problem = f"the loss is {loss.item()}"
+        elif not curvature_finite:
+            problem = "the damped Newton step is not finite (the GGN is not finite)"
         elif any(
             not all(torch.isfinite(s).all() for s in r.step)
             for r in results
@@ -343,8 +351,52 @@ class DampedNewton(Optimizer):
                     )
 
 
+class _FiniteCurvatureComputation(DirectionalDampedNewtonComputation):
+    """Damped Newton computation that leaves out blocks with a non-finite GGN.
+
+    ``eigh`` fails on NaN or inf (e.g. after a NaN input or an overflow), and it runs
+    inside ``loss.backward()``. Skipping such blocks lets the closure return the loss,
+    so that the optimizer can refuse (or skip) the step with a clear message.
+
+    Attributes:
+        curvature_finite: Whether every block's Gram matrix was finite.
+    """
+
+    def __init__(self, **kwargs: Any):
+        """Forward the settings to :class:`DirectionalDampedNewtonComputation`.
+
+        Args:
+            **kwargs: Its keyword arguments.
+        """
+        super().__init__(**kwargs)
+        self.curvature_finite = True
+
+    def _finish(self, block: Block) -> NewtonStep | None:
+        if not torch.isfinite(block.gram).all():
+            self.curvature_finite = False
+            return None
+        return super()._finish(block)
+
+
 def _empty_group_stats() -> dict[str, Any]:
     return {"num_directions": 0, "steps_without_direction": 0}
+
+
+def _check_shared_settings(groups: list[dict[str, Any]]) -> None:
+    first = groups[0]
+    for group in groups[1:]:
+        for key in SHARED_SETTINGS:
+            if _shared_value(group, key) != _shared_value(first, key):
+                raise ValueError(
+                    f"'{key}' must be the same in all parameter groups (one backward "
+                    f"pass serves all): {first[key]!r} vs {group[key]!r}."
+                )
+
+
+def _shared_value(group: dict[str, Any], key: str) -> Any:
+    if key == "mc_samples":
+        return group[key]
+    return validate_subsampling(group[key], key)
 
 
 def _validate_group(group: dict[str, Any]) -> None:

@@ -10,14 +10,13 @@ backward pass.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
-from torch.nn import Module
+from torch.nn import Linear, Module
 from torch.nn.modules.loss import _Loss
 
 from dampednewton.computations.extensions import (
@@ -31,11 +30,12 @@ from dampednewton.computations.groups import (
     validate_param_groups,
     validate_subsampling,
 )
-from dampednewton.gram import (
-    flatten_sqrt_ggn,
-    gradient_contribution,
-    gram_contribution,
+from dampednewton.computations.structured import (
+    StructuredBatchGradLinear,
+    StructuredSqrtGGNLinear,
+    make_factor,
 )
+from dampednewton.factors import DenseFactor, LinearFactor
 
 GRAD_BATCH = "grad_batch"
 
@@ -50,8 +50,8 @@ class Block:
         gram: Running Gram matrix ``VᵀV`` (``[C·N, C·N]``).
         gradient_products: Running ``[N', C·N]`` products of per-sample gradients with
             ``V``, when gradients are needed.
-        factors: Flattened square roots ``[C·N, D_p]`` by parameter ``id``, kept only
-            when eigenvectors or steps are mapped back to parameter space.
+        factors: Square-root factors by parameter ``id``, kept only when eigenvectors
+            or steps are mapped back to parameter space.
         num_outputs: ``C``, square-root columns per sample (classes or MC samples).
         num_samples: ``N``, the samples that built the Gram matrix.
     """
@@ -60,7 +60,7 @@ class Block:
     pending: set[int]
     gram: Tensor | None = None
     gradient_products: Tensor | None = None
-    factors: dict[int, Tensor] = field(default_factory=dict)
+    factors: dict[int, DenseFactor | LinearFactor] = field(default_factory=dict)
     num_outputs: int = 0
     num_samples: int = 0
 
@@ -84,6 +84,7 @@ class GGNComputation:
         verbose: bool = False,
         warn_small_eigvals: float = 1e-4,
         generator: Generator | None = None,
+        structured: bool = True,
     ):
         """Store and validate the approximation settings.
 
@@ -96,6 +97,8 @@ class GGNComputation:
             verbose: Print what happens during backpropagation.
             warn_small_eigvals: Warn when a selected eigenvalue's magnitude is below.
             generator: Random source for Monte-Carlo sampling (``None``: global).
+            structured: Exploit ``nn.Linear``'s Kronecker structure instead of
+                materializing its square root and individual gradients.
 
         Raises:
             ValueError: For negative or non-integer ``mc_samples`` or
@@ -117,6 +120,7 @@ class GGNComputation:
         self._verbose = verbose
         self._warn_small_eigvals = warn_small_eigvals
         self._generator = generator
+        self._structured = structured
         self._groups: list[dict] = []
         self._group_of_param: dict[int, int] = {}
         self._blocks: dict[int, Block] = {}
@@ -141,8 +145,17 @@ class GGNComputation:
         else:
             sqrt_ggn = ExactSqrtGGN(subsampling=self._subsampling_ggn)
         extensions: list[BackpropExtension] = [sqrt_ggn]
+        if self._structured:
+            sqrt_ggn.set_module_extension(
+                Linear, StructuredSqrtGGNLinear(), overwrite=True
+            )
         if self.needs_gradients:
-            extensions.append(IndividualGradients(subsampling=self._subsampling_grad))
+            gradients = IndividualGradients(subsampling=self._subsampling_grad)
+            if self._structured:
+                gradients.set_module_extension(
+                    Linear, StructuredBatchGradLinear(), overwrite=True
+                )
+            extensions.append(gradients)
         return extensions
 
     def get_extension(self) -> BackpropExtension:
@@ -249,19 +262,25 @@ class GGNComputation:
             self._free(param)
 
     def _reduce(self, block: Block, param: Tensor, module: Module) -> None:
-        batch_size = self._batch_size or module.input0.shape[0]
         sqrt_ggn = getattr(param, self.sqrt_ggn_savefield)
-        block.num_outputs, block.num_samples = sqrt_ggn.shape[:2]
-        # BackPACK scales by 1/√N for the whole batch; a sub-sample's GGN is its mean.
-        factor = flatten_sqrt_ggn(sqrt_ggn) * math.sqrt(batch_size / block.num_samples)
-        block.gram = _add(block.gram, gram_contribution(factor))
+        factor = make_factor(
+            sqrt_ggn,
+            getattr(param, GRAD_BATCH, None),
+            batch_size=self._batch_size or module.input0.shape[0],
+            subsampling_grad=self._subsampling_grad,
+            with_gradients=self.needs_gradients,
+        )
+        if isinstance(factor, LinearFactor):
+            block.num_outputs, block.num_samples = factor.backproped.shape[:2]
+        else:
+            block.num_outputs, block.num_samples = sqrt_ggn.shape[:2]
+        block.gram = _add(block.gram, factor.gram())
         if self.needs_gradients:
-            # BatchGrad stores ∇ℓ_n / N for a mean loss.
-            gradients = getattr(param, GRAD_BATCH).flatten(start_dim=1) * batch_size
             block.gradient_products = _add(
-                block.gradient_products, gradient_contribution(gradients, factor)
+                block.gradient_products, factor.gradient_products()
             )
         if self.keeps_factors:
+            factor.drop_gradients()
             block.factors[id(param)] = factor
         block.pending.discard(id(param))
 

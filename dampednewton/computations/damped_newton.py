@@ -69,6 +69,7 @@ class DirectionalDampedNewtonComputation(GGNComputation):
         warn_small_eigvals: float = 1e-4,
         *,
         generator: Generator | None = None,
+        structured: bool = True,
     ):
         """Specify the gradient and GGN approximations (none by default).
 
@@ -79,6 +80,8 @@ class DirectionalDampedNewtonComputation(GGNComputation):
             verbose: Print what happens during backpropagation.
             warn_small_eigvals: Warn when a selected eigenvalue's magnitude is below.
             generator: Random source for Monte-Carlo sampling (``None``: global).
+            structured: Exploit ``nn.Linear``'s Kronecker structure (``False``:
+                materialize square roots and individual gradients, the reference).
         """
         super().__init__(
             subsampling_ggn=subsampling_ggn,
@@ -87,6 +90,7 @@ class DirectionalDampedNewtonComputation(GGNComputation):
             verbose=verbose,
             warn_small_eigvals=warn_small_eigvals,
             generator=generator,
+            structured=structured,
         )
 
     def _finish(self, block: Block) -> NewtonStep:

@@ -33,6 +33,7 @@ class DirectionalDerivativesComputation(GGNComputation):
         warn_small_eigvals: float = 1e-4,
         *,
         generator: Generator | None = None,
+        structured: bool = True,
     ):
         """Specify the gradient and GGN approximations (none by default).
 
@@ -43,6 +44,8 @@ class DirectionalDerivativesComputation(GGNComputation):
             verbose: Print what happens during backpropagation.
             warn_small_eigvals: Warn when a selected eigenvalue's magnitude is below.
             generator: Random source for Monte-Carlo sampling (``None``: global).
+            structured: Exploit ``nn.Linear``'s Kronecker structure (``False``:
+                materialize square roots and individual gradients, the reference).
         """
         super().__init__(
             subsampling_ggn=subsampling_ggn,
@@ -51,6 +54,7 @@ class DirectionalDerivativesComputation(GGNComputation):
             verbose=verbose,
             warn_small_eigvals=warn_small_eigvals,
             generator=generator,
+            structured=structured,
         )
 
     def _finish(self, block: Block) -> tuple[Tensor, Tensor]:

@@ -10,7 +10,6 @@ from torch import Tensor
 
 from dampednewton.computations.base import Block
 from dampednewton.criteria import as_criterion, selected_indices
-from dampednewton.gram import map_to_parameter
 from dampednewton.linalg import symmetric_eigh
 
 
@@ -75,7 +74,5 @@ def to_parameter_space(block: Block, gram_vectors: Tensor) -> list[Tensor]:
                 )
             )
         else:
-            mapped.append(
-                map_to_parameter(gram_vectors, factor).reshape(*leading, *param.shape)
-            )
+            mapped.append(factor.apply(gram_vectors))
     return mapped

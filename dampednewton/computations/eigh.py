@@ -32,6 +32,7 @@ class EighComputation(GGNComputation):
         warn_small_eigvals: float = 1e-4,
         *,
         generator: Generator | None = None,
+        structured: bool = True,
     ):
         """Specify the GGN approximation (none by default).
 
@@ -43,6 +44,8 @@ class EighComputation(GGNComputation):
             warn_small_eigvals: Warn when a selected eigenvalue's magnitude is below
                 this (``0`` disables the warning).
             generator: Random source for Monte-Carlo sampling (``None``: global).
+            structured: Exploit ``nn.Linear``'s Kronecker structure (``False``:
+                materialize square roots and individual gradients, the reference).
         """
         super().__init__(
             subsampling_ggn=subsampling,
@@ -50,6 +53,7 @@ class EighComputation(GGNComputation):
             verbose=verbose,
             warn_small_eigvals=warn_small_eigvals,
             generator=generator,
+            structured=structured,
         )
 
     def _finish(self, block: Block) -> tuple[Tensor, list[Tensor]]:

@@ -27,6 +27,7 @@ class EigvalshComputation(GGNComputation):
         verbose: bool = False,
         *,
         generator: Generator | None = None,
+        structured: bool = True,
     ):
         """Specify the GGN approximation (none by default).
 
@@ -36,12 +37,15 @@ class EigvalshComputation(GGNComputation):
                 Hessian's square root.
             verbose: Print what happens during backpropagation.
             generator: Random source for Monte-Carlo sampling (``None``: global).
+            structured: Exploit ``nn.Linear``'s Kronecker structure (``False``:
+                materialize square roots and individual gradients, the reference).
         """
         super().__init__(
             subsampling_ggn=subsampling,
             mc_samples=mc_samples,
             verbose=verbose,
             generator=generator,
+            structured=structured,
         )
 
     def _finish(self, block: Block) -> Tensor:

@@ -1,0 +1,225 @@
+"""Cost of one damped Newton step relative to one SGD step (not a test).
+
+For each model, GGN variant (exact, MC-1) and batch size, prints in one process the
+median wall time of an SGD step (forward, backward, update), of ``DampedNewton.step``
+(the fast, structured path) and of the materialized path (BackPACK's dense square
+roots and individual gradients, as in ViViT), and their ratios to SGD. With
+``--memory``, each variant also runs in a fresh process that reports its peak memory
+(``ru_maxrss`` on CPU, ``torch.cuda.max_memory_allocated`` on GPU).
+
+    python benchmarks/step_cost.py                       # MLP and CNN, N=128
+    python benchmarks/step_cost.py --models mlp mlp-large cnn --batch-sizes 32 128 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from backpack import backpack, extend
+from torch import nn
+
+from dampednewton import DampedNewton, DirectionalDampedNewtonComputation
+
+NUM_CLASSES = 10
+DIRECTIONS = 10
+
+
+def mlp(widths: tuple[int, ...]) -> Callable[[], nn.Module]:
+    """Factory of a ReLU MLP on flattened 28×28 inputs."""
+
+    def build() -> nn.Module:
+        layers: list[nn.Module] = [nn.Flatten()]
+        for d_in, d_out in itertools.pairwise(widths):
+            layers += [nn.Linear(d_in, d_out), nn.ReLU()]
+        return nn.Sequential(*layers[:-1])
+
+    return build
+
+
+def cnn() -> nn.Module:
+    """conv(16,5)-pool-conv(32,5)-pool-fc128-fc10 on 1×28×28 inputs."""
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 128),
+        nn.ReLU(),
+        nn.Linear(128, NUM_CLASSES),
+    )
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "mlp": mlp((784, 128, 128, NUM_CLASSES)),
+    "mlp-large": mlp((784, 512, 512, NUM_CLASSES)),
+    "cnn": cnn,
+}
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work so wall times are honest."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(step: Callable[[], None], device: torch.device, repeats: int) -> float:
+    """Median seconds of ``step`` after two warm-up calls."""
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def make_step(variant: str, model_name: str, batch_size: int, device: torch.device):
+    """Build model, data and a closure-driven step for one variant."""
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)  # benchmark script: module initialization only
+    model = MODELS[model_name]().to(device)
+    loss_fn = nn.CrossEntropyLoss()
+    X = torch.randn(batch_size, 1, 28, 28, generator=generator).to(device)
+    y = torch.randint(NUM_CLASSES, (batch_size,), generator=generator).to(device)
+    kind, _, ggn = variant.partition(":")
+    mc_samples = 1 if ggn == "mc1" else 0
+    if kind == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            loss_fn(model(X), y).backward()
+            optimizer.step()
+
+        return step
+    model, loss_fn = extend(model), extend(loss_fn)
+    if kind == "fast":
+        optimizer = DampedNewton(
+            model.parameters(),
+            lr=1e-3,
+            damping=1e-2,
+            criterion=DIRECTIONS,
+            mc_samples=mc_samples,
+        )
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = loss_fn(model(X), y)
+            loss.backward()
+            return loss
+
+        return lambda: optimizer.step(closure)
+    params = list(model.parameters())
+    group = {"params": params, "criterion": DIRECTIONS, "damping": 1e-2}
+
+    def materialized_step() -> None:
+        computation = DirectionalDampedNewtonComputation(
+            mc_samples_ggn=mc_samples, structured=False
+        )
+        hook = computation.get_extension_hook([group])
+        for p in params:
+            p.grad = None
+        with backpack(*computation.get_extensions(), extension_hook=hook):
+            loss_fn(model(X), y).backward()
+        with torch.no_grad():
+            for p, s in zip(params, computation.get_result(group), strict=True):
+                p.add_(s, alpha=1e-3)
+
+    return materialized_step
+
+
+def peak_memory_mib(variant, model_name, batch_size, device_name) -> float:
+    """Peak memory of one variant, measured in a fresh process."""
+    command = [sys.executable, __file__, "--single", variant, model_name]
+    command += [str(batch_size), device_name]
+    output = subprocess.run(command, check=True, capture_output=True, text=True)
+    return json.loads(output.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def run_single(variant, model_name, batch_size, device_name) -> None:
+    """Entry point of the fresh process: run a few steps, print peak memory."""
+    device = torch.device(device_name)
+    step = make_step(variant, model_name, batch_size, device)
+    for _ in range(3):
+        step()
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    print(json.dumps({"peak_mib": peak}))
+
+
+def main() -> None:
+    """Print the step-cost table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=MODELS)
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[128])
+    parser.add_argument("--ggn", nargs="+", default=["mc1", "exact"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-materialized", action="store_true")
+    parser.add_argument("--memory", action="store_true", help="peak memory per variant")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--single", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.single:
+        variant, model_name, batch_size, device_name = args.single
+        run_single(variant, model_name, int(batch_size), device_name)
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"device {device}, {torch.get_num_threads()} threads, top-{DIRECTIONS}")
+    header = f"{'model':10} {'N':>4} {'GGN':>5} {'SGD ms':>8} {'fast ms':>8} "
+    header += f"{'fast/SGD':>9} {'dense ms':>9} {'dense/SGD':>10}"
+    if args.memory:
+        header += f" {'SGD MiB':>8} {'fast MiB':>9} {'dense MiB':>10}"
+    print(header)
+    for model_name in args.models:
+        for batch_size in args.batch_sizes:
+            sgd = median_time(
+                make_step("sgd", model_name, batch_size, device), device, args.repeats
+            )
+            for ggn in args.ggn:
+                variants = ["fast"] + ([] if args.skip_materialized else ["dense"])
+                times = {
+                    v: median_time(
+                        make_step(f"{v}:{ggn}", model_name, batch_size, device),
+                        device,
+                        args.repeats,
+                    )
+                    for v in variants
+                }
+                dense = times.get("dense", float("nan"))
+                line = (
+                    f"{model_name:10} {batch_size:>4} {ggn:>5} {sgd * 1e3:8.2f} "
+                    f"{times['fast'] * 1e3:8.1f} {times['fast'] / sgd:8.1f}× "
+                    f"{dense * 1e3:9.1f} {dense / sgd:9.1f}×"
+                )
+                if args.memory:
+                    memory = [
+                        peak_memory_mib(v, model_name, batch_size, device.type)
+                        for v in ["sgd", f"fast:{ggn}"]
+                        + ([] if args.skip_materialized else [f"dense:{ggn}"])
+                    ]
+                    memory += [float("nan")] * (3 - len(memory))
+                    line += f" {memory[0]:8.0f} {memory[1]:9.0f} {memory[2]:10.0f}"
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

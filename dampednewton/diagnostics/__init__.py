@@ -1,0 +1,52 @@
+"""Training diagnostics computed inside one BackPACK backward pass.
+
+* What to compute (:mod:`~dampednewton.diagnostics.specs`): :class:`GSNR`,
+  :class:`NoiseScale`, :class:`GradientHistogram`,
+  :class:`GradientParameterHistogram`, :class:`CurvatureTrace`, each with a
+  schedule (:class:`EveryKSteps`, :class:`DecadeSchedule`,
+  :class:`LogSpacedSchedule`) and, for histograms, a bin-range policy
+  (:class:`FixedRange`, :class:`MaxAbsRange`, :class:`PercentileRange`).
+* How: :class:`DiagnosticsMonitor` (BackPACK extensions, extension hook, per-step
+  record), :class:`DiagnosticsLog` (JSON/NPZ storage).
+* Math as pure functions: :mod:`~dampednewton.diagnostics.gsnr`,
+  :mod:`~dampednewton.diagnostics.histogram`,
+  :mod:`~dampednewton.diagnostics.bin_adaptation`,
+  :mod:`~dampednewton.diagnostics.trace`.
+* Plots (needs matplotlib): :mod:`dampednewton.diagnostics.plots`.
+"""
+
+from dampednewton.diagnostics.bin_adaptation import (
+    FixedRange,
+    MaxAbsRange,
+    PercentileRange,
+)
+from dampednewton.diagnostics.log import DiagnosticsLog
+from dampednewton.diagnostics.monitor import DiagnosticsMonitor
+from dampednewton.diagnostics.schedules import (
+    DecadeSchedule,
+    EveryKSteps,
+    LogSpacedSchedule,
+)
+from dampednewton.diagnostics.specs import (
+    GSNR,
+    CurvatureTrace,
+    GradientHistogram,
+    GradientParameterHistogram,
+    NoiseScale,
+)
+
+__all__ = [
+    "GSNR",
+    "CurvatureTrace",
+    "DecadeSchedule",
+    "DiagnosticsLog",
+    "DiagnosticsMonitor",
+    "EveryKSteps",
+    "FixedRange",
+    "GradientHistogram",
+    "GradientParameterHistogram",
+    "LogSpacedSchedule",
+    "MaxAbsRange",
+    "NoiseScale",
+    "PercentileRange",
+]

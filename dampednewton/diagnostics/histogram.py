@@ -1,0 +1,259 @@
+"""Histograms with uniform bins and complete accounting of every element.
+
+Pure tensor functions, no state; they run on the device of their inputs and do not
+synchronize with it.
+
+Binning follows ``numpy.histogram``: the edges are ``numpy.linspace(low, high,
+bins + 1)`` (cast to the data's dtype), bin ``i`` holds ``edges[i] ≤ x <
+edges[i + 1]`` and the last bin also holds ``x = high``.
+
+Out-of-range values are **not** put into the edge bins: they are counted
+separately as ``below`` (``x < low``, including ``−inf``) and ``above`` (``x >
+high``, including ``+inf``), and NaNs as ``nan``. Hence the bin counts equal
+``numpy.histogram`` of the same data with the same range, and
+``counts.sum() + below + above + nan`` is the number of elements.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+DEFAULT_CHUNK_SIZE = 2**22
+"""Elements binned at once; bounds the temporary memory of large inputs."""
+
+# Region codes of an element relative to the range.
+_BELOW, _INSIDE, _ABOVE, _NAN = 0, 1, 2, 3
+_NUM_REGIONS = 4
+
+
+class Histogram1d(NamedTuple):
+    """Counts of a one-dimensional histogram.
+
+    Attributes:
+        counts: Counts per bin, int64 of shape ``[bins]``.
+        edges: Bin edges, shape ``[bins + 1]``, dtype of the data.
+        below: Number of values ``< low`` (0-dim int64).
+        above: Number of values ``> high`` (0-dim int64).
+        nan: Number of NaNs (0-dim int64).
+    """
+
+    counts: Tensor
+    edges: Tensor
+    below: Tensor
+    above: Tensor
+    nan: Tensor
+
+
+class Histogram2d(NamedTuple):
+    """Counts of a two-dimensional histogram of pairs ``(x, y)``.
+
+    Attributes:
+        counts: Counts per bin, int64 of shape ``[x_bins, y_bins]`` (``x`` along
+            the rows, as ``numpy.histogram2d``).
+        x_edges: Bin edges along ``x``, shape ``[x_bins + 1]``.
+        y_edges: Bin edges along ``y``, shape ``[y_bins + 1]``.
+        margins: int64 ``[3, 3]``: pairs without NaN by the region of ``x`` (row)
+            and of ``y`` (column), each ``0`` below, ``1`` inside, ``2`` above the
+            range; ``margins[1, 1] == counts.sum()``.
+        nan: Number of pairs with a NaN in ``x`` or ``y`` (0-dim int64).
+    """
+
+    counts: Tensor
+    x_edges: Tensor
+    y_edges: Tensor
+    margins: Tensor
+    nan: Tensor
+
+
+def uniform_bin_edges(
+    low: float, high: float, bins: int, *, like: Tensor | None = None
+) -> Tensor:
+    """Edges of ``bins`` equal bins on ``[low, high]``, bitwise as ``numpy.linspace``.
+
+    Args:
+        low: Lower end of the range (finite).
+        high: Upper end of the range (finite, ``> low``).
+        bins: Number of bins (``≥ 1``).
+        like: Tensor whose dtype and device the edges take (default: float64, CPU).
+
+    Returns:
+        Strictly increasing tensor of shape ``[bins + 1]``.
+
+    Raises:
+        ValueError: If the range is not finite and increasing, ``bins < 1``, or the
+            range is too narrow to give distinct edges in the requested dtype.
+    """
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"bins must be an integer ≥ 1, got {bins!r}.")
+    if not (np.isfinite(low) and np.isfinite(high) and low < high):
+        raise ValueError(
+            f"Histogram range must be finite with low < high, got ({low}, {high})."
+        )
+    edges = torch.from_numpy(np.linspace(float(low), float(high), bins + 1))
+    if like is not None:
+        edges = edges.to(dtype=like.dtype)
+    if not bool((edges[1:] > edges[:-1]).all()):
+        raise ValueError(
+            f"Range ({low}, {high}) is too narrow for {bins} distinct bins in "
+            f"{edges.dtype}; widen the range or use fewer bins."
+        )
+    return edges if like is None else edges.to(device=like.device)
+
+
+def _bin_codes(values: Tensor, edges: Tensor) -> tuple[Tensor, Tensor]:
+    """Bin index (valid where inside) and region code of every value.
+
+    Args:
+        values: Data, any shape, same dtype and device as ``edges``.
+        edges: Uniform edges from :func:`uniform_bin_edges`.
+
+    Returns:
+        ``(index, region)``, both int64 shaped like ``values``.
+    """
+    bins = edges.numel() - 1
+    low, high = edges[0], edges[-1]
+    scaled = (values - low) / (high - low) * bins
+    index = torch.nan_to_num(scaled, nan=0.0, posinf=bins - 1, neginf=0.0)
+    index = index.clamp_(0, bins - 1).to(torch.int64)
+    # The arithmetic index can be one off near an edge; correct it against the
+    # edges themselves, as numpy.histogram does.
+    index -= (values < edges[index]).to(torch.int64)
+    index.clamp_(min=0)
+    index += ((values >= edges[index + 1]) & (index != bins - 1)).to(torch.int64)
+    region = torch.full_like(index, _INSIDE)
+    region.masked_fill_(values < low, _BELOW)
+    region.masked_fill_(values > high, _ABOVE)
+    region.masked_fill_(values.isnan(), _NAN)
+    return index, region
+
+
+def _check_floating(name: str, values: Tensor) -> None:
+    if not values.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {values.dtype}.")
+
+
+def histogram1d(
+    values: Tensor,
+    low: float,
+    high: float,
+    bins: int,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Histogram1d:
+    """Histogram of all elements of ``values`` on ``[low, high]``.
+
+    Args:
+        values: Floating-point data, any shape.
+        low: Lower end of the range.
+        high: Upper end of the range.
+        bins: Number of bins.
+        chunk_size: Number of elements binned at once.
+
+    Returns:
+        Counts, edges and the out-of-range/NaN counts, on the device of ``values``.
+
+    Raises:
+        TypeError: If ``values`` is not floating-point.
+        ValueError: If the range or ``bins`` is invalid, or ``chunk_size < 1``.
+    """
+    _check_floating("values", values)
+    _check_chunk_size(chunk_size)
+    edges = uniform_bin_edges(low, high, bins, like=values)
+    totals = torch.zeros(bins + _NUM_REGIONS, dtype=torch.int64, device=values.device)
+    for chunk in values.detach().reshape(-1).split(chunk_size):
+        index, region = _bin_codes(chunk, edges)
+        code = torch.where(region == _INSIDE, index, bins + region)
+        totals += torch.bincount(code, minlength=bins + _NUM_REGIONS)
+    return Histogram1d(
+        counts=totals[:bins],
+        edges=edges,
+        below=totals[bins + _BELOW],
+        above=totals[bins + _ABOVE],
+        nan=totals[bins + _NAN],
+    )
+
+
+def histogram2d(
+    x: Tensor,
+    y: Tensor,
+    x_range: tuple[float, float],
+    y_range: tuple[float, float],
+    bins: tuple[int, int],
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Histogram2d:
+    """Histogram of the pairs ``(x[i], y[i])`` after broadcasting ``x`` and ``y``.
+
+    Broadcasting lets ``y`` be a parameter (shape ``s``) paired with every
+    per-sample gradient ``x`` (shape ``[N, *s]``) without copying it ``N`` times.
+
+    Args:
+        x: Floating-point data along the first axis.
+        y: Floating-point data along the second axis, broadcastable with ``x``.
+        x_range: ``(low, high)`` along ``x``.
+        y_range: ``(low, high)`` along ``y``.
+        bins: Number of bins along ``x`` and ``y``.
+        chunk_size: Approximate number of pairs binned at once.
+
+    Returns:
+        Counts, edges, margins and NaN count, on the device of ``x``.
+
+    Raises:
+        TypeError: If ``x`` or ``y`` is not floating-point.
+        ValueError: If a range or ``bins`` is invalid, the shapes do not broadcast,
+            or ``chunk_size < 1``.
+    """
+    _check_floating("x", x)
+    _check_floating("y", y)
+    _check_chunk_size(chunk_size)
+    if len(bins) != 2:
+        raise ValueError(f"bins must be a pair (x_bins, y_bins), got {bins!r}.")
+    x_bins, y_bins = bins
+    x_edges = uniform_bin_edges(*x_range, x_bins, like=x)
+    y_edges = uniform_bin_edges(*y_range, y_bins, like=y)
+    y_index, y_region = _bin_codes(y.detach(), y_edges)
+    try:
+        shape = torch.broadcast_shapes(x.shape, y.shape)
+    except RuntimeError as error:
+        raise ValueError(
+            f"x and y must broadcast, got shapes {tuple(x.shape)} and {tuple(y.shape)}."
+        ) from error
+    # Rows of the broadcast pairs; the expanded y stays a view until chunked.
+    rows = shape[0] if len(shape) > 0 else 1
+    columns = math.prod(shape[1:])
+    x_rows = x.detach().expand(shape).reshape(rows, columns)
+    y_index = y_index.expand(shape).reshape(rows, columns)
+    y_region = y_region.expand(shape).reshape(rows, columns)
+    num_bins = x_bins * y_bins
+    totals = torch.zeros(num_bins + _NUM_REGIONS**2, dtype=torch.int64, device=x.device)
+    step = max(1, chunk_size // max(1, columns))
+    for start in range(0, rows, step):
+        block = slice(start, start + step)
+        x_index, x_region = _bin_codes(x_rows[block].reshape(-1), x_edges)
+        yi, yr = y_index[block].reshape(-1), y_region[block].reshape(-1)
+        inside = (x_region == _INSIDE) & (yr == _INSIDE)
+        code = torch.where(
+            inside, x_index * y_bins + yi, num_bins + x_region * _NUM_REGIONS + yr
+        )
+        totals += torch.bincount(code, minlength=num_bins + _NUM_REGIONS**2)
+    counts = totals[:num_bins].reshape(x_bins, y_bins)
+    regions = totals[num_bins:].reshape(_NUM_REGIONS, _NUM_REGIONS).clone()
+    regions[_INSIDE, _INSIDE] = counts.sum()
+    nan = regions[_NAN, :].sum() + regions[:_NAN, _NAN].sum()
+    return Histogram2d(
+        counts=counts,
+        x_edges=x_edges,
+        y_edges=y_edges,
+        margins=regions[:_NAN, :_NAN],
+        nan=nan,
+    )
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}.")

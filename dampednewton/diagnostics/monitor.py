@@ -1,0 +1,300 @@
+"""Compute several diagnostics inside one BackPACK backward pass.
+
+:class:`DiagnosticsMonitor` has three entry points per step:
+
+1. :meth:`~DiagnosticsMonitor.extensions` — the BackPACK extensions the
+   scheduled diagnostics need, one per type;
+2. :meth:`~DiagnosticsMonitor.module_hook` — an ``extension_hook`` for
+   ``backpack(...)`` that, as backward reaches each module, reduces the per-sample
+   quantities of its parameters into small pieces. It never deletes BackPACK's
+   attributes, so a hook chained after it (e.g. an optimizer's) still sees them;
+3. :meth:`~DiagnosticsMonitor.finish` — assembles the record of the step from the
+   pieces and ``p.grad``, moves it to the CPU and appends it to the log.
+
+With any ``torch.optim`` optimizer use :meth:`~DiagnosticsMonitor.backward_context`,
+which enters ``backpack`` with both and frees the quantities layer by layer::
+
+    with monitor.backward_context(step):
+        loss.backward()
+    monitor.finish(step, model.parameters(), loss)
+    optimizer.step()
+
+The model and the loss function must be extended with ``backpack.extend``, the
+loss must use ``reduction="mean"``, and gradients must be zeroed before backward
+(``p.grad`` is taken as the mini-batch gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+from backpack import backpack
+from backpack.extensions.backprop_extension import BackpropExtension
+from torch import Tensor, nn
+
+from dampednewton.diagnostics.log import DiagnosticsLog, Record
+from dampednewton.diagnostics.reducers import Reducer, make_reducer
+from dampednewton.diagnostics.specs import CurvatureTrace, Diagnostic
+from dampednewton.diagnostics.trace import CURVATURES
+
+_USAGE = (
+    "Run loss.backward() inside `with monitor.backward_context(step):`, or pass "
+    "monitor.extensions(step) and monitor.module_hook(step) to backpack(...)."
+)
+
+
+@dataclass
+class _PendingStep:
+    """Pieces collected by the hook of one step."""
+
+    step: int
+    reducers: list[Reducer]
+    batch_sizes: set[int] = field(default_factory=set)
+    seen: set[int] = field(default_factory=set)
+
+
+class DiagnosticsMonitor:
+    """Runs a list of diagnostics in the backward pass and logs their records.
+
+    Attributes:
+        diagnostics: The diagnostic specs, in order.
+        log: Records of the finished steps.
+    """
+
+    def __init__(
+        self,
+        diagnostics: Sequence[Diagnostic],
+        named_parameters: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor] | None = (
+            None
+        ),
+        log: DiagnosticsLog | None = None,
+    ) -> None:
+        """Create a monitor.
+
+        Args:
+            diagnostics: Diagnostic specs with distinct labels.
+            named_parameters: ``model.named_parameters()`` or a mapping name →
+                parameter, for readable per-parameter keys. Unnamed parameters are
+                called ``param_i`` (``i``: position in the list given to
+                :meth:`finish`).
+            log: Log to append to; a new one by default.
+
+        Raises:
+            ValueError: If there are no diagnostics, two share a label, or two
+                Monte-Carlo traces ask for different numbers of samples.
+        """
+        self.diagnostics = list(diagnostics)
+        if not self.diagnostics:
+            raise ValueError("DiagnosticsMonitor needs at least one diagnostic.")
+        labels = [spec.label for spec in self.diagnostics]
+        duplicates = sorted({label for label in labels if labels.count(label) > 1})
+        if duplicates:
+            raise ValueError(
+                f"Diagnostics need distinct labels, {duplicates} occur more than "
+                "once; pass label=... to tell them apart."
+            )
+        mc_samples = {
+            spec.mc_samples
+            for spec in self.diagnostics
+            if isinstance(spec, CurvatureTrace) and spec.curvature == "diag_ggn_mc"
+        }
+        if len(mc_samples) > 1:
+            raise ValueError(
+                "BackPACK runs one DiagGGNMC per backward pass, but the traces ask "
+                f"for mc_samples {sorted(mc_samples)}; use one value."
+            )
+        self._reducers = [make_reducer(spec) for spec in self.diagnostics]
+        if isinstance(named_parameters, Mapping):
+            named_parameters = named_parameters.items()
+        self._names = {id(p): name for name, p in (named_parameters or ())}
+        self.log = DiagnosticsLog() if log is None else log
+        self._pending: _PendingStep | None = None
+
+    def is_active(self, step: int) -> bool:
+        """Return whether any diagnostic is scheduled at ``step``.
+
+        Args:
+            step: Optimization step.
+
+        Returns:
+            ``True`` if at least one diagnostic runs.
+        """
+        return bool(self._active(step))
+
+    def _active(self, step: int) -> list[Reducer]:
+        return [r for r in self._reducers if r.spec.schedule(step)]
+
+    def extensions(self, step: int) -> list[BackpropExtension]:
+        """BackPACK extensions of the diagnostics scheduled at ``step``.
+
+        Args:
+            step: Optimization step.
+
+        Returns:
+            One extension instance per extension type (empty if none is scheduled).
+        """
+        unique: dict[type, BackpropExtension] = {}
+        for reducer in self._active(step):
+            for extension in reducer.extensions():
+                unique.setdefault(type(extension), extension)
+        return list(unique.values())
+
+    def module_hook(self, step: int) -> Callable[[nn.Module], None]:
+        """BackPACK ``extension_hook`` for the backward pass of ``step``.
+
+        Calling this starts the step: pieces of an unfinished earlier step are
+        dropped. The hook reads ``grad_batch``, ``sum_grad_squared`` and ``diag_*``
+        of each module's own parameters and leaves them in place.
+
+        Args:
+            step: Optimization step.
+
+        Returns:
+            Function of a module, to run after BackPACK's extensions on it.
+        """
+        pending = _PendingStep(step, self._active(step))
+        for reducer in pending.reducers:
+            reducer.begin()
+        self._pending = pending
+
+        def hook(module: nn.Module) -> None:
+            if not pending.reducers:
+                return
+            for param in module.parameters(recurse=False):
+                batch_size = _batch_size(module, param)
+                if batch_size is None:
+                    continue
+                pending.batch_sizes.add(batch_size)
+                pending.seen.add(id(param))
+                for reducer in pending.reducers:
+                    reducer.reduce(param, batch_size)
+
+        return hook
+
+    @contextmanager
+    def backward_context(self, step: int) -> Iterator[None]:
+        """Context for ``loss.backward()`` that computes the diagnostics of ``step``.
+
+        Enters ``backpack(*extensions(step), extension_hook=...)`` with the
+        monitor's hook followed by one that deletes the requested BackPACK
+        attributes, so per-sample tensors are freed layer by layer. Call
+        :meth:`finish` afterwards. At unscheduled steps it does nothing.
+
+        Args:
+            step: Optimization step.
+
+        Yields:
+            Nothing; run the backward pass inside.
+
+        Raises:
+            RuntimeError: If BackPACK finds no back-propagated curvature because the
+                loss function is not extended.
+        """
+        hook = self.module_hook(step)
+        extensions = self.extensions(step)
+        if not extensions:
+            yield
+            return
+        savefields = [extension.savefield for extension in extensions]
+
+        def hook_then_free(module: nn.Module) -> None:
+            hook(module)
+            for param in module.parameters(recurse=False):
+                for savefield in savefields:
+                    if hasattr(param, savefield):
+                        delattr(param, savefield)
+
+        try:
+            with backpack(*extensions, extension_hook=hook_then_free):
+                yield
+        except AssertionError as error:
+            if "backpropagation quantity" not in str(error):
+                raise
+            raise RuntimeError(
+                "BackPACK found no back-propagated curvature: extend the loss "
+                "function too, e.g. loss_fn = backpack.extend(nn.CrossEntropyLoss())."
+            ) from error
+
+    def finish(
+        self, step: int, params: Iterable[Tensor], loss: Tensor | float | None = None
+    ) -> Record:
+        """Assemble, log and return the record of ``step``.
+
+        Args:
+            step: The step whose backward pass was monitored.
+            params: Parameters to report (those without ``grad`` are skipped).
+            loss: Mini-batch loss, stored as ``"loss"`` if given.
+
+        Returns:
+            The record: ``"step"``, ``"batch_size"``, optionally ``"loss"``, and
+            the diagnostics' entries as Python scalars and NumPy arrays. Empty
+            (and not logged) if no diagnostic is scheduled at ``step``.
+
+        Raises:
+            RuntimeError: If the backward pass of ``step`` was not monitored, BackPACK
+                recorded nothing (model or loss not extended), some parameter with
+                a gradient has no BackPACK quantities, or the batch size is not
+                consistent across layers.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None or pending.step != step:
+            if not self.is_active(step):
+                return {}
+            raise RuntimeError(f"No monitored backward pass for step {step}. {_USAGE}")
+        if not pending.reducers:
+            return {}
+        if not pending.seen:
+            raise RuntimeError(
+                f"No BackPACK quantities were recorded at step {step}. Extend the "
+                "model and the loss function with backpack.extend(...) before the "
+                f"forward pass. {_USAGE}"
+            )
+        if len(pending.batch_sizes) != 1:
+            raise RuntimeError(
+                f"Layers saw different batch sizes {sorted(pending.batch_sizes)}; "
+                "the diagnostics need one mini-batch per backward pass."
+            )
+        (batch_size,) = pending.batch_sizes
+        named = [
+            (self._names.get(id(p), f"param_{i}"), p)
+            for i, p in enumerate(params)
+            if p.grad is not None
+        ]
+        if not named:
+            raise RuntimeError(f"None of the parameters has a gradient at step {step}.")
+        record: dict = {"step": step, "batch_size": batch_size}
+        if loss is not None:
+            record["loss"] = float(loss.detach() if isinstance(loss, Tensor) else loss)
+        for reducer in pending.reducers:
+            record.update(
+                {
+                    key: _to_cpu(value)
+                    for key, value in reducer.assemble(named, batch_size).items()
+                }
+            )
+        self.log.append(record)
+        return self.log[-1]
+
+
+def _batch_size(module: nn.Module, param: Tensor) -> int | None:
+    """Number of samples of the module's last input, if BackPACK processed it."""
+    if not any(
+        hasattr(param, savefield)
+        for savefield in ("grad_batch", "sum_grad_squared", *CURVATURES)
+    ):
+        return None
+    grad_batch = getattr(param, "grad_batch", None)
+    if grad_batch is not None:
+        return grad_batch.shape[0]
+    module_input = getattr(module, "input0", None)
+    return None if module_input is None else module_input.shape[0]
+
+
+def _to_cpu(value: Tensor) -> int | float | np.ndarray:
+    value = value.detach().cpu()
+    if value.dim() > 0:
+        return value.numpy()
+    return value.item()

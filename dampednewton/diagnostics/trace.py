@@ -1,0 +1,93 @@
+"""Curvature traces from BackPACK's diagonal curvature extensions.
+
+The trace of a diagonal approximation is the sum of its entries; summed over a
+parameter it is that parameter's block trace, summed over all parameters the total.
+With a mean loss BackPACK's diagonals belong to the mean loss's curvature
+(``(1/N) Σ_n`` of the per-sample terms).
+
+=================== ============================ =============================
+curvature           BackPACK extension           attribute on the parameter
+=================== ============================ =============================
+``diag_h``          ``DiagHessian()``            ``diag_h``
+``diag_ggn_exact``  ``DiagGGNExact()``           ``diag_ggn_exact``
+``diag_ggn_mc``     ``DiagGGNMC(mc_samples)``    ``diag_ggn_mc``
+=================== ============================ =============================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from backpack.extensions import DiagGGNExact, DiagGGNMC, DiagHessian
+from backpack.extensions.backprop_extension import BackpropExtension
+from torch import Tensor
+
+CURVATURES: tuple[str, ...] = ("diag_h", "diag_ggn_exact", "diag_ggn_mc")
+"""Supported curvature names; each is also the attribute BackPACK writes."""
+
+
+def check_curvature(curvature: str) -> None:
+    """Raise if ``curvature`` is not one of :data:`CURVATURES`.
+
+    Args:
+        curvature: Name to check.
+
+    Raises:
+        ValueError: If the name is unknown.
+    """
+    if curvature not in CURVATURES:
+        raise ValueError(
+            f"Unknown curvature {curvature!r}; choose one of {list(CURVATURES)}."
+        )
+
+
+def curvature_extension(curvature: str, mc_samples: int = 1) -> BackpropExtension:
+    """BackPACK extension that computes the diagonal named ``curvature``.
+
+    Args:
+        curvature: One of :data:`CURVATURES`.
+        mc_samples: Monte-Carlo samples, used by ``diag_ggn_mc`` only.
+
+    Returns:
+        A fresh extension instance.
+
+    Raises:
+        ValueError: If ``curvature`` is unknown.
+    """
+    check_curvature(curvature)
+    if curvature == "diag_h":
+        return DiagHessian()
+    if curvature == "diag_ggn_exact":
+        return DiagGGNExact()
+    return DiagGGNMC(mc_samples=mc_samples)
+
+
+def diagonal_trace(diagonal: Tensor) -> Tensor:
+    """Trace of a diagonal curvature block: the sum of its entries.
+
+    Args:
+        diagonal: Diagonal entries, any shape (e.g. a parameter's ``diag_ggn_exact``).
+
+    Returns:
+        0-dim tensor on the device of ``diagonal``.
+    """
+    return diagonal.detach().sum()
+
+
+def total_trace(traces: Iterable[Tensor]) -> Tensor:
+    """Sum of per-parameter traces.
+
+    Args:
+        traces: 0-dim tensors (on one device).
+
+    Returns:
+        Their sum as a 0-dim tensor.
+
+    Raises:
+        ValueError: If ``traces`` is empty.
+    """
+    traces = list(traces)
+    if not traces:
+        raise ValueError("total_trace needs at least one per-parameter trace.")
+    return torch.stack(traces).sum()

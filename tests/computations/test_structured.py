@@ -1,0 +1,105 @@
+"""The structured (Kronecker) path agrees with the materialized one everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backpack import backpack, extend
+from torch import nn
+
+from dampednewton import (
+    DirectionalDampedNewtonComputation,
+    DirectionalDerivativesComputation,
+    EigenvalueThreshold,
+    EighComputation,
+    EigvalshComputation,
+)
+from tests.assertions import assert_close
+from tests.conftest import make_groups
+from tests.problems import PROBLEMS
+
+
+def _sequence_model(generator: torch.Generator) -> nn.Module:
+    """A linear layer with weight sharing over positions (falls back to dense)."""
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3))
+    for p in model.parameters():
+        p.data = torch.randn(p.shape, generator=generator, dtype=torch.float64) / 2
+    return model
+
+
+def build(problem_id: str):
+    if problem_id == "sequence-linear":
+        generator = torch.Generator().manual_seed(11)
+        model = _sequence_model(generator)
+        X = torch.randn(4, 3, 5, generator=generator, dtype=torch.float64)
+        return model, nn.CrossEntropyLoss(), X, torch.tensor([0, 1, 2, 1])
+    problem = next(p for p in PROBLEMS if p.id == problem_id)
+    return problem.build()
+
+
+CASES = [p.id for p in PROBLEMS] + ["sequence-linear"]
+COMPUTATIONS = {
+    "eigvalsh": lambda **kw: EigvalshComputation(
+        subsampling=kw["subsampling_ggn"], structured=kw["structured"]
+    ),
+    "eigh": lambda **kw: EighComputation(
+        subsampling=kw["subsampling_ggn"], structured=kw["structured"]
+    ),
+    "directional": lambda **kw: DirectionalDerivativesComputation(**kw),
+    "newton": lambda **kw: DirectionalDampedNewtonComputation(**kw),
+}
+
+
+def results(computation_name, problem_id, structure, subsampling, structured):
+    model, loss_fn, X, y = build(problem_id)
+    model, loss_fn = extend(model), extend(loss_fn)
+    groups = make_groups(
+        model, structure, criterion=EigenvalueThreshold(1e-7), damping=0.3
+    )
+    computation = COMPUTATIONS[computation_name](
+        subsampling_ggn=subsampling,
+        subsampling_grad=subsampling and subsampling[::-1],
+        structured=structured,
+    )
+    hook = computation.get_extension_hook(groups)
+    with backpack(*computation.get_extensions(), extension_hook=hook):
+        loss_fn(model(X), y).backward()
+    return [computation.get_result(group) for group in groups]
+
+
+def invariants(computation_name, result) -> list[torch.Tensor]:
+    """Quantities independent of the eigenvector basis within repeated eigenvalues.
+
+    Eigenvectors are defined up to sign, and up to rotation within a repeated
+    eigenvalue (the last layer's block under MSE has C-fold eigenvalues). With all
+    non-zero directions selected, these quantities are unique: eigenvalues, the
+    projector ``E Eᵀ``, ``γ γᵀ = g E Eᵀ gᵀ``, ``Σ_k λ_nk`` and the step.
+    """
+    if computation_name == "eigvalsh":
+        return [result]
+    if computation_name == "eigh":
+        evals, evecs = result
+        E = torch.cat([v.flatten(start_dim=1) for v in evecs], 1).T
+        return [evals, E @ E.T]
+    if computation_name == "directional":
+        gammas, lambdas = result
+        return [gammas @ gammas.T, lambdas.sum(1), lambdas.mean(0)]
+    return [torch.cat([s.flatten() for s in result])]
+
+
+@pytest.mark.parametrize("subsampling", [None, [3, 0]], ids=["all", "subsampled"])
+@pytest.mark.parametrize("structure", ["full", "per-layer"])
+@pytest.mark.parametrize("problem_id", CASES)
+@pytest.mark.parametrize("computation_name", list(COMPUTATIONS))
+def test_structured_equals_materialized(
+    computation_name, problem_id, structure, subsampling
+):
+    args = (computation_name, problem_id, structure, subsampling)
+    fast, dense = results(*args, structured=True), results(*args, structured=False)
+    for group_fast, group_dense in zip(fast, dense, strict=True):
+        for a, b in zip(
+            invariants(computation_name, group_fast),
+            invariants(computation_name, group_dense),
+            strict=True,
+        ):
+            assert_close(a, b, rtol=1e-8, atol=1e-12, name=computation_name)
