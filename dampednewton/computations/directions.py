@@ -9,8 +9,12 @@ import torch
 from torch import Tensor
 
 from dampednewton.computations.base import Block
-from dampednewton.criteria import as_criterion, selected_indices
-from dampednewton.linalg import symmetric_eigh
+from dampednewton.criteria import TopK, as_criterion, selected_indices
+from dampednewton.linalg import symmetric_eigh, top_eigh
+
+# The partial eigensolver pays off for large Gram matrices and few directions.
+PARTIAL_MIN_SIZE = 512
+PARTIAL_MAX_FRACTION = 1 / 16
 
 
 @dataclass
@@ -29,15 +33,27 @@ class Directions:
 def select_directions(block: Block, warn_small_eigvals: float) -> Directions:
     """Diagonalize a block's Gram matrix and apply its group's criterion.
 
+    A :class:`TopK` criterion on a large Gram matrix uses the partial eigensolver
+    :func:`top_eigh` (falling back to the full ``eigh`` if it does not converge).
+
     Args:
         block: A block whose parameters were all reduced.
         warn_small_eigvals: Warn when a selected eigenvalue's magnitude is below.
 
     Returns:
         The selected eigenpairs.
+
+    Raises:
+        FloatingPointError: If the Gram matrix is not finite.
     """
-    evals, evecs = symmetric_eigh(block.gram)
-    indices = selected_indices(as_criterion(block.group["criterion"]), evals)
+    if not torch.isfinite(block.gram).all():
+        raise FloatingPointError(
+            "The GGN's Gram matrix is not finite (the model output or loss Hessian "
+            "overflowed); no step can be computed."
+        )
+    criterion = as_criterion(block.group["criterion"])
+    evals, evecs = _eigenpairs(block.gram, criterion)
+    indices = selected_indices(criterion, evals)
     chosen = evals[indices]
     if warn_small_eigvals > 0 and (chosen.abs() < warn_small_eigvals).any():
         warnings.warn(
@@ -48,6 +64,21 @@ def select_directions(block: Block, warn_small_eigvals: float) -> Directions:
             stacklevel=2,
         )
     return Directions(evals=chosen, gram_evecs=evecs[:, indices])
+
+
+def _eigenpairs(gram: Tensor, criterion) -> tuple[Tensor, Tensor]:
+    """All eigenpairs, or only the leading ones when a top-k criterion allows it."""
+    size = gram.shape[0]
+    if (
+        isinstance(criterion, TopK)
+        and size >= PARTIAL_MIN_SIZE
+        and criterion.k <= PARTIAL_MAX_FRACTION * size
+    ):
+        generator = torch.Generator().manual_seed(0)
+        partial = top_eigh(gram, criterion.k, generator=generator)
+        if partial is not None:
+            return partial
+    return symmetric_eigh(gram)
 
 
 def to_parameter_space(block: Block, gram_vectors: Tensor) -> list[Tensor]:
