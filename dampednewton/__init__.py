@@ -8,7 +8,12 @@ from dampednewton.computations import (
     NewtonStep,
 )
 from dampednewton.criteria import EigenvalueThreshold, RelativeThreshold, TopK
-from dampednewton.damping import ConstantDamping
+from dampednewton.damping import (
+    ConstantDamping,
+    GSNRDamping,
+    LevenbergMarquardt,
+    NoiseAwareDamping,
+)
 from dampednewton.optimizer import DampedNewton
 
 __all__ = [
@@ -19,7 +24,10 @@ __all__ = [
     "EigenvalueThreshold",
     "EighComputation",
     "EigvalshComputation",
+    "GSNRDamping",
+    "LevenbergMarquardt",
     "NewtonStep",
+    "NoiseAwareDamping",
     "RelativeThreshold",
     "TopK",
 ]

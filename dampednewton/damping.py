@@ -1,7 +1,15 @@
 """Damping policies: how much each selected GGN direction is damped.
 
 A damping policy is a callable ``(evals, gram_evecs, gammas, lambdas) -> δ`` (ViViT's
-convention) returning one non-negative damping per selected direction.
+convention) returning one damping ``δ_k ∈ [0, ∞]`` per selected direction; ``∞`` drops
+the direction (its step coefficient is zero). ``gammas`` are the per-sample slopes
+``γ_nk`` (``[N_grad, K]``) and ``lambdas`` the per-sample curvatures ``λ_nk``
+(``[N_ggn, K]``) along the selected GGN eigenvectors.
+
+Stateful policies (:class:`LevenbergMarquardt`) additionally define
+``update(reduction_ratio)``; :class:`~dampednewton.DampedNewton` calls it after each
+step and keeps the policy (with its state) in the param group, hence in
+``state_dict``.
 """
 
 from __future__ import annotations
@@ -41,6 +49,171 @@ class ConstantDamping:
         return torch.full_like(evals, self.value)
 
 
+def _standard_error(samples: Tensor) -> Tensor:
+    """Standard error of the mean of each column (0 for a single sample)."""
+    if samples.shape[0] < 2:
+        return torch.zeros(
+            samples.shape[1:], dtype=samples.dtype, device=samples.device
+        )
+    return samples.std(dim=0) / math.sqrt(samples.shape[0])
+
+
+@dataclass
+class NoiseAwareDamping:
+    r"""Damp directions whose slope or curvature is not distinguishable from noise.
+
+    With standard errors ``σ_γ,k`` and ``σ_λ,k`` of the mean slope ``γ̄_k`` and mean
+    curvature ``λ̄_k`` (from the per-sample ``γ_nk``, ``λ_nk``), the step length along
+    ``e_k`` is chosen for a pessimistic quadratic model whose slope is shrunk and
+    whose curvature is inflated by ``z`` standard errors:
+
+    .. math::
+
+        c_k = -rac{\operatorname{sign}(ar\gamma_k)
+              \max(|ar\gamma_k| - z\sigma_{\gamma,k}, 0)}
+             {ar\lambda_k + z\sigma_{\lambda,k} + \delta_0},
+
+    expressed as the damping ``δ_k`` with ``c_k = −γ̄_k/(λ̄_k + δ_k)``. A direction
+    whose slope is within ``z`` standard errors of zero is dropped (``δ_k = ∞``).
+    Without
+    noise (identical samples) ``δ_k = δ₀``: constant damping.
+
+    Attributes:
+        base: ``δ₀ >= 0``, the damping without noise.
+        z: Number of standard errors (``>= 0``); 0 gives constant damping ``δ₀``.
+    """
+
+    base: float = 1e-4
+    z: float = 1.0
+
+    def __post_init__(self) -> None:
+        """Validate the settings."""
+        ConstantDamping(self.base)
+        if not math.isfinite(self.z) or self.z < 0:
+            raise ValueError(f"z must be finite and >= 0, got {self.z!r}.")
+
+    def __call__(
+        self, evals: Tensor, gram_evecs: Tensor, gammas: Tensor, lambdas: Tensor
+    ) -> Tensor:
+        """Return ``δ_k`` from the per-sample slopes and curvatures."""
+        gamma_mean, lambda_mean = gammas.mean(0), lambdas.mean(0)
+        slope = (gamma_mean.abs() - self.z * _standard_error(gammas)).clamp(min=0)
+        curvature = lambda_mean + self.z * _standard_error(lambdas) + self.base
+        # c = −γ̄/(λ̄+δ) = −sign(γ̄)·slope/curvature  ⇒  δ = |γ̄|·curvature/slope − λ̄
+        damping = gamma_mean.abs() * curvature / slope - lambda_mean
+        damping = torch.where(slope > 0, damping.clamp(min=0), torch.inf)
+        return torch.where(
+            gamma_mean == 0, torch.full_like(damping, self.base), damping
+        )
+
+
+@dataclass
+class GSNRDamping:
+    r"""Damping from the directional gradient signal-to-noise ratio (McCandlish et al.).
+
+    Along a GGN eigenvector ``e_k`` with curvature ``λ̄_k``, per-sample slope variance
+    ``Σ_k = Var_n(γ_nk)`` and batch size ``B``, the noise-optimal step of
+    McCandlish et al. (2018) is the Newton step shrunk by ``1/(1 + B_noise,k/B)`` with
+    the noise scale ``B_noise,k = Σ_k/|G_k|²``, i.e. an LM damping
+
+    .. math:: \delta_k = \delta_0 + ar\lambda_k rac{\Sigma_k}{B\,|G_k|^2}.
+
+    ``|G_k|²`` is estimated without bias by ``γ̄_k² − Σ_k/B`` (the plain ``γ̄_k²``
+    carries the noise floor ``Σ_k/B``, so the plain GSNR of pure noise is about
+    ``1/(B−1)``, not 0). Directions whose debiased signal is not positive are dropped
+    (``δ_k = ∞``). Without noise ``δ_k = δ₀``.
+
+    Attributes:
+        base: ``δ₀ >= 0``, the damping without noise.
+    """
+
+    base: float = 1e-4
+
+    def __post_init__(self) -> None:
+        """Validate the settings."""
+        ConstantDamping(self.base)
+
+    def __call__(
+        self, evals: Tensor, gram_evecs: Tensor, gammas: Tensor, lambdas: Tensor
+    ) -> Tensor:
+        """Return ``δ_k`` from the directional GSNR."""
+        batch_size = gammas.shape[0]
+        gamma_mean, lambda_mean = gammas.mean(0), lambdas.mean(0)
+        variance = gammas.var(dim=0) if batch_size > 1 else torch.zeros_like(gamma_mean)
+        signal = gamma_mean**2 - variance / batch_size
+        damping = self.base + lambda_mean * variance / (batch_size * signal)
+        damping = torch.where(signal > 0, damping, torch.inf)
+        return torch.where(variance == 0, torch.full_like(damping, self.base), damping)
+
+
+@dataclass
+class LevenbergMarquardt:
+    """Levenberg-Marquardt damping adapted by the reduction ratio (K-FAC's rule).
+
+    After each step, :class:`~dampednewton.DampedNewton` evaluates the loss again on
+    the same batch and passes ``ρ = (L(θ + s) − L(θ)) / q(s)`` to :meth:`update`,
+    where ``q(s) = Σ_k (γ̄_k c_k + ½ λ̄_k c_k²)`` is the quadratic model of the step
+    (summed over all groups). Every ``interval`` steps, ``δ`` is multiplied by
+    ``increase`` when ``ρ < 1/4`` (the model was too optimistic) and by ``decrease``
+    when ``ρ > 3/4``, then clipped to ``[minimum, maximum]``.
+
+    Attributes:
+        value: Current damping ``δ`` (the state).
+        decrease: Factor in ``(0, 1)`` applied when ``ρ > 3/4``.
+        increase: Factor ``> 1`` applied when ``ρ < 1/4``.
+        minimum: Lower bound for ``δ``.
+        maximum: Upper bound for ``δ``.
+        interval: Adapt every ``interval`` updates (the state ``updates`` counts).
+        updates: Number of :meth:`update` calls so far (state).
+    """
+
+    value: float = 1.0
+    decrease: float = 2 / 3
+    increase: float = 3 / 2
+    minimum: float = 1e-8
+    maximum: float = 1e8
+    interval: int = 1
+    updates: int = 0
+
+    def __post_init__(self) -> None:
+        """Validate the settings."""
+        ConstantDamping(self.value)
+        if not 0 < self.decrease < 1 or not self.increase > 1:
+            raise ValueError(
+                "LevenbergMarquardt needs 0 < decrease < 1 < increase, got "
+                f"decrease={self.decrease}, increase={self.increase}."
+            )
+        if not 0 <= self.minimum <= self.value <= self.maximum:
+            raise ValueError(
+                f"LevenbergMarquardt needs 0 <= minimum <= value <= maximum, got "
+                f"{self.minimum}, {self.value}, {self.maximum}."
+            )
+        if self.interval < 1:
+            raise ValueError(f"interval must be >= 1, got {self.interval}.")
+
+    def __call__(
+        self, evals: Tensor, gram_evecs: Tensor, gammas: Tensor, lambdas: Tensor
+    ) -> Tensor:
+        """Return the current ``δ`` for every direction."""
+        return torch.full_like(evals, self.value)
+
+    def update(self, reduction_ratio: float) -> None:
+        """Adapt ``δ`` to the reduction ratio ``ρ`` of the last step.
+
+        Args:
+            reduction_ratio: Actual over predicted loss change; NaN (no predicted
+                change) leaves ``δ`` unchanged.
+        """
+        self.updates += 1
+        if self.updates % self.interval or math.isnan(reduction_ratio):
+            return
+        if reduction_ratio < 0.25:
+            self.value *= self.increase
+        elif reduction_ratio > 0.75:
+            self.value *= self.decrease
+        self.value = min(max(self.value, self.minimum), self.maximum)
+
+
 def as_damping(damping: float | Damping) -> Damping:
     """Turn the shorthand ``float`` into :class:`ConstantDamping`; pass callables.
 
@@ -75,7 +248,7 @@ def checked_damping(damping: Tensor, num_directions: int) -> Tensor:
         The damping as a 1d tensor.
 
     Raises:
-        ValueError: If the shape is wrong or a value is negative or not finite.
+        ValueError: If the shape is wrong or a value is negative or NaN.
     """
     damping = torch.as_tensor(damping)
     if damping.shape != (num_directions,):
@@ -83,13 +256,15 @@ def checked_damping(damping: Tensor, num_directions: int) -> Tensor:
             f"The damping policy returned shape {tuple(damping.shape)}, expected "
             f"({num_directions},): one value per selected direction."
         )
-    if not torch.isfinite(damping).all() or (damping < 0).any():
+    if torch.isnan(damping).any() or (damping < 0).any():
         raise ValueError(
             f"The damping policy returned invalid values {damping.tolist()}: damping "
-            "must be finite and >= 0."
+            "must be >= 0 (inf drops a direction)."
         )
     return damping
 
 
 # Policies live in param groups: let `torch.load(weights_only=True)` restore them.
-torch.serialization.add_safe_globals([ConstantDamping])
+torch.serialization.add_safe_globals(
+    [ConstantDamping, NoiseAwareDamping, GSNRDamping, LevenbergMarquardt]
+)
