@@ -14,6 +14,7 @@ Gram-space vectors to parameter space ``V_p β``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +57,11 @@ class DenseFactor:
         """Release the per-sample gradients once their products are formed."""
         self.gradients = None
 
-    def gram(self) -> Tensor:
-        """Return the Gram contribution ``V_pᵀ V_p`` (``[C·N, C·N]``)."""
+    def gram(self, shared: dict | None = None) -> Tensor:
+        """Return the Gram contribution ``V_pᵀ V_p`` (``[C·N, C·N]``; no memo)."""
         return self.matrix @ self.matrix.T
 
-    def gradient_products(self) -> Tensor:
+    def gradient_products(self, shared: dict | None = None) -> Tensor:
         """Return ``g_nᵀ V_p`` for every per-sample gradient (``[N', C·N]``)."""
         return self.gradients @ self.matrix.T
 
@@ -96,23 +97,52 @@ class LinearFactor:
     def _rows(self) -> Tensor:
         return self.backproped.flatten(end_dim=1)
 
-    def gram(self) -> Tensor:
-        """Return ``(B Bᵀ) ⊙ (X Xᵀ ⊗ 1_{C×C})`` without forming ``V_p``."""
-        outer = self._rows @ self._rows.T
+    def gram(self, shared: dict | None = None) -> Tensor:
+        """Return ``(B Bᵀ) ⊙ (X Xᵀ ⊗ 1_{C×C})`` without forming ``V_p``.
+
+        Args:
+            shared: Optional memo for the factors of one layer: the weight and the
+                bias share ``B Bᵀ``. Keys are object identities, so the caller must
+                keep it no longer than the tensors live (one layer).
+
+        Returns:
+            The ``[C·N, C·N]`` Gram contribution.
+        """
+        outer = memo(shared, ("BBᵀ", id(self.backproped)), self._outer)
         if self.inputs is None:
             return outer
         num_outputs = self.backproped.shape[0]
-        kernel = self.inputs @ self.inputs.T
-        return outer.mul_(kernel.repeat(num_outputs, num_outputs))
+        kernel = memo(
+            shared, ("XXᵀ", id(self.inputs)), lambda: self.inputs @ self.inputs.T
+        )
+        return outer * kernel.repeat(num_outputs, num_outputs)
 
-    def gradient_products(self) -> Tensor:
-        """Return ``(δ_nᵀ b_cm)(x_nᵀ x_m)`` for the gradient samples ``[N', C·N]``."""
-        products = self.output_gradients @ self._rows.T
+    def gradient_products(self, shared: dict | None = None) -> Tensor:
+        """Return ``(δ_nᵀ b_cm)(x_nᵀ x_m)`` for the gradient samples ``[N', C·N]``.
+
+        Args:
+            shared: Optional memo, as for :meth:`gram`.
+
+        Returns:
+            The ``[N', C·N]`` products with the per-sample gradients.
+        """
+        products = memo(
+            shared,
+            ("δBᵀ", id(self.output_gradients), id(self.backproped)),
+            lambda: self.output_gradients @ self._rows.T,
+        )
         if self.inputs is None:
             return products
         num_outputs = self.backproped.shape[0]
-        kernel = self.gradient_inputs @ self.inputs.T
-        return products.mul_(kernel.repeat(1, num_outputs))
+        kernel = memo(
+            shared,
+            ("X'Xᵀ", id(self.gradient_inputs), id(self.inputs)),
+            lambda: self.gradient_inputs @ self.inputs.T,
+        )
+        return products * kernel.repeat(1, num_outputs)
+
+    def _outer(self) -> Tensor:
+        return self._rows @ self._rows.T
 
     def apply(self, vectors: Tensor) -> Tensor:
         """Map Gram-space vectors: ``Σ_cn β_cn b_cn x_nᵀ`` as one matrix product."""
@@ -126,3 +156,21 @@ class LinearFactor:
         else:
             result = combined.transpose(1, 2) @ self.inputs
         return result.reshape(*leading, *result.shape[1:])
+
+
+def memo(shared: dict | None, key: tuple, compute: Callable[[], Tensor]) -> Tensor:
+    """Return ``shared[key]``, computing and storing it on first use.
+
+    Args:
+        shared: The memo, or ``None`` to always compute.
+        key: Identities of the inputs (valid only while they are alive).
+        compute: Produces the value.
+
+    Returns:
+        The (possibly memoized) value.
+    """
+    if shared is None:
+        return compute()
+    if key not in shared:
+        shared[key] = compute()
+    return shared[key]

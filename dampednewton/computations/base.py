@@ -250,18 +250,21 @@ class GGNComputation:
         if isinstance(module, _Loss):
             self._start_pass(module)
             return
+        shared: dict = {}  # lets the parameters of this layer share work
         for param in module.parameters(recurse=False):
             index = self._group_of_param.get(id(param))
             block = self._blocks.get(index) if index is not None else None
             if block is not None and id(param) in block.pending:
-                self._reduce(block, param, module)
+                self._reduce(block, param, module, shared)
                 if not block.pending:
                     self._print(f"group {index}: all parameters reduced")
                     self._results[group_key(block.group)] = self._finish(block)
                     del self._blocks[index]
             self._free(param)
 
-    def _reduce(self, block: Block, param: Tensor, module: Module) -> None:
+    def _reduce(
+        self, block: Block, param: Tensor, module: Module, shared: dict
+    ) -> None:
         sqrt_ggn = getattr(param, self.sqrt_ggn_savefield)
         factor = make_factor(
             sqrt_ggn,
@@ -269,15 +272,16 @@ class GGNComputation:
             batch_size=self._batch_size or module.input0.shape[0],
             subsampling_grad=self._subsampling_grad,
             with_gradients=self.needs_gradients,
+            shared=shared,
         )
         if isinstance(factor, LinearFactor):
             block.num_outputs, block.num_samples = factor.backproped.shape[:2]
         else:
             block.num_outputs, block.num_samples = sqrt_ggn.shape[:2]
-        block.gram = _add(block.gram, factor.gram())
+        block.gram = _add(block.gram, factor.gram(shared))
         if self.needs_gradients:
             block.gradient_products = _add(
-                block.gradient_products, factor.gradient_products()
+                block.gradient_products, factor.gradient_products(shared)
             )
         if self.keeps_factors:
             factor.drop_gradients()

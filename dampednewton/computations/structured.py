@@ -18,7 +18,7 @@ from backpack.utils.subsampling import subsample
 from torch import Tensor
 from torch.nn import Module
 
-from dampednewton.factors import DenseFactor, LinearFactor, flatten_sqrt_ggn
+from dampednewton.factors import DenseFactor, LinearFactor, flatten_sqrt_ggn, memo
 
 
 def _is_structured(module: Module) -> bool:
@@ -73,6 +73,7 @@ def make_factor(
     batch_size: int,
     subsampling_grad: list[int] | None,
     with_gradients: bool,
+    shared: dict,
 ) -> DenseFactor | LinearFactor:
     """Turn BackPACK's buffers of one parameter into a rescaled factor.
 
@@ -87,27 +88,33 @@ def make_factor(
         batch_size: ``N``, the mini-batch size.
         subsampling_grad: Samples of the gradients (``None``: all).
         with_gradients: Whether per-sample gradients are needed.
+        shared: Memo for the parameters of one layer, so that its weight and bias
+            factors share the rescaled tensors (and, later, their products).
 
     Returns:
         The parameter's factor in the conventions of :mod:`dampednewton.factors`.
     """
     if isinstance(sqrt_ggn, LinearFactor):
         scale = math.sqrt(batch_size / sqrt_ggn.backproped.shape[1])
+        backproped = memo(
+            shared, ("B", id(sqrt_ggn.backproped)), lambda: sqrt_ggn.backproped * scale
+        )
         output_gradients = gradient_inputs = None
         if with_gradients:
-            output_gradients = (
-                subsample(sqrt_ggn.output_gradients, subsampling=subsampling_grad)
-                * batch_size
+            output_gradients = memo(
+                shared,
+                ("δ", id(sqrt_ggn.output_gradients)),
+                lambda: (
+                    subsample(sqrt_ggn.output_gradients, subsampling=subsampling_grad)
+                    * batch_size
+                ),
             )
             if sqrt_ggn.gradient_inputs is not None:
                 gradient_inputs = subsample(
                     sqrt_ggn.gradient_inputs, subsampling=subsampling_grad
                 )
         return LinearFactor(
-            sqrt_ggn.backproped * scale,
-            sqrt_ggn.inputs,
-            output_gradients,
-            gradient_inputs,
+            backproped, sqrt_ggn.inputs, output_gradients, gradient_inputs
         )
     scale = math.sqrt(batch_size / sqrt_ggn.shape[1])
     gradients = grad_batch.flatten(start_dim=1) * batch_size if with_gradients else None
