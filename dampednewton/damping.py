@@ -7,9 +7,9 @@ the direction (its step coefficient is zero). ``gammas`` are the per-sample slop
 (``[N_ggn, K]``) along the selected GGN eigenvectors.
 
 Stateful policies (:class:`LevenbergMarquardt`) additionally define
-``update(reduction_ratio)``; :class:`~dampednewton.DampedNewton` calls it after each
-step and keeps the policy (with its state) in the param group, hence in
-``state_dict``.
+``ratio_needed()`` and ``update(reduction_ratio)``;
+:class:`~dampednewton.DampedNewton` calls them after each step and keeps the policy
+(with its state) in the param group, hence in ``state_dict``.
 """
 
 from __future__ import annotations
@@ -196,6 +196,10 @@ class LevenbergMarquardt:
     ) -> Tensor:
         """Return the current ``δ`` for every direction."""
         return torch.full_like(evals, self.value)
+
+    def ratio_needed(self) -> bool:
+        """Whether the next :meth:`update` adapts ``δ`` (and so needs ``ρ``)."""
+        return (self.updates + 1) % self.interval == 0
 
     def update(self, reduction_ratio: float) -> None:
         """Adapt ``δ`` to the reduction ratio ``ρ`` of the last step.

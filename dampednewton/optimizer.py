@@ -15,9 +15,11 @@ from torch.optim import Optimizer
 
 from dampednewton.computations import DirectionalDampedNewtonComputation, NewtonStep
 from dampednewton.computations.base import Block
+from dampednewton.computations.extensions import NonFiniteModelOutput
 from dampednewton.computations.groups import validate_subsampling
 from dampednewton.criteria import Criterion, as_criterion
 from dampednewton.damping import Damping, as_damping
+from dampednewton.directional import quadratic_model_decrease
 
 CLOSURE_PATTERN = """\
     def closure():
@@ -32,6 +34,9 @@ SHARED_SETTINGS = ("mc_samples", "subsampling_ggn", "subsampling_grad")
 # Keys a group may carry besides the hyperparameters: a label, and LR schedulers' own.
 EXTRA_GROUP_KEYS = ("name", "initial_lr")
 GLOBAL = "global"
+# Warnings of step()'s helpers point at the user's call: helper, step, and the
+# profiling wrapper that torch.optim puts around every optimizer's step.
+STACKLEVEL_OF_CALLER = 4
 GROUPS = "groups"
 
 
@@ -54,6 +59,14 @@ class DampedNewton(Optimizer):
     :func:`backpack.extend` and the loss must use ``reduction='mean'``. All groups'
     steps are computed before any parameter moves; a refused step (error, or a
     non-finite loss or step) leaves parameters and optimizer state untouched.
+
+    Damping policies with an ``update`` method (:class:`LevenbergMarquardt`) are
+    adapted after each step by the reduction ratio of the loss, which calls the
+    closure a second time (outside the BackPACK context) on the same batch.
+
+    Damping policies with an ``update`` method (:class:`LevenbergMarquardt`) are
+    adapted after each step by the reduction ratio of the loss, which calls the
+    closure a second time (outside the BackPACK context) on the same batch.
 
     Every hyperparameter lives in the param groups. ``mc_samples``, ``subsampling_ggn``
     and ``subsampling_grad`` shape the single backward pass and must agree across
@@ -131,6 +144,7 @@ class DampedNewton(Optimizer):
             int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed)
         )
         self._generator: Generator | None = None
+        self._cached: tuple[tuple, _FiniteCurvatureComputation, list] | None = None
         self._warned_no_direction: set[int] = set()
         super().__init__(params, defaults)
         self.state[GLOBAL] = {"step": 0, "skipped_steps": 0}
@@ -191,13 +205,7 @@ class DampedNewton(Optimizer):
         _check_shared_settings(self.param_groups)
         generator = self._mc_generator()
         generator_state = None if generator is None else generator.get_state()
-        computation = _FiniteCurvatureComputation(
-            subsampling_grad=self.param_groups[0]["subsampling_grad"],
-            subsampling_ggn=self.param_groups[0]["subsampling_ggn"],
-            mc_samples_ggn=self.param_groups[0]["mc_samples"],
-            warn_small_eigvals=min(g["warn_small_eigvals"] for g in self.param_groups),
-            generator=generator,
-        )
+        computation, extensions = self._computation_and_extensions(generator)
         blocks = [
             {
                 "params": group["params"],
@@ -208,12 +216,16 @@ class DampedNewton(Optimizer):
         ]
         try:
             hook = computation.get_extension_hook(blocks)
-            with (
-                torch.enable_grad(),
-                backpack(*computation.get_extensions(), extension_hook=hook),
-            ):
-                loss = closure()
-            results = [self._result(computation, block) for block in blocks]
+            try:
+                with (
+                    torch.enable_grad(),
+                    backpack(*extensions, extension_hook=hook),
+                ):
+                    loss = closure()
+                results = [self._result(computation, block) for block in blocks]
+            except NonFiniteModelOutput:
+                # Raised inside backward, before the closure could return its loss.
+                loss, results = torch.tensor(math.nan), [None] * len(blocks)
             if self._refuse_nonfinite(loss, results, computation.curvature_finite):
                 if generator is not None:
                     generator.set_state(generator_state)
@@ -229,6 +241,7 @@ class DampedNewton(Optimizer):
                 for param, direction in zip(group["params"], result.step, strict=True):
                     param.add_(direction.to(param.dtype), alpha=group["lr"])
         self._record(results)
+        self._adapt_damping(closure, loss, results)
         return loss
 
     def state_dict(self) -> dict[str, Any]:
@@ -262,12 +275,79 @@ class DampedNewton(Optimizer):
         for key in (GLOBAL, GROUPS):
             if key in self.state:
                 self.state[key] = copy.deepcopy(self.state[key])
+        self._cached = None
         if extra is not None:
             self._seed = extra["seed"]
             self._generator = None
             if extra["generator"] is not None:
                 generator = self._mc_generator(create=True)
                 generator.set_state(extra["generator"])
+
+    def _computation_and_extensions(
+        self, generator: Generator | None
+    ) -> tuple[_FiniteCurvatureComputation, list]:
+        """The computation and its BackPACK extensions, reused while settings hold."""
+        first = self.param_groups[0]
+        warn_small_eigvals = min(g["warn_small_eigvals"] for g in self.param_groups)
+        key = (
+            first["mc_samples"],
+            tuple(first["subsampling_ggn"] or ()),
+            tuple(first["subsampling_grad"] or ()),
+            warn_small_eigvals,
+            id(generator),
+        )
+        if self._cached is None or self._cached[0] != key:
+            computation = _FiniteCurvatureComputation(
+                subsampling_grad=first["subsampling_grad"],
+                subsampling_ggn=first["subsampling_ggn"],
+                mc_samples_ggn=first["mc_samples"],
+                warn_small_eigvals=warn_small_eigvals,
+                generator=generator,
+            )
+            self._cached = (key, computation, computation.get_extensions())
+        computation = self._cached[1]
+        computation.curvature_finite = True
+        return computation, self._cached[2]
+
+    def _adapt_damping(
+        self,
+        closure: Callable[[], Tensor],
+        loss: Tensor,
+        results: list[NewtonStep | None],
+    ) -> None:
+        """Feed the reduction ratio to stateful damping policies (Levenberg-Marquardt).
+
+        ``ρ = (L(θ + s) − L(θ)) / q(s)`` with the quadratic model ``q`` of the steps
+        taken (``lr``-scaled, summed over groups); the loss after the step comes from
+        calling the closure again, outside the BackPACK context, on the same batch.
+        """
+        adaptive = [
+            group["damping"]
+            for group in self.param_groups
+            if hasattr(group["damping"], "update")
+        ]
+        if not adaptive:
+            return
+        ratio = math.nan
+        if any(policy.ratio_needed() for policy in adaptive):
+            predicted = sum(
+                quadratic_model_decrease(
+                    group["lr"] * result.coefficients,
+                    result.gamma_mean,
+                    result.lambda_mean,
+                ).item()
+                for group, result in zip(self.param_groups, results, strict=True)
+                if result is not None
+            )
+            with torch.enable_grad():
+                new_loss = closure().item()
+            if not math.isfinite(new_loss):
+                ratio = -math.inf
+            elif predicted != 0:
+                ratio = (new_loss - loss.item()) / predicted
+        for policy in adaptive:
+            policy.update(ratio)
+        self.state[GLOBAL]["reduction_ratio"] = ratio
 
     def _mc_generator(self, create: bool = False) -> Generator | None:
         if self.param_groups[0]["mc_samples"] == 0 and not create:
@@ -318,7 +398,7 @@ class DampedNewton(Optimizer):
             raise FloatingPointError(
                 message + " Pass nonfinite='skip' to skip such steps with a warning."
             )
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        warnings.warn(message, RuntimeWarning, stacklevel=STACKLEVEL_OF_CALLER)
         self.state[GLOBAL]["skipped_steps"] += 1
         return True
 
@@ -347,7 +427,7 @@ class DampedNewton(Optimizer):
                         f"The criterion of parameter group {index} selected no "
                         "direction: the group does not move this step (counted in "
                         "optimizer.state['groups'][i]['steps_without_direction']).",
-                        stacklevel=3,
+                        stacklevel=STACKLEVEL_OF_CALLER,
                     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
 from backpack.extensions.backprop_extension import BackpropExtension
-from torch import Generator, Tensor, cuda, get_rng_state, set_rng_state
+from torch import Generator, Tensor, cuda, get_rng_state, isfinite, set_rng_state
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
@@ -54,6 +54,10 @@ def _run_translating_errors(
         raise
 
 
+class NonFiniteModelOutput(FloatingPointError):
+    """The model output reaching the loss is not finite: no GGN can be sampled."""
+
+
 class ExactSqrtGGN(SqrtGGNExact):
     """:class:`backpack.extensions.SqrtGGNExact` with actionable error messages."""
 
@@ -89,6 +93,11 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension; sample from the generator at the loss."""
+        if isinstance(module, _Loss) and not isfinite(module.input0).all():
+            raise NonFiniteModelOutput(
+                "The model output is not finite, so the loss Hessian cannot be "
+                "sampled (Monte-Carlo GGN)."
+            )
         if self.generator is None or not isinstance(module, _Loss):
             _run_translating_errors(self, SqrtGGNMC, module, g_inp, g_out)
             return

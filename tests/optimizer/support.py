@@ -1,0 +1,174 @@
+"""Helpers of the optimizer tests: closures, layer groups, references, state checks."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dampednewton import DampedNewton
+from tests import reference
+
+NOISE_LEVEL = 1e-10
+"""Reference GGN eigenvalues below ``NOISE_LEVEL · λ_max`` are numerically zero."""
+
+
+def make_closure(
+    optimizer: DampedNewton,
+    model: Callable[[Tensor], Tensor],
+    loss_fn: nn.Module,
+    X: Tensor,
+    y: Tensor,
+) -> Callable[[], Tensor]:
+    """The closure pattern of ``DampedNewton.step``: zero_grad, forward, backward."""
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        loss = loss_fn(model(X), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def layer_groups(model: nn.Module) -> list[list[nn.Parameter]]:
+    """One group per layer with parameters; a lone layer is split into its tensors."""
+    layers = [
+        list(module.parameters(recurse=False))
+        for module in model.modules()
+        if next(module.parameters(recurse=False), None) is not None
+    ]
+    if len(layers) == 1:
+        return [[param] for param in layers[0]]
+    return layers
+
+
+def flat(tensors: Sequence[Tensor]) -> Tensor:
+    """Concatenate flattened tensors into a detached float64 vector."""
+    return torch.cat([t.detach().flatten() for t in tensors]).to(torch.float64)
+
+
+def copy_parameters(target: nn.Module, source: nn.Module) -> None:
+    """Copy the parameter values of ``source`` into ``target`` (cast to its dtype)."""
+    with torch.no_grad():
+        for to, origin in zip(target.parameters(), source.parameters(), strict=True):
+            to.copy_(origin)
+
+
+@dataclass
+class ReferenceStep:
+    """Brute-force float64 damped Newton step of one group and its ingredients.
+
+    Attributes:
+        step: Step ``s = Σ_k −γ̄_k/(λ̄_k + δ_k) e_k`` over the group, ``[D]``.
+        evals: Selected GGN eigenvalues, ascending, ``[K]``.
+        gamma_mean: Mean directional gradients (sign of ``eigh``'s eigenvectors).
+        lambda_mean: Mean directional curvatures.
+        damping: Damping per direction.
+        spectrum: All GGN eigenvalues of the block, numerically zero ones set to 0.
+    """
+
+    step: Tensor
+    evals: Tensor
+    gamma_mean: Tensor
+    lambda_mean: Tensor
+    damping: Tensor
+    spectrum: Tensor
+
+
+def reference_step(
+    model: nn.Module,
+    loss_fn: nn.Module,
+    params: Sequence[Tensor],
+    X: Tensor,
+    y: Tensor,
+    criterion: Any,
+    damping: Any,
+) -> ReferenceStep:
+    """Damped Newton step of a group from the explicit float64 GGN.
+
+    The criterion (``int k`` or a callable on ascending eigenvalues) is applied to
+    the GGN spectrum with numerically zero eigenvalues set to 0; a number is a
+    constant damping, a callable gets ``(evals, None, gammas, lambdas)``.
+    """
+    args = (model, loss_fn, list(params), X, y)
+    G = reference.ggn(*args)
+    Gn = reference.per_sample_ggns(*args)
+    grads = reference.per_sample_gradients(*args)
+    spectrum = torch.linalg.eigvalsh(G)
+    spectrum = torch.where(spectrum > NOISE_LEVEL * spectrum.max(), spectrum, 0.0)
+    if isinstance(criterion, int):
+        num_directions = min(criterion, int((spectrum > 0).sum()))
+    else:
+        num_directions = len(criterion(spectrum))
+    gammas, lambdas, evals, _ = reference.directional_derivatives(
+        G, Gn, grads, num_directions
+    )
+    if callable(damping):
+        delta = torch.as_tensor(damping(evals, None, gammas, lambdas))
+    else:
+        delta = torch.full((num_directions,), float(damping), dtype=G.dtype)
+    step = reference.damped_newton_step(G, Gn, grads, num_directions, delta)
+    return ReferenceStep(step, evals, gammas.mean(0), lambdas.mean(0), delta, spectrum)
+
+
+def snapshot(optimizer: DampedNewton) -> dict[str, Any]:
+    """A deep copy of the optimizer's state dict (it holds references otherwise)."""
+    return copy.deepcopy(optimizer.state_dict())
+
+
+def assert_same_state(actual: Any, expected: Any, path: str = "state_dict") -> None:
+    """Assert that two (nested) state dicts are equal; tensors bitwise."""
+    if isinstance(expected, Tensor):
+        assert isinstance(actual, Tensor), f"{path}: expected a tensor, got {actual!r}"
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected), (
+            f"{path}: tensors differ:\n  actual   {actual}\n  expected {expected}"
+        )
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict), f"{path}: expected a dict, got {actual!r}"
+        assert set(actual) == set(expected), (
+            f"{path}: keys differ: {sorted(map(str, actual))} vs "
+            f"{sorted(map(str, expected))}"
+        )
+        for key in expected:
+            assert_same_state(actual[key], expected[key], f"{path}[{key!r}]")
+    elif isinstance(expected, list | tuple):
+        assert type(actual) is type(expected) and len(actual) == len(expected), (
+            f"{path}: expected {expected!r}, got {actual!r}"
+        )
+        for index, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            assert_same_state(a, e, f"{path}[{index}]")
+    else:
+        assert actual == expected, f"{path}: expected {expected!r}, got {actual!r}"
+
+
+def assert_parameters_equal(params: Sequence[Tensor], expected: Sequence[Tensor]):
+    """Assert that parameters are bitwise equal to the saved values."""
+    assert len(params) == len(expected)
+    for index, (param, value) in enumerate(zip(params, expected, strict=True)):
+        assert torch.equal(param, value), f"parameter {index} changed"
+
+
+def seeded(module_factory: Callable[[], nn.Module], generator: torch.Generator):
+    """Build a float64 module with parameters ``~ N(0, 1/fan_in)`` from a generator.
+
+    The module is created on the meta device, so torch's global random state is not
+    used. ``fan_in`` is the number of weight entries per output unit.
+    """
+    with torch.device("meta"):
+        module = module_factory()
+    module = module.to_empty(device="cpu").to(torch.float64)
+    with torch.no_grad():
+        for layer in module.modules():
+            weight = getattr(layer, "weight", None)
+            if not isinstance(weight, nn.Parameter):
+                continue
+            for param in (weight, getattr(layer, "bias", None)):
+                if param is not None:
+                    draw = torch.randn(param.shape, generator=generator).double()
+                    param.copy_(draw * weight[0].numel() ** -0.5)
+    return module

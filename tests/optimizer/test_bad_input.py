@@ -1,0 +1,325 @@
+"""Bad input: a clear error, parameters bitwise unchanged, optimizer state unchanged.
+
+Step-time cases run after one good step in Monte-Carlo mode, so that the comparison
+of the state dicts also covers the statistics of the last step and the state of the
+optimizer's random generator (a refused step must not consume draws).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from backpack import extend
+from torch import nn
+from torch.func import functional_call
+
+from dampednewton import DampedNewton
+from tests.conftest import Case, build_case
+from tests.optimizer.support import (
+    assert_parameters_equal,
+    assert_same_state,
+    make_closure,
+    snapshot,
+)
+from tests.problems import LINEAR_MSE, PROBLEMS, Problem
+
+MLP_CE = PROBLEMS[0]
+CLOSURE_REQUIRED = r"(?s)needs a closure.*def closure\(\):.*loss\.backward\(\)"
+CALL_EXTEND = r"backpack\.extend\((model|loss_fn)\)"
+
+
+@dataclass(frozen=True)
+class BadConstruction:
+    """Arguments of ``DampedNewton(groups, **kwargs)`` that must be refused."""
+
+    id: str
+    kwargs: dict[str, Any]
+    error: type[Exception]
+    match: str
+    group: dict[str, Any] = field(default_factory=dict)
+
+
+CONSTRUCTION_CASES = [
+    BadConstruction("negative-lr", {"lr": -0.1}, ValueError, "Invalid learning rate"),
+    BadConstruction("nan-lr", {"lr": math.nan}, ValueError, "Invalid learning rate"),
+    BadConstruction("negative-damping", {"damping": -1.0}, ValueError, ">= 0"),
+    BadConstruction("inf-damping", {"damping": math.inf}, ValueError, "finite"),
+    BadConstruction("damping-string", {"damping": "lm"}, TypeError, "damping must"),
+    BadConstruction("criterion-k-0", {"criterion": 0}, ValueError, "k >= 1"),
+    BadConstruction("criterion-string", {"criterion": "top"}, TypeError, "int k"),
+    BadConstruction("negative-mc-samples", {"mc_samples": -1}, ValueError, ">= 0"),
+    BadConstruction(
+        "repeated-subsampling", {"subsampling_ggn": [0, 0]}, ValueError, "repeats"
+    ),
+    BadConstruction("nonfinite-mode", {"nonfinite": "ignore"}, ValueError, "'skip'"),
+    BadConstruction(
+        "unknown-keyword",
+        {"momentum": 0.9},
+        TypeError,
+        "unexpected keyword argument 'momentum'",
+    ),
+    BadConstruction(
+        "unknown-group-key",
+        {},
+        ValueError,
+        r"Unknown hyperparameters \['momentum'\]",
+        group={"momentum": 0.9},
+    ),
+    BadConstruction("group-negative-lr", {}, ValueError, "learning rate", {"lr": -1}),
+]
+
+
+@pytest.mark.parametrize("bad", CONSTRUCTION_CASES, ids=lambda bad: bad.id)
+def test_bad_construction(bad: BadConstruction):
+    case = build_case(MLP_CE)
+    params = list(case.model.parameters())
+    values = [p.detach().clone() for p in params]
+    with pytest.raises(bad.error, match=bad.match):
+        DampedNewton([{"params": params, **bad.group}], **bad.kwargs)
+    assert_parameters_equal(params, values)
+
+
+def test_groups_with_differing_shared_settings_are_refused():
+    case = build_case(MLP_CE)
+    first, second = (list(layer.parameters()) for layer in case.model[::2])
+    groups = [{"params": first}, {"params": second, "mc_samples": 1}]
+    with pytest.raises(ValueError, match="'mc_samples' must be the same in all"):
+        DampedNewton(groups)
+
+
+ADD_GROUP_CASES = {
+    "negative-lr": ({"lr": -0.5}, ValueError, "Invalid learning rate"),
+    "negative-damping": ({"damping": -0.1}, ValueError, ">= 0"),
+    "criterion-k-0": ({"criterion": 0}, ValueError, "k >= 1"),
+    "unknown-key": ({"betas": (0.9, 0.99)}, ValueError, "Unknown hyperparameters"),
+    "other-mc-samples": ({"mc_samples": 0}, ValueError, "'mc_samples' must be"),
+    "other-subsampling-ggn": (
+        {"subsampling_ggn": [0, 1]},
+        ValueError,
+        "'subsampling_ggn' must be",
+    ),
+    "other-subsampling-grad": (
+        {"subsampling_grad": [2]},
+        ValueError,
+        "'subsampling_grad' must be",
+    ),
+    "parameter-in-two-groups": ({"first": True}, ValueError, "more than one"),
+}
+
+
+@pytest.mark.parametrize("bad", ADD_GROUP_CASES.values(), ids=ADD_GROUP_CASES.keys())
+def test_bad_add_param_group(bad: tuple[dict, type[Exception], str]):
+    settings, error, match = bad
+    case = build_case(MLP_CE)
+    first, second = (list(layer.parameters()) for layer in case.model[::2])
+    optimizer = DampedNewton(first, criterion=2, mc_samples=1, seed=0)
+    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
+    params = list(case.model.parameters())
+    values = [p.detach().clone() for p in params]
+    before = snapshot(optimizer)
+    settings = dict(settings)
+    new_params = first if settings.pop("first", False) else second
+
+    with pytest.raises(error, match=match):
+        optimizer.add_param_group({"params": new_params, **settings})
+
+    assert len(optimizer.param_groups) == 1
+    assert_same_state(snapshot(optimizer), before)
+    assert_parameters_equal(params, values)
+
+
+@dataclass(frozen=True)
+class BadStep:
+    """A refused ``step``: ``prepare`` returns the call that must raise.
+
+    Attributes:
+        id: Readable identifier.
+        prepare: Gets the case and the optimizer (after one good step); may change a
+            group, and returns the bad call.
+        error: Expected exception type.
+        match: Regular expression the message must contain.
+        problem: Problem the case is built from.
+        mc_samples: Monte-Carlo samples of the optimizer (``0``: exact GGN).
+    """
+
+    id: str
+    prepare: Callable[[Case, DampedNewton], Callable[[], Any]]
+    error: type[Exception]
+    match: str
+    problem: Problem = MLP_CE
+    mc_samples: int = 1
+
+
+def _closure_on(inputs_scale: float = 1.0, nan_at: tuple[int, int] | None = None):
+    """A closure on modified inputs (scaled, or with a NaN entry)."""
+
+    def prepare(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
+        X = case.X * inputs_scale
+        if nan_at is not None:
+            X[nan_at] = math.nan
+        return lambda: optimizer.step(
+            make_closure(optimizer, case.model, case.loss_fn, X, case.y)
+        )
+
+    return prepare
+
+
+def _plain_model(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
+    """The optimizer's parameters in a forward pass of a model without BackPACK."""
+    params = dict(case.model.named_parameters())
+
+    def model(X):
+        return functional_call(case.reference_model, params, (X,))
+
+    return lambda: optimizer.step(
+        make_closure(optimizer, model, case.loss_fn, case.X, case.y)
+    )
+
+
+def _plain_loss(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
+    loss_fn = case.reference_loss_fn
+    return lambda: optimizer.step(
+        make_closure(optimizer, case.model, loss_fn, case.X, case.y)
+    )
+
+
+def _sum_loss(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
+    loss_fn = extend(nn.CrossEntropyLoss(reduction="sum"))
+    return lambda: optimizer.step(
+        make_closure(optimizer, case.model, loss_fn, case.X, case.y)
+    )
+
+
+def _set_in_group(key: str, value: Any, index: int = -1):
+    """Change a group's setting directly, as a scheduler would, then step."""
+
+    def prepare(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
+        optimizer.param_groups[index][key] = value
+        return _closure_on()(case, optimizer)
+
+    return prepare
+
+
+def _returns_no_loss(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+
+    def no_loss():
+        closure()
+
+    return lambda: optimizer.step(no_loss)
+
+
+NONFINITE_CASES = [
+    BadStep(
+        "nan-input",
+        _closure_on(nan_at=(0, 0)),
+        FloatingPointError,
+        "the loss is nan",
+        mc_samples=0,
+    ),
+    BadStep(
+        "inf-input",
+        _closure_on(math.inf),
+        FloatingPointError,
+        "the loss is (nan|inf)",
+        mc_samples=0,
+    ),
+    BadStep(
+        "overflowing-ggn",
+        _closure_on(1e200),
+        FloatingPointError,
+        r"step is not finite \(the GGN is not finite\)",
+    ),
+    # Finite loss and GGN; the products of gradients and GGN factors overflow.
+    BadStep(
+        "overflowing-step",
+        _closure_on(1e110),
+        FloatingPointError,
+        "step is not finite",
+        problem=LINEAR_MSE,
+        mc_samples=0,
+    ),
+]
+STEP_CASES = [
+    BadStep("no-closure", lambda case, opt: opt.step, RuntimeError, CLOSURE_REQUIRED),
+    BadStep("model-not-extended", _plain_model, RuntimeError, CALL_EXTEND),
+    BadStep("loss-not-extended", _plain_loss, RuntimeError, CALL_EXTEND),
+    BadStep("reduction-sum", _sum_loss, ValueError, "reduction='sum'"),
+    *NONFINITE_CASES,
+    BadStep("closure-without-loss", _returns_no_loss, TypeError, "return the loss"),
+    BadStep("lr-set-negative", _set_in_group("lr", -1.0), ValueError, "learning rate"),
+    BadStep("damping-set-negative", _set_in_group("damping", -1.0), ValueError, ">= 0"),
+    BadStep("criterion-set-0", _set_in_group("criterion", 0), ValueError, "k >= 1"),
+    BadStep(
+        "mc-samples-set-in-one-group",
+        _set_in_group("mc_samples", 2),
+        ValueError,
+        "'mc_samples' must be the same",
+    ),
+]
+
+
+def test_nan_input_in_monte_carlo_mode_is_a_nonfinite_step():
+    bad = BadStep("nan-input-mc", _closure_on(nan_at=(0, 0)), FloatingPointError, "")
+    case, optimizer = _optimizer_after_one_step(bad)
+    with pytest.raises(FloatingPointError, match="the loss is nan"):
+        bad.prepare(case, optimizer)()
+
+
+def _optimizer_after_one_step(
+    bad: BadStep, nonfinite: str = "raise"
+) -> tuple[Case, DampedNewton]:
+    case = build_case(bad.problem)
+    first, *rest = (p for layer in case.model.children() for p in layer.parameters())
+    optimizer = DampedNewton(
+        [{"params": [first]}, {"params": rest, "lr": 0.5}],
+        damping=1.0,
+        criterion=1,
+        mc_samples=bad.mc_samples,
+        nonfinite=nonfinite,
+        seed=0,
+    )
+    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
+    return case, optimizer
+
+
+@pytest.mark.parametrize("bad", STEP_CASES, ids=lambda bad: bad.id)
+def test_refused_step_changes_nothing(bad: BadStep):
+    case, optimizer = _optimizer_after_one_step(bad)
+    call = bad.prepare(case, optimizer)
+    params = list(case.model.parameters())
+    values = [p.detach().clone() for p in params]
+    before = snapshot(optimizer)
+
+    with pytest.raises(bad.error, match=bad.match):
+        call()
+
+    assert_parameters_equal(params, values)
+    assert_same_state(snapshot(optimizer), before)
+
+
+@pytest.mark.parametrize("bad", NONFINITE_CASES, ids=lambda bad: bad.id)
+def test_nonfinite_step_is_skipped_with_a_warning(bad: BadStep):
+    case, optimizer = _optimizer_after_one_step(bad, nonfinite="skip")
+    call = bad.prepare(case, optimizer)
+    params = list(case.model.parameters())
+    values = [p.detach().clone() for p in params]
+    expected = snapshot(optimizer)
+    expected["state"]["global"]["skipped_steps"] += 1
+
+    with pytest.warns(RuntimeWarning, match="refused the update: .*" + bad.match) as w:
+        loss = call()
+
+    assert isinstance(loss, torch.Tensor) and loss.shape == ()
+    refusals = [r for r in w if "refused" in str(r.message)]
+    assert [Path(r.filename) for r in refusals] == [Path(__file__)], (
+        "the warning must point at the caller of step()"
+    )
+    assert_parameters_equal(params, values)
+    assert_same_state(snapshot(optimizer), expected)

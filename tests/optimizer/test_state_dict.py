@@ -1,0 +1,139 @@
+"""Checkpointing: ``state_dict`` → ``torch.save`` → ``torch.load`` → fresh optimizer."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from dampednewton import (
+    ConstantDamping,
+    DampedNewton,
+    EigenvalueThreshold,
+    RelativeThreshold,
+    TopK,
+)
+from tests.conftest import Case, build_case
+from tests.optimizer.support import (
+    assert_parameters_equal,
+    assert_same_state,
+    make_closure,
+    snapshot,
+)
+from tests.problems import PROBLEMS
+
+MLP_CE = PROBLEMS[0]
+STEPS_BEFORE, STEPS_AFTER = 2, 3
+MODES = {"exact": 0, "monte-carlo": 1}
+
+
+def make_optimizer(case: Case, mc_samples: int, seed: int) -> DampedNewton:
+    """Three groups with the picklable built-in policies and the shorthands."""
+    first, _, last = case.model
+    groups = [
+        {
+            "params": list(first.parameters()),
+            "damping": ConstantDamping(2.0),
+            "criterion": TopK(3),
+            "name": "input layer",
+        },
+        {"params": [last.weight], "lr": 0.5, "criterion": RelativeThreshold(0.01)},
+        {"params": [last.bias], "criterion": EigenvalueThreshold(1e-6)},
+    ]
+    return DampedNewton(
+        groups, damping=1.0, criterion=2, mc_samples=mc_samples, seed=seed
+    )
+
+
+def run(optimizer: DampedNewton, case: Case, steps: int) -> None:
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    for _ in range(steps):
+        optimizer.step(closure)
+
+
+def checkpoint(case: Case, optimizer: DampedNewton) -> dict:
+    """Save model and optimizer through a buffer; load with torch.load's defaults."""
+    buffer = io.BytesIO()
+    torch.save(
+        {"model": case.model.state_dict(), "optimizer": optimizer.state_dict()}, buffer
+    )
+    buffer.seek(0)
+    return torch.load(buffer)  # weights_only=True by default
+
+
+@pytest.mark.parametrize("mc_samples", MODES.values(), ids=MODES.keys())
+def test_resumed_optimizer_continues_in_lock_step(mc_samples: int):
+    original = build_case(MLP_CE)
+    optimizer = make_optimizer(original, mc_samples, seed=1)
+    run(optimizer, original, STEPS_BEFORE)
+    saved = checkpoint(original, optimizer)
+
+    resumed = build_case(MLP_CE)
+    resumed.model.load_state_dict(saved["model"])
+    # A different seed: only the loaded generator state can make the draws agree.
+    resumed_optimizer = make_optimizer(resumed, mc_samples, seed=2)
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    assert_same_state(snapshot(resumed_optimizer), snapshot(optimizer))
+
+    run(optimizer, original, STEPS_AFTER)
+    run(resumed_optimizer, resumed, STEPS_AFTER)
+
+    assert_parameters_equal(
+        list(resumed.model.parameters()), list(original.model.parameters())
+    )
+    assert_same_state(snapshot(resumed_optimizer), snapshot(optimizer))
+    assert optimizer.state["global"]["step"] == STEPS_BEFORE + STEPS_AFTER
+    # Every group moved in every step, so all of them were compared.
+    assert [s["steps_without_direction"] for s in optimizer.state["groups"]] == [0] * 3
+
+
+def test_generator_state_matters_for_monte_carlo():
+    """Control for the lock-step test: without the saved generator, MC steps differ."""
+    original = build_case(MLP_CE)
+    optimizer = make_optimizer(original, mc_samples=1, seed=1)
+    run(optimizer, original, STEPS_BEFORE)
+    saved = checkpoint(original, optimizer)
+    del saved["optimizer"]["dampednewton"]
+
+    resumed = build_case(MLP_CE)
+    resumed.model.load_state_dict(saved["model"])
+    resumed_optimizer = make_optimizer(resumed, mc_samples=1, seed=2)
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    run(optimizer, original, 1)
+    run(resumed_optimizer, resumed, 1)
+
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(
+            resumed.model.parameters(), original.model.parameters(), strict=True
+        )
+    )
+
+
+def test_monte_carlo_is_reproducible_from_the_seed_and_private():
+    """Same seed, same trajectory; the global random state is never touched."""
+    trajectories = []
+    for _ in range(2):
+        case = build_case(MLP_CE)
+        optimizer = make_optimizer(case, mc_samples=1, seed=5)
+        global_state = torch.get_rng_state()
+        run(optimizer, case, 3)
+        assert torch.equal(torch.get_rng_state(), global_state)
+        trajectories.append(list(case.model.parameters()))
+    assert_parameters_equal(trajectories[0], trajectories[1])
+
+
+def test_loaded_state_is_not_shared_with_its_source():
+    """Loading in memory copies the counters: stepping one leaves the other alone."""
+    source_case, target_case = build_case(MLP_CE), build_case(MLP_CE)
+    source = make_optimizer(source_case, mc_samples=1, seed=1)
+    run(source, source_case, 1)
+    target = make_optimizer(target_case, mc_samples=1, seed=2)
+    target.load_state_dict(source.state_dict())
+    before = snapshot(source)
+
+    run(target, target_case, 2)
+
+    assert_same_state(snapshot(source), before)
+    assert target.state["global"]["step"] == 3
