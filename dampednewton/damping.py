@@ -6,6 +6,10 @@ the direction (its step coefficient is zero). ``gammas`` are the per-sample slop
 ``γ_nk`` (``[N_grad, K]``) and ``lambdas`` the per-sample curvatures ``λ_nk``
 (``[N_ggn, K]``) along the selected GGN eigenvectors.
 
+Policies that only need the mean slopes declare ``uses_sample_statistics = False``;
+then :class:`~dampednewton.DampedNewton` skips individual gradients (``gammas`` is the
+``[1, K]`` mean). Callables without the attribute get per-sample slopes.
+
 Stateful policies (:class:`LevenbergMarquardt`) additionally define
 ``ratio_needed()`` and ``update(reduction_ratio)``;
 :class:`~dampednewton.DampedNewton` calls them after each step and keeps the policy
@@ -17,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -32,6 +37,7 @@ class ConstantDamping:
         value: Non-negative damping.
     """
 
+    uses_sample_statistics: ClassVar[bool] = False
     value: float
 
     def __post_init__(self) -> None:
@@ -83,6 +89,7 @@ class NoiseAwareDamping:
         z: Number of standard errors (``>= 0``); 0 gives constant damping ``δ₀``.
     """
 
+    uses_sample_statistics: ClassVar[bool] = True
     base: float = 1e-4
     z: float = 1.0
 
@@ -127,6 +134,7 @@ class GSNRDamping:
         base: ``δ₀ >= 0``, the damping without noise.
     """
 
+    uses_sample_statistics: ClassVar[bool] = True
     base: float = 1e-4
 
     def __post_init__(self) -> None:
@@ -167,6 +175,7 @@ class LevenbergMarquardt:
         updates: Number of :meth:`update` calls so far (state).
     """
 
+    uses_sample_statistics: ClassVar[bool] = False
     value: float = 1.0
     decrease: float = 2 / 3
     increase: float = 3 / 2

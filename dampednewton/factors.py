@@ -65,6 +65,17 @@ class DenseFactor:
         """Return ``g_nᵀ V_p`` for every per-sample gradient (``[N', C·N]``)."""
         return self.gradients @ self.matrix.T
 
+    def mean_gradient_products(self, gradient: Tensor) -> Tensor:
+        """Return ``ḡᵀ V_p`` for one (mean) gradient shaped like the parameter.
+
+        Args:
+            gradient: The parameter's gradient.
+
+        Returns:
+            ``[1, C·N]`` products.
+        """
+        return gradient.reshape(1, -1) @ self.matrix.T
+
     def apply(self, vectors: Tensor) -> Tensor:
         """Map Gram-space vectors ``[C·N(, K)]`` to ``p.shape`` (``[K, *p.shape]``)."""
         columns, leading = _as_columns(vectors)
@@ -140,6 +151,23 @@ class LinearFactor:
             lambda: self.gradient_inputs @ self.inputs.T,
         )
         return products * kernel.repeat(1, num_outputs)
+
+    def mean_gradient_products(self, gradient: Tensor) -> Tensor:
+        """Return ``ḡᵀ V_p``: ``b_cmᵀ ḡ_W x_m`` (weight) or ``b_cmᵀ ḡ_b`` (bias).
+
+        Args:
+            gradient: The parameter's gradient ``[d_out, d_in]`` or ``[d_out]``.
+
+        Returns:
+            ``[1, C·N]`` products.
+        """
+        if self.inputs is None:
+            products = self.backproped @ gradient
+        else:
+            products = torch.einsum(
+                "cmo,mo->cm", self.backproped, self.inputs @ gradient.T
+            )
+        return products.reshape(1, -1)
 
     def _outer(self) -> Tensor:
         return self._rows @ self._rows.T

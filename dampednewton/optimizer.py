@@ -289,7 +289,12 @@ class DampedNewton(Optimizer):
         """The computation and its BackPACK extensions, reused while settings hold."""
         first = self.param_groups[0]
         warn_small_eigvals = min(g["warn_small_eigvals"] for g in self.param_groups)
+        per_sample_gradients = first["subsampling_grad"] is not None or any(
+            getattr(as_damping(g["damping"]), "uses_sample_statistics", True)
+            for g in self.param_groups
+        )
         key = (
+            per_sample_gradients,
             first["mc_samples"],
             tuple(first["subsampling_ggn"] or ()),
             tuple(first["subsampling_grad"] or ()),
@@ -303,6 +308,7 @@ class DampedNewton(Optimizer):
                 mc_samples_ggn=first["mc_samples"],
                 warn_small_eigvals=warn_small_eigvals,
                 generator=generator,
+                per_sample_gradients=per_sample_gradients,
             )
             self._cached = (key, computation, computation.get_extensions())
         computation = self._cached[1]

@@ -74,6 +74,9 @@ class GGNComputation:
     required_group_keys: tuple[str, ...] = ()
     keeps_factors: bool = False
     needs_gradients: bool = False
+    # Finish blocks in get_result (after backward, when `.grad` is complete) rather
+    # than in the hook.
+    defers_finish: bool = False
 
     def __init__(
         self,
@@ -124,6 +127,7 @@ class GGNComputation:
         self._groups: list[dict] = []
         self._group_of_param: dict[int, int] = {}
         self._blocks: dict[int, Block] = {}
+        self._ready: dict[tuple[int, ...], Block] = {}
         self._results: dict[tuple[int, ...], Any] = {}
         self._batch_size: int | None = None
 
@@ -199,6 +203,8 @@ class GGNComputation:
             KeyError: If there is no result for the group.
         """
         key = group_key(group)
+        if key in self._ready:
+            self._results[key] = self._finish(self._ready.pop(key))
         if key not in self._results:
             pending = next(
                 (b.pending for b in self._blocks.values() if group_key(b.group) == key),
@@ -217,6 +223,7 @@ class GGNComputation:
 
     def _reset(self) -> None:
         self._blocks = {}
+        self._ready = {}
         self._results = {}
         self._batch_size = None
         for index, group in enumerate(self._groups):
@@ -258,7 +265,10 @@ class GGNComputation:
                 self._reduce(block, param, module, shared)
                 if not block.pending:
                     self._print(f"group {index}: all parameters reduced")
-                    self._results[group_key(block.group)] = self._finish(block)
+                    if self.defers_finish:
+                        self._ready[group_key(block.group)] = block
+                    else:
+                        self._results[group_key(block.group)] = self._finish(block)
                     del self._blocks[index]
             self._free(param)
 

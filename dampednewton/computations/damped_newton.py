@@ -70,6 +70,7 @@ class DirectionalDampedNewtonComputation(GGNComputation):
         *,
         generator: Generator | None = None,
         structured: bool = True,
+        per_sample_gradients: bool = True,
     ):
         """Specify the gradient and GGN approximations (none by default).
 
@@ -82,7 +83,20 @@ class DirectionalDampedNewtonComputation(GGNComputation):
             generator: Random source for Monte-Carlo sampling (``None``: global).
             structured: Exploit ``nn.Linear``'s Kronecker structure (``False``:
                 materialize square roots and individual gradients, the reference).
+            per_sample_gradients: ``False`` skips individual gradients: ``γ̄_k =
+                ḡᵀ e_k`` comes from the parameters' ``.grad`` after the backward pass,
+                and the damping policies receive ``γ̄`` as ``gammas`` (``[1, K]``).
+                Then the step is formed in :meth:`get_result`, which must be called
+                before the gradients change; ``subsampling_grad`` must be ``None``.
+
+        Raises:
+            ValueError: For ``subsampling_grad`` without per-sample gradients.
         """
+        if not per_sample_gradients and subsampling_grad is not None:
+            raise ValueError(
+                "subsampling_grad needs per_sample_gradients=True: the mean gradient "
+                "comes from .grad, which holds the whole batch."
+            )
         super().__init__(
             subsampling_ggn=subsampling_ggn,
             subsampling_grad=subsampling_grad,
@@ -92,11 +106,20 @@ class DirectionalDampedNewtonComputation(GGNComputation):
             generator=generator,
             structured=structured,
         )
+        self.needs_gradients = per_sample_gradients
+        self.defers_finish = not per_sample_gradients
 
     def _finish(self, block: Block) -> NewtonStep:
         directions = select_directions(block, self._warn_small_eigvals)
         evals, gram_evecs = directions.evals, directions.gram_evecs
-        gammas = directional_gradients(block.gradient_products, gram_evecs, evals)
+        products = block.gradient_products
+        if not self.needs_gradients:
+            products = sum(
+                block.factors[id(p)].mean_gradient_products(_gradient_of(p))
+                for p in block.group["params"]
+                if id(p) in block.factors
+            )
+        gammas = directional_gradients(products, gram_evecs, evals)
         lambdas = directional_curvatures(
             gram_evecs, evals, block.num_outputs, block.num_samples
         )
@@ -143,3 +166,12 @@ class DirectionalDampedNewtonComputation(GGNComputation):
             KeyError: If there is no result for the group.
         """
         return super().get_result(group)
+
+
+def _gradient_of(param: Tensor) -> Tensor:
+    if param.grad is None:
+        raise RuntimeError(
+            "A parameter of the block has no .grad after the backward pass; with "
+            "per_sample_gradients=False, call get_result before zeroing gradients."
+        )
+    return param.grad

@@ -13,6 +13,7 @@ from dampednewton import (
     EigenvalueThreshold,
     EighComputation,
     EigvalshComputation,
+    TopK,
 )
 from tests.assertions import assert_close
 from tests.conftest import make_groups
@@ -103,3 +104,34 @@ def test_structured_equals_materialized(
             strict=True,
         ):
             assert_close(a, b, rtol=1e-8, atol=1e-12, name=computation_name)
+
+
+@pytest.mark.parametrize("structured", [True, False], ids=["structured", "dense"])
+@pytest.mark.parametrize("structure", ["full", "per-layer"])
+@pytest.mark.parametrize("problem_id", CASES)
+def test_mean_gradient_mode_equals_per_sample_mode(problem_id, structure, structured):
+    """``γ̄ = ḡᵀ e_k`` from ``.grad`` gives the step of the per-sample route."""
+    steps = []
+    for per_sample_gradients in (True, False):
+        model, loss_fn, X, y = build(problem_id)
+        model, loss_fn = extend(model), extend(loss_fn)
+        groups = make_groups(model, structure, criterion=TopK(3), damping=0.3)
+        computation = DirectionalDampedNewtonComputation(
+            subsampling_ggn=[0, 2],
+            structured=structured,
+            per_sample_gradients=per_sample_gradients,
+        )
+        hook = computation.get_extension_hook(groups)
+        with backpack(*computation.get_extensions(), extension_hook=hook):
+            loss_fn(model(X), y).backward()
+        steps.append(invariants("newton", computation.get_result(groups[0])))
+        details = computation.get_details(groups[0])
+        assert details.gamma_mean.shape == details.evals.shape
+    assert_close(steps[1][0], steps[0][0], rtol=1e-9, atol=1e-12, name="mean mode")
+
+
+def test_mean_gradient_mode_refuses_gradient_subsampling():
+    with pytest.raises(ValueError, match="subsampling_grad"):
+        DirectionalDampedNewtonComputation(
+            subsampling_grad=[0], per_sample_gradients=False
+        )
