@@ -25,7 +25,6 @@ test: lint
 
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --multirun +sweep=default
-	$(PY) benchmarks/report.py
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -2,7 +2,9 @@
 
 A criterion receives a block's Gram eigenvalues in ascending order and returns the
 indices of the selected ones (ViViT's convention). The built-in policies only select
-strictly positive eigenvalues: dividing by ``√λ`` is meaningless for ``λ ≤ 0``.
+numerically positive eigenvalues, above the round-off level ``n·ε·λ_max`` of a
+symmetric eigensolver on an ``n×n`` Gram matrix: dividing by ``√λ`` is meaningless
+for eigenvalues that are zero up to round-off.
 """
 
 from __future__ import annotations
@@ -17,13 +19,28 @@ from torch import Tensor
 Criterion = Callable[[Tensor], Sequence[int]]
 
 
+def numerical_zero(evals: Tensor) -> float:
+    """Round-off level of eigenvalues of an ``n×n`` symmetric matrix: ``n·ε·λ_max``.
+
+    Args:
+        evals: All eigenvalues of the matrix.
+
+    Returns:
+        The level below which an eigenvalue is zero up to round-off (``>= 0``).
+    """
+    if evals.numel() == 0:
+        return 0.0
+    eps = torch.finfo(evals.dtype).eps
+    return max(evals.max().item(), 0.0) * evals.numel() * eps
+
+
 def _positive_indices(evals: Tensor) -> Tensor:
-    return torch.nonzero(evals > 0).flatten()
+    return torch.nonzero(evals > numerical_zero(evals)).flatten()
 
 
 @dataclass(frozen=True)
 class TopK:
-    """Select the ``k`` largest strictly positive eigenvalues.
+    """Select the ``k`` largest numerically positive eigenvalues.
 
     Attributes:
         k: Number of directions (at least 1). Fewer are selected when fewer
@@ -88,7 +105,7 @@ class RelativeThreshold:
         """Return the indices of the selected eigenvalues (ascending)."""
         if evals.numel() == 0 or evals.max() <= 0:
             return []
-        keep = (evals >= self.fraction * evals.max()) & (evals > 0)
+        keep = (evals >= self.fraction * evals.max()) & (evals > numerical_zero(evals))
         return torch.nonzero(keep).flatten().tolist()
 
 

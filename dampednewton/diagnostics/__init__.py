@@ -22,6 +22,7 @@ from dampednewton.diagnostics.bin_adaptation import (
 )
 from dampednewton.diagnostics.log import DiagnosticsLog
 from dampednewton.diagnostics.monitor import DiagnosticsMonitor
+from dampednewton.diagnostics.reducers import MissingQuantityError
 from dampednewton.diagnostics.schedules import (
     DecadeSchedule,
     EveryKSteps,
@@ -47,6 +48,7 @@ __all__ = [
     "GradientParameterHistogram",
     "LogSpacedSchedule",
     "MaxAbsRange",
+    "MissingQuantityError",
     "NoiseScale",
     "PercentileRange",
 ]

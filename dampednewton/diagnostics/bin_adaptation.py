@@ -72,6 +72,17 @@ def quantile(values: Tensor, q: float) -> float:
     return lower + fraction * (upper - lower)
 
 
+def _largest_finite_magnitude(values: Tensor) -> float:
+    if values.numel() == 0:
+        return 0.0
+    largest = values.detach().abs().amax().item()
+    if math.isfinite(largest):
+        return largest
+    # Only with infinities or NaNs (which propagate through amax): filter them.
+    finite = finite_values(values)
+    return finite.abs().amax().item() if finite.numel() > 0 else 0.0
+
+
 def _check_padding(padding: float) -> None:
     if not (math.isfinite(padding) and padding >= 0):
         raise ValueError(f"padding must be finite and ≥ 0, got {padding}.")
@@ -92,9 +103,7 @@ def max_abs_range(values: Tensor, padding: float) -> tuple[float, float]:
         ValueError: If ``padding`` is negative or not finite.
     """
     _check_padding(padding)
-    finite = finite_values(values)
-    largest = finite.abs().max().item() if finite.numel() > 0 else 0.0
-    half_width = largest * (1.0 + padding)
+    half_width = _largest_finite_magnitude(values) * (1.0 + padding)
     if not half_width > 0 or not math.isfinite(half_width):
         return FALLBACK_RANGE
     return (-half_width, half_width)

@@ -26,10 +26,6 @@ from torch import Tensor
 DEFAULT_CHUNK_SIZE = 2**22
 """Elements binned at once; bounds the temporary memory of large inputs."""
 
-# Region codes of an element relative to the range.
-_BELOW, _INSIDE, _ABOVE, _NAN = 0, 1, 2, 3
-_NUM_REGIONS = 4
-
 
 class Histogram1d(NamedTuple):
     """Counts of a one-dimensional histogram.
@@ -105,31 +101,35 @@ def uniform_bin_edges(
     return edges if like is None else edges.to(device=like.device)
 
 
-def _bin_codes(values: Tensor, edges: Tensor) -> tuple[Tensor, Tensor]:
-    """Bin index (valid where inside) and region code of every value.
+def _bin_codes(values: Tensor, edges: Tensor) -> Tensor:
+    """Code per value: 0 below, ``i + 1`` in bin ``i``, ``B + 1`` above, ``B + 2`` NaN.
 
     Args:
         values: Data, any shape, same dtype and device as ``edges``.
-        edges: Uniform edges from :func:`uniform_bin_edges`.
+        edges: Increasing edges of ``B`` bins.
 
     Returns:
-        ``(index, region)``, both int64 shaped like ``values``.
+        int64 codes shaped like ``values``.
     """
     bins = edges.numel() - 1
-    low, high = edges[0], edges[-1]
-    scaled = (values - low) / (high - low) * bins
-    index = torch.nan_to_num(scaled, nan=0.0, posinf=bins - 1, neginf=0.0)
-    index = index.clamp_(0, bins - 1).to(torch.int64)
-    # The arithmetic index can be one off near an edge; correct it against the
-    # edges themselves, as numpy.histogram does.
-    index -= (values < edges[index]).to(torch.int64)
-    index.clamp_(min=0)
-    index += ((values >= edges[index + 1]) & (index != bins - 1)).to(torch.int64)
-    region = torch.full_like(index, _INSIDE)
-    region.masked_fill_(values < low, _BELOW)
-    region.masked_fill_(values > high, _ABOVE)
-    region.masked_fill_(values.isnan(), _NAN)
-    return index, region
+    # right=True: code i means edges[i − 1] ≤ x < edges[i]; x = high, +inf and NaN
+    # all get B + 1 and are then told apart.
+    codes = torch.bucketize(values, edges, right=True)
+    codes.masked_fill_(values == edges[-1], bins)
+    codes.masked_fill_(values.isnan(), bins + 2)
+    return codes
+
+
+def _collapse(table: Tensor, bins: int, dim: int) -> Tensor:
+    """Sum the codes of ``table`` along ``dim`` into below, inside, above."""
+    return torch.stack(
+        [
+            table.narrow(dim, 0, 1).sum(dim),
+            table.narrow(dim, 1, bins).sum(dim),
+            table.narrow(dim, bins + 1, 1).sum(dim),
+        ],
+        dim,
+    )
 
 
 def _check_floating(name: str, values: Tensor) -> None:
@@ -164,17 +164,15 @@ def histogram1d(
     _check_floating("values", values)
     _check_chunk_size(chunk_size)
     edges = uniform_bin_edges(low, high, bins, like=values)
-    totals = torch.zeros(bins + _NUM_REGIONS, dtype=torch.int64, device=values.device)
+    totals = torch.zeros(bins + 3, dtype=torch.int64, device=values.device)
     for chunk in values.detach().reshape(-1).split(chunk_size):
-        index, region = _bin_codes(chunk, edges)
-        code = torch.where(region == _INSIDE, index, bins + region)
-        totals += torch.bincount(code, minlength=bins + _NUM_REGIONS)
+        totals += torch.bincount(_bin_codes(chunk, edges), minlength=bins + 3)
     return Histogram1d(
-        counts=totals[:bins],
+        counts=totals[1 : bins + 1],
         edges=edges,
-        below=totals[bins + _BELOW],
-        above=totals[bins + _ABOVE],
-        nan=totals[bins + _NAN],
+        below=totals[0],
+        above=totals[bins + 1],
+        nan=totals[bins + 2],
     )
 
 
@@ -216,41 +214,34 @@ def histogram2d(
     x_bins, y_bins = bins
     x_edges = uniform_bin_edges(*x_range, x_bins, like=x)
     y_edges = uniform_bin_edges(*y_range, y_bins, like=y)
-    y_index, y_region = _bin_codes(y.detach(), y_edges)
+    y_codes = _bin_codes(y.detach(), y_edges)
     try:
         shape = torch.broadcast_shapes(x.shape, y.shape)
     except RuntimeError as error:
         raise ValueError(
             f"x and y must broadcast, got shapes {tuple(x.shape)} and {tuple(y.shape)}."
         ) from error
-    # Rows of the broadcast pairs; the expanded y stays a view until chunked.
+    # Rows of the broadcast pairs; the expanded y codes stay a view until chunked.
     rows = shape[0] if len(shape) > 0 else 1
     columns = math.prod(shape[1:])
     x_rows = x.detach().expand(shape).reshape(rows, columns)
-    y_index = y_index.expand(shape).reshape(rows, columns)
-    y_region = y_region.expand(shape).reshape(rows, columns)
-    num_bins = x_bins * y_bins
-    totals = torch.zeros(num_bins + _NUM_REGIONS**2, dtype=torch.int64, device=x.device)
+    y_codes = y_codes.expand(shape).reshape(rows, columns)
+    x_codes, y_codes_count = x_bins + 3, y_bins + 3
+    table = torch.zeros(x_codes * y_codes_count, dtype=torch.int64, device=x.device)
     step = max(1, chunk_size // max(1, columns))
     for start in range(0, rows, step):
         block = slice(start, start + step)
-        x_index, x_region = _bin_codes(x_rows[block].reshape(-1), x_edges)
-        yi, yr = y_index[block].reshape(-1), y_region[block].reshape(-1)
-        inside = (x_region == _INSIDE) & (yr == _INSIDE)
-        code = torch.where(
-            inside, x_index * y_bins + yi, num_bins + x_region * _NUM_REGIONS + yr
-        )
-        totals += torch.bincount(code, minlength=num_bins + _NUM_REGIONS**2)
-    counts = totals[:num_bins].reshape(x_bins, y_bins)
-    regions = totals[num_bins:].reshape(_NUM_REGIONS, _NUM_REGIONS).clone()
-    regions[_INSIDE, _INSIDE] = counts.sum()
-    nan = regions[_NAN, :].sum() + regions[:_NAN, _NAN].sum()
+        code = _bin_codes(x_rows[block].reshape(-1), x_edges) * y_codes_count
+        code += y_codes[block].reshape(-1)
+        table += torch.bincount(code, minlength=x_codes * y_codes_count)
+    table = table.reshape(x_codes, y_codes_count)
+    without_nan = table[: x_bins + 2, : y_bins + 2]
     return Histogram2d(
-        counts=counts,
+        counts=table[1 : x_bins + 1, 1 : y_bins + 1],
         x_edges=x_edges,
         y_edges=y_edges,
-        margins=regions[:_NAN, :_NAN],
-        nan=nan,
+        margins=_collapse(_collapse(without_nan, x_bins, 0), y_bins, 1),
+        nan=table[x_bins + 2, :].sum() + table[: x_bins + 2, y_bins + 2].sum(),
     )
 
 

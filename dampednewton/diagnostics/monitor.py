@@ -46,6 +46,10 @@ _USAGE = (
 )
 
 
+NamedParameters = Iterable[tuple[str, Tensor]] | Mapping[str, Tensor]
+"""``model.named_parameters()`` or a mapping name → parameter."""
+
+
 @dataclass
 class _PendingStep:
     """Pieces collected by the hook of one step."""
@@ -67,9 +71,7 @@ class DiagnosticsMonitor:
     def __init__(
         self,
         diagnostics: Sequence[Diagnostic],
-        named_parameters: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor] | None = (
-            None
-        ),
+        named_parameters: NamedParameters | None = None,
         log: DiagnosticsLog | None = None,
     ) -> None:
         """Create a monitor.
@@ -286,11 +288,13 @@ def _batch_size(module: nn.Module, param: Tensor) -> int | None:
         for savefield in ("grad_batch", "sum_grad_squared", *CURVATURES)
     ):
         return None
-    grad_batch = getattr(param, "grad_batch", None)
-    if grad_batch is not None:
-        return grad_batch.shape[0]
+    # The module input gives the full batch even if another party's BatchGrad
+    # subsampled grad_batch (which still stores ∇ℓ_n/N with the full N).
     module_input = getattr(module, "input0", None)
-    return None if module_input is None else module_input.shape[0]
+    if module_input is not None:
+        return module_input.shape[0]
+    grad_batch = getattr(param, "grad_batch", None)
+    return None if grad_batch is None else grad_batch.shape[0]
 
 
 def _to_cpu(value: Tensor) -> int | float | np.ndarray:

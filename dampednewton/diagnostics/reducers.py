@@ -231,11 +231,12 @@ class GradientHistogramReducer:
         individual = grad_batch * batch_size
         bins = self.spec.bins
         own_range = self.spec.range_policy.compute(individual)
-        self._pieces[id(param)] = (
-            own_range,
-            histogram1d(individual, *own_range, bins),
-            histogram1d(individual, *self.network_range, bins),
-        )
+        own = histogram1d(individual, *own_range, bins)
+        if own_range != self.network_range:
+            network = histogram1d(individual, *self.network_range, bins)
+        else:
+            network = own
+        self._pieces[id(param)] = (own_range, own, network)
 
     def assemble(self, named_params: NamedParams, batch_size: int) -> Entries:
         """Per-parameter and network histograms; update the next network range.
@@ -316,11 +317,12 @@ class GradientParameterHistogramReducer:
             self.spec.parameter_range.compute(values),
         )
         bins = self.spec.bins
-        self._pieces[id(param)] = (
-            own_ranges,
-            histogram2d(individual, values, *own_ranges, bins),
-            histogram2d(individual, values, *self.network_ranges, bins),
-        )
+        own = histogram2d(individual, values, *own_ranges, bins)
+        if own_ranges != self.network_ranges:
+            network = histogram2d(individual, values, *self.network_ranges, bins)
+        else:
+            network = own
+        self._pieces[id(param)] = (own_ranges, own, network)
 
     def assemble(self, named_params: NamedParams, batch_size: int) -> Entries:
         """Per-parameter and network 2D histograms; update the next network ranges.

@@ -1,0 +1,1 @@
+"""Optimizer benchmarks configured by Hydra (entry point: ``benchmarks/run.py``)."""

@@ -1,0 +1,239 @@
+"""Aggregate the ``result.json`` files of a sweep: settings, seeds, tuning.
+
+A *setting* is one (problem, optimizer, hyperparameters) triple; its runs differ only
+in the seed. The *tuned* setting of a (problem, optimizer) pair is the one with the
+best mean final test metric over seeds; settings in which any seed diverged or failed
+rank below all others. A tuned value is *on the grid edge* when it is the smallest or
+largest value tried for a hyperparameter that was varied.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.job import RESULT_FILE
+
+
+def load_results(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Read every ``result.json`` below ``sweep_dir`` (skipped jobs left out).
+
+    Args:
+        sweep_dir: A Hydra sweep (or run) directory.
+
+    Returns:
+        The results, each with its job directory under ``"job_dir"``, sorted by it.
+
+    Raises:
+        FileNotFoundError: If there is no result file.
+    """
+    paths = sorted(Path(sweep_dir).rglob(RESULT_FILE))
+    if not paths:
+        raise FileNotFoundError(
+            f"No {RESULT_FILE} below {sweep_dir}: run `python benchmarks/run.py "
+            "--multirun ...` first, or pass the sweep directory it printed."
+        )
+    results = []
+    for path in paths:
+        with open(path) as f:
+            result = json.load(f)
+        if result["status"] != "skipped":
+            result["job_dir"] = str(path.parent)
+            results.append(result)
+    return results
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value, NaN for none)."""
+    if not values:
+        return math.nan, math.nan
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return statistics.fmean(values), std
+
+
+def _key(hyperparameters: dict[str, Any]) -> str:
+    """Hashable, order-independent key of a hyperparameter dict."""
+    return json.dumps(hyperparameters, sort_keys=True)
+
+
+@dataclass
+class Setting:
+    """The runs of one (problem, optimizer, hyperparameters) over seeds.
+
+    Attributes:
+        problem: Problem name.
+        optimizer: Optimizer name.
+        hyperparameters: The optimizer's settings.
+        runs: The results (one per seed).
+    """
+
+    problem: str
+    optimizer: str
+    hyperparameters: dict[str, Any]
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok_runs(self) -> list[dict[str, Any]]:
+        """Runs that neither diverged nor failed."""
+        return [r for r in self.runs if r["status"] == "ok"]
+
+    @property
+    def complete(self) -> bool:
+        """Whether every seed finished without divergence or failure."""
+        return len(self.ok_runs) == len(self.runs)
+
+    @property
+    def maximize(self) -> bool:
+        """Whether the test metric is to be maximized (from any trained run)."""
+        return next((r["maximize"] for r in self.runs if "maximize" in r), True)
+
+    def final(self, key: str) -> tuple[float, float]:
+        """Mean ± std over the successful seeds of ``final[key]``."""
+        return mean_std([r["final"][key] for r in self.ok_runs])
+
+    def best_metric(self) -> tuple[float, float]:
+        """Mean ± std over the successful seeds of the best test metric."""
+        return mean_std([r["best"]["test_metric"] for r in self.ok_runs])
+
+    def to_target(self, key: str) -> tuple[float, float, int]:
+        """Mean ± std of ``steps_to_target``/``time_to_target`` and how many reached."""
+        values = [r[key] for r in self.ok_runs if r.get(key) is not None]
+        return (*mean_std(values), len(values))
+
+    def step_times(self) -> list[float]:
+        """Median per-step times of the runs that trained (any status)."""
+        return [
+            r["step_time"]["median"]
+            for r in self.runs
+            if r.get("step_time") and r["step_time"]["median"] is not None
+        ]
+
+    def peak_memory(self) -> tuple[float, str | None]:
+        """Largest peak memory (MiB) over the runs, and its kind."""
+        readings = [r["memory"] for r in self.runs if r.get("memory")]
+        if not readings:
+            return math.nan, None
+        return max(m["peak_mb"] for m in readings), readings[0]["kind"]
+
+    def score(self) -> float:
+        """Tuning score (higher wins): ±mean final test metric; −inf if incomplete."""
+        mean, _ = self.final("test_metric")
+        if not self.complete or not math.isfinite(mean):
+            return -math.inf
+        return mean if self.maximize else -mean
+
+
+def group_settings(results: Iterable[dict[str, Any]]) -> list[Setting]:
+    """Group results by (problem, optimizer, hyperparameters).
+
+    Runs that failed before their hyperparameters were known (e.g. an invalid grid)
+    share the setting with empty hyperparameters.
+
+    Args:
+        results: Loaded results.
+
+    Returns:
+        The settings, in order of first appearance.
+    """
+    settings: dict[tuple[str, str, str], Setting] = {}
+    for result in results:
+        hyper = result.get("hyperparameters") or {}
+        key = (result["problem"], result["optimizer"], _key(hyper))
+        if key not in settings:
+            settings[key] = Setting(result["problem"], result["optimizer"], hyper)
+        settings[key].runs.append(result)
+    return list(settings.values())
+
+
+def _sortable(value: Any) -> Any:
+    """Order numbers numerically, everything else by its text."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (1, 0.0, json.dumps(value))
+
+
+@dataclass
+class Tuned:
+    """The tuned setting of one (problem, optimizer) pair.
+
+    Attributes:
+        best: The best setting.
+        candidates: All settings of the pair.
+        grid: Values tried for every varied hyperparameter (sorted).
+        edges: Varied hyperparameters whose tuned value is the smallest or largest
+            tried, mapped to ``"min"`` or ``"max"``.
+    """
+
+    best: Setting
+    candidates: list[Setting]
+    grid: dict[str, list[Any]]
+    edges: dict[str, str]
+
+
+def tune(settings: Iterable[Setting]) -> dict[tuple[str, str], Tuned]:
+    """Pick the best setting of every (problem, optimizer) pair.
+
+    Args:
+        settings: Grouped settings.
+
+    Returns:
+        ``(problem, optimizer) → Tuned``.
+    """
+    pairs: dict[tuple[str, str], list[Setting]] = defaultdict(list)
+    for setting in settings:
+        pairs[(setting.problem, setting.optimizer)].append(setting)
+    tuned = {}
+    for pair, candidates in pairs.items():
+        best = max(candidates, key=Setting.score)
+        keys = sorted({k for s in candidates for k in s.hyperparameters})
+        grid, edges = {}, {}
+        for key in keys:
+            values = {
+                _key(s.hyperparameters[key]): s.hyperparameters[key]
+                for s in candidates
+                if key in s.hyperparameters
+            }
+            if len(values) < 2:
+                continue
+            ordered = sorted(values.values(), key=_sortable)
+            grid[key] = ordered
+            chosen = best.hyperparameters.get(key)
+            if all(_sortable(v)[0] == 0 for v in ordered):
+                if chosen == ordered[0]:
+                    edges[key] = "min"
+                elif chosen == ordered[-1]:
+                    edges[key] = "max"
+        tuned[pair] = Tuned(best, candidates, grid, edges)
+    return tuned
+
+
+def step_time_ratio(
+    settings: Iterable[Setting], problem: str, optimizer: str, reference: str = "sgd"
+) -> float:
+    """Median per-step time of ``optimizer`` over ``reference`` on ``problem``.
+
+    Uses the medians of all runs of each optimizer on the problem (per-step cost
+    hardly depends on hyperparameters, so all runs add samples).
+
+    Args:
+        settings: Grouped settings.
+        problem: Problem name.
+        optimizer: Optimizer name.
+        reference: Optimizer in the denominator.
+
+    Returns:
+        The ratio, NaN if either optimizer has no timed run on the problem.
+    """
+    times: dict[str, list[float]] = defaultdict(list)
+    for setting in settings:
+        if setting.problem == problem:
+            times[setting.optimizer].extend(setting.step_times())
+    if not times[optimizer] or not times[reference]:
+        return math.nan
+    return statistics.median(times[optimizer]) / statistics.median(times[reference])

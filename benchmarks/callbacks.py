@@ -1,0 +1,136 @@
+"""Hydra callbacks: a progress bar over a sweep's jobs and the end-of-sweep report.
+
+Both are registered in ``conf/config.yaml`` under ``hydra.callbacks``. With the basic
+(sequential) launcher all jobs run in one process, so one callback instance sees every
+job of a multirun.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+
+
+def count_jobs(config: DictConfig) -> int | None:
+    """Number of jobs the basic sweeper will launch (``None`` if unknown).
+
+    Args:
+        config: The multirun config (with its ``hydra`` node).
+
+    Returns:
+        The size of the Cartesian product of sweep parameters and command-line
+        overrides, or ``None`` for other sweepers or sweeps that cannot be expanded
+        here (e.g. ``glob`` over config groups).
+    """
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    sweeper = config.hydra.sweeper
+    if sweeper.get("_target_") != BASIC_SWEEPER:
+        return None
+    params = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
+    try:
+        overrides = OverridesParser.create().parse_overrides(
+            params + list(config.hydra.overrides.task)
+        )
+        batches = BasicSweeper.split_arguments(overrides, None)
+    except Exception:  # a sweep we cannot expand without the config loader
+        return None
+    return sum(len(batch) for batch in batches)
+
+
+def _format_setting(settings: dict[str, Any]) -> str:
+    """``lr=0.1 damping=0.01`` from a settings dict."""
+    return " ".join(
+        f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
+        for key, value in settings.items()
+    )
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """One line describing a finished job (from :func:`benchmarks.job.run_job`).
+
+    Args:
+        summary: The job summary.
+
+    Returns:
+        E.g. ``digits_mlp sgd lr=0.1 seed=0: final test accuracy 0.9533, train 3.2 s
+        (1.05 ms/step)``.
+    """
+    setting = summary.get("grid_point") or summary.get("hyperparameters") or {}
+    head = (
+        f"{summary['problem']} {summary['optimizer']} {_format_setting(setting)} "
+        f"seed={summary['seed']}"
+    ).replace("  ", " ")
+    status = summary["status"]
+    if status == "skipped":
+        return f"{head}: skipped (grid_point beyond this optimizer's grid)"
+    if status == "failed":
+        return f"{head}: FAILED {summary['error']}"
+    if status == "diverged":
+        return f"{head}: DIVERGED after {summary['train_time']:.1f} s"
+    step = summary["step_time"]["median"]
+    per_step = f" ({1e3 * step:.3g} ms/step)" if step is not None else ""
+    final = summary["final"]["test_metric"]
+    return (
+        f"{head}: final test {summary['metric']} {final:.4g}, "
+        f"train {summary['train_time']:.1f} s{per_step}"
+    )
+
+
+class SweepProgress(Callback):
+    """Progress bar over the jobs of a multirun, one summary line per finished job."""
+
+    def __init__(self) -> None:
+        """Start with no sweep."""
+        self._bar: tqdm | None = None
+        self._total: int | None = None
+        self._done = 0
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Open the progress bar."""
+        self._total = count_jobs(config)
+        self._done = 0
+        self._bar = tqdm(
+            total=self._total, unit="job", file=sys.stderr, dynamic_ncols=True
+        )
+
+    def on_job_end(
+        self, config: DictConfig, job_return: JobReturn, **kwargs: Any
+    ) -> None:
+        """Print the job's summary line and advance the bar."""
+        if job_return.status == JobStatus.COMPLETED:
+            line = summary_line(job_return.return_value)
+        else:
+            overrides = list(job_return.overrides or [])
+            line = f"job {overrides} raised: {job_return._return_value}"
+        if self._bar is None:
+            print(line, flush=True)
+            return
+        self._done += 1
+        self._bar.write(f"[{self._done}/{self._total or '?'}] {line}", file=sys.stderr)
+        self._bar.update(1)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Close the progress bar."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class SweepReport(Callback):
+    """Aggregate a finished multirun into ``<sweep dir>/report`` and print where."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Write the report of the sweep directory."""
+        from benchmarks.report import print_locations, write_report
+
+        print_locations(write_report(Path(config.hydra.sweep.dir)))

@@ -1,0 +1,166 @@
+"""Cost of the diagnostics: median SGD step time with and without them.
+
+Problem: MLP 784-128-128-10 (ReLU), cross-entropy, N = 128 random inputs and labels
+(float32). A step is ``zero_grad`` + forward + backward + ``optimizer.step()``;
+with diagnostics the backward runs inside ``monitor.backward_context(step)`` and
+``monitor.finish(...)`` (record to CPU, appended to the log) is part of the step.
+The baseline is SGD on the plain, non-extended model. Variants are timed in
+alternating blocks of consecutive steps (robust to a shared machine's changing
+load); the script prints the median and the minimum per variant and their ratios
+to plain SGD.
+
+Usage::
+
+    python benchmarks/diagnostics_cost.py [--rounds 3] [--repeats 10] [--warmup 2]
+        [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from backpack import extend
+from torch import nn
+
+from dampednewton.diagnostics import (
+    GSNR,
+    CurvatureTrace,
+    DiagnosticsMonitor,
+    GradientHistogram,
+    GradientParameterHistogram,
+    NoiseScale,
+)
+
+BATCH_SIZE = 128
+LAYERS = (784, 128, 128, 10)
+
+
+def make_model(device: torch.device, seed: int = 0) -> nn.Module:
+    """MLP with ReLU activations, parameters drawn from a local generator."""
+    generator = torch.Generator().manual_seed(seed)
+    layers: list[nn.Module] = []
+    for fan_in, fan_out in itertools.pairwise(LAYERS):
+        linear = nn.Linear(fan_in, fan_out)
+        with torch.no_grad():
+            for param in linear.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
+        layers += [linear, nn.ReLU()]
+    return nn.Sequential(*layers[:-1]).to(device)
+
+
+def make_data(device: torch.device, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random inputs and labels."""
+    generator = torch.Generator().manual_seed(seed)
+    X = torch.randn(BATCH_SIZE, LAYERS[0], generator=generator)
+    y = torch.randint(0, LAYERS[-1], (BATCH_SIZE,), generator=generator)
+    return X.to(device), y.to(device)
+
+
+def step_function(
+    device: torch.device, diagnostics: list | None
+) -> Callable[[int], None]:
+    """One training step, optionally monitored by ``diagnostics``."""
+    X, y = make_data(device)
+    model = make_model(device)
+    loss_fn = nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if diagnostics is None:
+
+        def step(index: int) -> None:
+            optimizer.zero_grad()
+            loss_fn(model(X), y).backward()
+            optimizer.step()
+
+        return step
+
+    model, loss_fn = extend(model), extend(loss_fn)
+    monitor = DiagnosticsMonitor(diagnostics, model.named_parameters())
+
+    def monitored_step(index: int) -> None:
+        optimizer.zero_grad()
+        loss = loss_fn(model(X), y)
+        with monitor.backward_context(index):
+            loss.backward()
+        monitor.finish(index, model.parameters(), loss)
+        optimizer.step()
+
+    return monitored_step
+
+
+def time_steps(
+    steps: dict[str, Callable[[int], None]],
+    device: torch.device,
+    rounds: int,
+    warmup: int,
+    repeats: int,
+) -> dict[str, list[float]]:
+    """Wall times of each step function in seconds.
+
+    Each round runs every variant in a block of ``warmup`` untimed and ``repeats``
+    timed consecutive steps. Blocks (not single steps) alternate between the
+    variants, so a changing load on a shared machine affects all of them alike
+    while no variant is timed right after another one evicted its memory.
+    """
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    index = 0
+    for _ in range(rounds):
+        for name, step in steps.items():
+            for repeat in range(warmup + repeats):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                step(index)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if repeat >= warmup:
+                    times[name].append(time.perf_counter() - start)
+                index += 1
+    return times
+
+
+VARIANTS: dict[str, list | None] = {
+    "sgd": None,
+    "sgd + gsnr": [GSNR()],
+    "sgd + gsnr + noise scale": [GSNR(), NoiseScale()],
+    "sgd + 1d histograms": [GradientHistogram()],
+    "sgd + 1d + 2d histograms": [GradientHistogram(), GradientParameterHistogram()],
+    "sgd + trace (diag_ggn_mc)": [CurvatureTrace(curvature="diag_ggn_mc")],
+}
+
+
+def main() -> None:
+    """Measure every variant and print median/min times and ratios to plain SGD."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print(
+        f"MLP {'-'.join(map(str, LAYERS))}, N={BATCH_SIZE}, cross-entropy, "
+        f"device={device}, threads={torch.get_num_threads()}, "
+        f"{args.rounds} rounds of {args.repeats} timed steps per variant "
+        f"(after {args.warmup} untimed)"
+    )
+    steps = {name: step_function(device, spec) for name, spec in VARIANTS.items()}
+    times = time_steps(steps, device, args.rounds, args.warmup, args.repeats)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    fastest = {name: min(values) for name, values in times.items()}
+    print(f"{'variant':28s} {'median':>10s} {'ratio':>7s} {'min':>10s} {'ratio':>7s}")
+    for name in VARIANTS:
+        median_ratio = median[name] / median["sgd"]
+        fastest_ratio = fastest[name] / fastest["sgd"]
+        print(
+            f"{name:28s} {median[name] * 1e3:8.2f}ms {median_ratio:7.2f}"
+            f" {fastest[name] * 1e3:8.2f}ms {fastest_ratio:7.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

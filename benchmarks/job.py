@@ -1,0 +1,226 @@
+"""One benchmark job: train one (problem, optimizer, hyperparameters, seed).
+
+The job never raises for a failing run: divergence (NaN/inf loss) and exceptions are
+recorded in ``result.json`` (``status`` ``"diverged"`` / ``"failed"`` with the error
+message) so that a sweep continues with its next job.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from benchmarks.grid import select_grid_point
+from benchmarks.measure import (
+    PeakMemory,
+    Stopwatch,
+    resolve_device,
+    resolve_dtype,
+)
+from benchmarks.problems import Problem, build_problem
+from benchmarks.training import OptimizerNeeds, mini_batches, train
+
+RESULT_FILE = "result.json"
+
+# Harmless torch warnings that would repeat in every job of a sweep:
+# * create_graph=True leaves a parameter↔gradient cycle; the closure's zero_grad()
+#   (set_to_none) breaks it before every backward pass.
+# * BackPACK's full backward hooks fire on a first layer whose input needs no grad.
+_EXPECTED_WARNINGS = (
+    r"Using backward\(\) with create_graph=True",
+    r"Full backward hook is firing when gradients are computed with respect to module",
+)
+
+
+def hyperparameters(optimizer_cfg: DictConfig) -> dict[str, Any]:
+    """Settings of the optimizer node, flattened with dotted keys.
+
+    ``_target_``/``_partial_`` are dropped; nested nodes (e.g. a damping policy)
+    contribute ``"damping.value"``-style keys and ``"damping._target_"``.
+
+    Args:
+        optimizer_cfg: The ``optimizer`` node.
+
+    Returns:
+        Flat mapping of setting name to value.
+    """
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            if not prefix and key in ("_target_", "_partial_"):
+                continue
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, f"{name}.")
+            else:
+                flat[name] = value
+
+    walk(OmegaConf.to_container(optimizer_cfg, resolve=True), "")
+    return flat
+
+
+def _finite_or_none(value: Any) -> Any:
+    """Replace non-finite floats (recursively) by ``None`` for strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
+def _seeds(seed: int) -> tuple[int, int]:
+    """Independent seeds for the model initialization and the batch order."""
+    model_seed, batch_seed = np.random.SeedSequence(seed).generate_state(2)
+    return int(model_seed), int(batch_seed)
+
+
+def _build_optimizer(cfg: DictConfig, problem: Problem) -> torch.optim.Optimizer:
+    """Instantiate the partial optimizer config on the trainable parameters."""
+    factory = instantiate(cfg.optimizer)
+    if isinstance(factory, torch.optim.Optimizer) or not callable(factory):
+        raise TypeError(
+            "The optimizer config must be a partial: add `_partial_: true` next to "
+            "its `_target_`, so that it is called with the model's parameters."
+        )
+    return factory(problem.trainable_parameters())
+
+
+def _train_from_config(cfg: DictConfig) -> dict[str, Any]:
+    """Build everything from the config, train, and summarize."""
+    for message in _EXPECTED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    needs = OptimizerNeeds(**OmegaConf.to_container(cfg.optimizer_needs))
+    memory = PeakMemory(device)
+    # The global RNG drives third-party randomness (BackPACK's Monte-Carlo GGN,
+    # AdaHessian's probes); our own draws use the generators below.
+    torch.manual_seed(cfg.seed)
+    model_seed, batch_seed = _seeds(cfg.seed)
+    problem = build_problem(
+        cfg.problem, device, dtype, torch.Generator().manual_seed(model_seed)
+    )
+    if needs.backpack:
+        from backpack import extend
+
+        problem.model = extend(problem.model)
+        problem.loss_fn = extend(problem.loss_fn)
+    optimizer = _build_optimizer(cfg, problem)
+    batches = mini_batches(
+        problem.data.x_train.shape[0],
+        problem.protocol.batch_size,
+        torch.Generator().manual_seed(batch_seed),
+        device,
+    )
+    log = train(problem, optimizer, needs, batches, Stopwatch(device))
+    curves = log.curves
+    maximize = problem.protocol.maximize
+    finite = [m for m in curves.test_metric if math.isfinite(m)]
+    best = (max if maximize else min)(finite) if finite else None
+    final_ok = not log.diverged
+    reading = memory.read()
+    return {
+        "status": "diverged" if log.diverged else "ok",
+        "metric": problem.protocol.metric,
+        "maximize": maximize,
+        "target": problem.protocol.target,
+        "curves": vars(curves),
+        "final": {
+            "train_loss": curves.train_loss[-1] if final_ok else None,
+            "test_loss": curves.test_loss[-1] if final_ok else None,
+            "test_metric": curves.test_metric[-1] if final_ok else None,
+        },
+        "best": {"test_metric": best},
+        "steps_to_target": log.steps_to_target,
+        "time_to_target": log.time_to_target,
+        "steps_taken": len(log.step_times),
+        "train_time": sum(log.step_times),
+        "step_time": {
+            "median": log.median_step_time(cfg.timing.warmup_steps),
+            "warmup_steps": cfg.timing.warmup_steps,
+        },
+        "memory": vars(reading),
+        "diverged": log.diverged,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+        "num_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "num_parameters": sum(p.numel() for p in problem.trainable_parameters()),
+    }
+
+
+def _config_container(cfg: DictConfig) -> dict[str, Any]:
+    """The config as plain data, resolved when possible."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # an unresolvable interpolation is itself worth recording
+        return OmegaConf.to_container(cfg, resolve=False)
+
+
+def run_job(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
+    """Run one job and write ``result.json`` into ``output_dir``.
+
+    Args:
+        cfg: The composed job config (its ``optimizer`` node receives the grid point).
+        output_dir: The Hydra job directory.
+
+    Returns:
+        A short summary (for the progress callback): problem, optimizer, seed, the
+        grid point, status, metric, final test metric, train time, error.
+    """
+    result: dict[str, Any] = {
+        "problem": cfg.problem.name,
+        "optimizer": cfg.optimizer_name,
+        "seed": cfg.seed,
+        "status": "failed",
+        "error": None,
+        "grid_point": {},
+    }
+    try:
+        point = select_grid_point(cfg)
+        if point is None:
+            result["status"] = "skipped"
+        else:
+            result["grid_point"] = point
+            result["hyperparameters"] = hyperparameters(cfg.optimizer)
+            result.update(_train_from_config(cfg))
+    except Exception as err:
+        result["status"] = "failed"
+        result["error"] = f"{type(err).__name__}: {err}"
+        result["traceback"] = traceback.format_exc()
+    result["config"] = _config_container(cfg)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with open(output_dir / RESULT_FILE, "w") as f:
+        json.dump(_finite_or_none(result), f, indent=1)
+    return {
+        key: result.get(key)
+        for key in (
+            "problem",
+            "optimizer",
+            "seed",
+            "grid_point",
+            "hyperparameters",
+            "status",
+            "metric",
+            "final",
+            "train_time",
+            "step_time",
+            "error",
+        )
+    }

@@ -1,0 +1,320 @@
+"""Report of a sweep: CSV of all runs, Markdown tables, PNG plots.
+
+Written into ``<sweep dir>/report`` automatically at the end of every multirun (Hydra
+callback); run it by hand to regenerate::
+
+    python benchmarks/report.py [SWEEP_DIR]   # default: the newest one under multirun/
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `python benchmarks/report.py` from the repository root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.aggregate import (
+    Setting,
+    Tuned,
+    group_settings,
+    load_results,
+    step_time_ratio,
+    tune,
+)
+from benchmarks.plots import plot_curves, plot_sensitivity, plot_step_cost
+
+REPORT_DIR = "report"
+NOTES = (
+    "Tuned = best mean final test metric over seeds; settings where a seed diverged "
+    "or failed rank last; ⚠ marks a tuned value on the edge of its grid (extend the "
+    "grid). Steps/time to target: mean ± std over the seeds that reached it "
+    "(resolution: the evaluation interval); time excludes evaluation. ms/step: median "
+    "after warm-up over the runs of the tuned setting; × sgd: ratio of the medians "
+    "over all runs of the optimizer and of sgd on the problem."
+)
+CSV_COLUMNS = [
+    "problem",
+    "optimizer",
+    "seed",
+    "status",
+    "hyperparameters",
+    "metric",
+    "final_test_metric",
+    "final_test_loss",
+    "final_train_loss",
+    "best_test_metric",
+    "steps_to_target",
+    "time_to_target",
+    "median_step_time",
+    "train_time",
+    "peak_memory_mb",
+    "memory_kind",
+    "device",
+    "error",
+    "job_dir",
+]
+
+
+def _csv_row(result: dict[str, Any]) -> dict[str, Any]:
+    """Flatten one result into a CSV row."""
+    final = result.get("final") or {}
+    return {
+        "problem": result["problem"],
+        "optimizer": result["optimizer"],
+        "seed": result["seed"],
+        "status": result["status"],
+        "hyperparameters": json.dumps(result.get("hyperparameters"), sort_keys=True),
+        "metric": result.get("metric"),
+        "final_test_metric": final.get("test_metric"),
+        "final_test_loss": final.get("test_loss"),
+        "final_train_loss": final.get("train_loss"),
+        "best_test_metric": (result.get("best") or {}).get("test_metric"),
+        "steps_to_target": result.get("steps_to_target"),
+        "time_to_target": result.get("time_to_target"),
+        "median_step_time": (result.get("step_time") or {}).get("median"),
+        "train_time": result.get("train_time"),
+        "peak_memory_mb": (result.get("memory") or {}).get("peak_mb"),
+        "memory_kind": (result.get("memory") or {}).get("kind"),
+        "device": result.get("device"),
+        "error": result.get("error"),
+        "job_dir": result["job_dir"],
+    }
+
+
+def write_csv(results: list[dict[str, Any]], path: Path) -> Path:
+    """One row per run.
+
+    Args:
+        results: Loaded results.
+        path: Output file.
+
+    Returns:
+        ``path``.
+    """
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(_csv_row(r) for r in results)
+    return path
+
+
+def _num(value: float, digits: int = 4) -> str:
+    """Compact number, ``—`` for NaN."""
+    return "—" if not math.isfinite(value) else f"{value:.{digits}g}"
+
+
+def _pm(mean: float, std: float, digits: int = 4) -> str:
+    """``mean ± std``."""
+    if not math.isfinite(mean):
+        return "—"
+    return f"{_num(mean, digits)} ± {_num(std, 2)}"
+
+
+def _value(value: Any) -> str:
+    """A hyperparameter value for the table."""
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _tuned_cell(choice: Tuned) -> str:
+    """Tuned values of the varied hyperparameters, ⚠ on a grid edge."""
+    parts = []
+    for key in choice.grid:
+        edge = choice.edges.get(key)
+        flag = f" ⚠ {edge} of grid" if edge else ""
+        parts.append(f"{key}={_value(choice.best.hyperparameters.get(key))}{flag}")
+    return ", ".join(parts) or "(not tuned)"
+
+
+def _target_cell(setting: Setting, key: str, seeds: int) -> str:
+    """``mean ± std (reached/seeds)`` of steps or seconds to target."""
+    mean, std, reached = setting.to_target(key)
+    if reached == 0:
+        return f"— (0/{seeds})"
+    return f"{_pm(mean, std, 3)} ({reached}/{seeds})"
+
+
+def problem_table(
+    problem: str, tuned: dict[str, Tuned], settings: list[Setting]
+) -> str:
+    """Markdown section of one problem: one row per optimizer (its tuned setting).
+
+    Args:
+        problem: Problem name.
+        tuned: Optimizer name → tuned setting on this problem.
+        settings: All settings of the sweep (for the per-step-time ratio).
+
+    Returns:
+        Markdown text.
+    """
+    first = next(r for t in tuned.values() for r in t.best.runs)
+    config = first.get("config", {}).get("problem", {})
+    metric = first.get("metric") or config.get("metric", "metric")
+    direction = "higher" if next(iter(tuned.values())).best.maximize else "lower"
+    columns = [
+        "optimizer",
+        "tuned",
+        "seeds ok",
+        f"final test {metric}",
+        f"best test {metric}",
+        *([] if metric == "loss" else ["final test loss"]),
+        "final train loss",
+        "steps to target",
+        "time to target [s]",
+        "ms/step",
+        "× sgd",
+        "peak memory [MiB]",
+    ]
+    lines = [
+        f"## {problem}",
+        "",
+        f"Test metric: {metric} ({direction} is better), target "
+        f"{config.get('target')}, {config.get('steps')} steps of batch size "
+        f"{config.get('batch_size')}, evaluated every {config.get('eval_every')} "
+        "steps.",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    memory_kinds = set()
+    for optimizer, choice in tuned.items():
+        best = choice.best
+        seeds = len(best.runs)
+        step_times = sorted(best.step_times())
+        ms = 1e3 * step_times[len(step_times) // 2] if step_times else math.nan
+        peak, kind = best.peak_memory()
+        memory_kinds.add(kind)
+        cells = [
+            optimizer,
+            _tuned_cell(choice),
+            f"{len(best.ok_runs)}/{seeds}",
+            _pm(*best.final("test_metric")),
+            _pm(*best.best_metric()),
+            *([] if metric == "loss" else [_pm(*best.final("test_loss"))]),
+            _pm(*best.final("train_loss")),
+            _target_cell(best, "steps_to_target", seeds),
+            _target_cell(best, "time_to_target", seeds),
+            _num(ms, 3),
+            _num(step_time_ratio(settings, problem, optimizer), 3),
+            _num(peak, 4),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Grids (values tried; every setting over the same seeds):", ""]
+    for optimizer, choice in tuned.items():
+        grid = "; ".join(
+            f"{key} ∈ {{{', '.join(_value(v) for v in values)}}}"
+            for key, values in choice.grid.items()
+        )
+        lines.append(
+            f"- {optimizer}: {grid or 'one setting'} ({len(choice.candidates)} "
+            f"setting(s) × {len(choice.best.runs)} seed(s))"
+        )
+    lines.append("")
+    if "cpu_process_max_rss" in memory_kinds:
+        lines.append(
+            "Peak memory on CPU is the process's resident-set high-water mark "
+            "(ru_maxrss): in a sequential multirun it includes every earlier job of "
+            "the sweep, so it only bounds the job's own peak from above."
+        )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def markdown_report(
+    settings: list[Setting], tuned_pairs: dict[tuple[str, str], Tuned]
+) -> str:
+    """The whole Markdown report (one section per problem).
+
+    Args:
+        settings: All settings.
+        tuned_pairs: ``(problem, optimizer) → Tuned``.
+
+    Returns:
+        Markdown text.
+    """
+    devices = sorted({r.get("device", "?") for s in settings for r in s.runs})
+    parts = [
+        "# Optimizer benchmark",
+        "",
+        f"{NOTES} Device(s): {', '.join(devices)}.",
+        "",
+    ]
+    for problem in dict.fromkeys(s.problem for s in settings):
+        tuned = {opt: t for (prob, opt), t in tuned_pairs.items() if prob == problem}
+        parts.append(problem_table(problem, tuned, settings))
+    return "\n".join(parts)
+
+
+def write_report(sweep_dir: Path) -> dict[str, Path]:
+    """Write CSV, Markdown and plots of a sweep into ``<sweep_dir>/report``.
+
+    Args:
+        sweep_dir: The sweep directory (holding the jobs' ``result.json``).
+
+    Returns:
+        Name → path of every file written (``csv``, ``markdown``, plot names).
+    """
+    results = load_results(sweep_dir)
+    out = Path(sweep_dir) / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    settings = group_settings(results)
+    tuned_pairs = tune(settings)
+    paths = {"csv": write_csv(results, out / "runs.csv")}
+    markdown = markdown_report(settings, tuned_pairs)
+    paths["markdown"] = out / "summary.md"
+    paths["markdown"].write_text(markdown)
+    for problem in dict.fromkeys(s.problem for s in settings):
+        tuned = {opt: t for (prob, opt), t in tuned_pairs.items() if prob == problem}
+        paths[f"curves_{problem}"] = plot_curves(
+            problem, tuned, out / f"curves_{problem}.png"
+        )
+        for key in sorted({k for t in tuned.values() for k in t.grid}):
+            name = f"sensitivity_{problem}_{key}"
+            paths[name] = plot_sensitivity(problem, key, tuned, out / f"{name}.png")
+    paths["step_cost"] = plot_step_cost(settings, out / "step_cost.png")
+    return paths
+
+
+def print_locations(paths: dict[str, Path]) -> None:
+    """Print the Markdown report and where every file is."""
+    print(paths["markdown"].read_text())
+    print(f"Report folder: {paths['markdown'].parent.resolve()}")
+    for name, path in paths.items():
+        print(f"  {name}: {path.resolve()}")
+
+
+def latest_sweep(root: Path = Path("multirun")) -> Path:
+    """The newest sweep directory (by modification time) holding results."""
+    candidates = {p.parent.parent for p in root.rglob("result.json")}
+    if not candidates:
+        raise FileNotFoundError(
+            f"No sweep with results under {root.resolve()}: run `python "
+            "benchmarks/run.py --multirun +sweep=default` first."
+        )
+    return max(candidates, key=lambda p: p.stat().st_mtime)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point.
+
+    Args:
+        argv: Arguments (default: ``sys.argv[1:]``).
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "sweep_dir",
+        nargs="?",
+        type=Path,
+        help="Hydra sweep directory (default: the newest under multirun/)",
+    )
+    args = parser.parse_args(argv)
+    print_locations(write_report(args.sweep_dir or latest_sweep()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The training loop: timed optimizer steps, untimed evaluations.
+
+Only the optimizer step (batch gather, forward, backward, ``optimizer.step``) is timed;
+evaluations run between the timed intervals, so the wall-clock axis, time-to-target
+and the per-step time exclude them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from benchmarks.measure import Stopwatch
+from benchmarks.problems import Problem
+
+
+@dataclass(frozen=True)
+class OptimizerNeeds:
+    """How the training loop must drive an optimizer (``optimizer_needs`` in config).
+
+    Attributes:
+        backpack: Extend model and loss function with BackPACK before building the
+            optimizer (only then: extension adds hooks that cost time).
+        closure: Call ``optimizer.step(closure)``; otherwise the loop runs the
+            closure itself and then calls ``optimizer.step()``.
+        create_graph: Back-propagate with ``create_graph=True`` (Hessian-vector
+            products, e.g. AdaHessian).
+    """
+
+    backpack: bool = False
+    closure: bool = False
+    create_graph: bool = False
+
+
+@dataclass
+class Curves:
+    """Evaluations along training (one entry per evaluation).
+
+    Attributes:
+        step: Optimizer steps taken.
+        time: Training wall-clock seconds so far (evaluations excluded).
+        train_loss: Loss on the training-evaluation samples.
+        test_loss: Loss on the test set.
+        test_metric: Test metric (accuracy, or the test loss for ``metric: loss``).
+    """
+
+    step: list[int] = field(default_factory=list)
+    time: list[float] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    test_loss: list[float] = field(default_factory=list)
+    test_metric: list[float] = field(default_factory=list)
+
+
+@dataclass
+class TrainingLog:
+    """What one training run produced.
+
+    Attributes:
+        curves: The evaluations.
+        step_times: Wall-clock seconds of every step taken.
+        diverged: A loss became NaN or infinite (training stopped there).
+        steps_to_target: First evaluated step whose test metric reached the target.
+        time_to_target: Training seconds at that step.
+    """
+
+    curves: Curves = field(default_factory=Curves)
+    step_times: list[float] = field(default_factory=list)
+    diverged: bool = False
+    steps_to_target: int | None = None
+    time_to_target: float | None = None
+
+    def median_step_time(self, warmup_steps: int) -> float | None:
+        """Median step time without the first ``warmup_steps`` steps."""
+        times = self.step_times[warmup_steps:]
+        return statistics.median(times) if times else None
+
+
+def mini_batches(
+    num_samples: int, batch_size: int, generator: torch.Generator, device: torch.device
+) -> Iterator[Tensor]:
+    """Endless mini-batch indices: reshuffle every epoch, drop the incomplete batch.
+
+    Args:
+        num_samples: Size of the training set.
+        batch_size: Indices per batch.
+        generator: Source of the permutations.
+        device: Device of the returned index tensors.
+
+    Yields:
+        Index tensors of length ``batch_size``.
+    """
+    while True:
+        perm = torch.randperm(num_samples, generator=generator).to(device)
+        for start in range(0, num_samples - batch_size + 1, batch_size):
+            yield perm[start : start + batch_size]
+
+
+@torch.no_grad()
+def evaluate(
+    problem: Problem, x: Tensor, y: Tensor, batch_size: int
+) -> tuple[float, float | None]:
+    """Mean loss and accuracy of the model on ``(x, y)``, in batches.
+
+    Args:
+        problem: The problem (model and loss function).
+        x: Inputs.
+        y: Targets.
+        batch_size: Samples per forward pass.
+
+    Returns:
+        ``(loss, accuracy)``; the accuracy is ``None`` for non-integer targets.
+    """
+    total_loss, correct = 0.0, 0
+    classify = not y.is_floating_point()
+    for start in range(0, x.shape[0], batch_size):
+        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+        out = problem.model(xb)
+        total_loss += problem.loss_fn(out, yb).item() * xb.shape[0]
+        if classify:
+            correct += (out.argmax(dim=1) == yb).sum().item()
+    num = x.shape[0]
+    return total_loss / num, (correct / num if classify else None)
+
+
+def _step(
+    problem: Problem, optimizer: Optimizer, needs: OptimizerNeeds, index: Tensor
+) -> float:
+    """One optimizer step on the mini-batch ``index``; returns its loss."""
+    x, y = problem.data.x_train[index], problem.data.y_train[index]
+    losses: list[Tensor] = []
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        loss = problem.loss_fn(problem.model(x), y)
+        loss.backward(create_graph=needs.create_graph)
+        losses.append(loss.detach())
+        return loss
+
+    if needs.closure:
+        optimizer.step(closure)
+    else:
+        closure()
+        optimizer.step()
+    return losses[0].item()
+
+
+def train(
+    problem: Problem,
+    optimizer: Optimizer,
+    needs: OptimizerNeeds,
+    batches: Iterator[Tensor],
+    stopwatch: Stopwatch,
+) -> TrainingLog:
+    """Train for the problem's step budget, evaluating on its schedule.
+
+    Stops early when a mini-batch loss or an evaluated loss is NaN or infinite
+    (recorded as diverged).
+
+    Args:
+        problem: The problem, with model and loss already extended if needed.
+        optimizer: The optimizer over the problem's trainable parameters.
+        needs: How to call the optimizer.
+        batches: Mini-batch indices (see :func:`mini_batches`).
+        stopwatch: Timer of the steps (synchronizes CUDA).
+
+    Returns:
+        The log.
+    """
+    protocol, data = problem.protocol, problem.data
+    train_eval = slice(0, protocol.train_eval_samples)
+    log = TrainingLog()
+    elapsed = 0.0
+
+    def record(step: int) -> bool:
+        problem.model.eval()
+        train_loss, _ = evaluate(
+            problem,
+            data.x_train[train_eval],
+            data.y_train[train_eval],
+            protocol.eval_batch_size,
+        )
+        test_loss, accuracy = evaluate(
+            problem, data.x_test, data.y_test, protocol.eval_batch_size
+        )
+        problem.model.train()
+        metric = test_loss if protocol.metric == "loss" else accuracy
+        if metric is None:
+            raise ValueError(
+                f"problem.metric={protocol.metric!r} needs integer class labels."
+            )
+        curves = log.curves
+        curves.step.append(step)
+        curves.time.append(elapsed)
+        curves.train_loss.append(train_loss)
+        curves.test_loss.append(test_loss)
+        curves.test_metric.append(metric)
+        if log.steps_to_target is None and protocol.reached(metric):
+            log.steps_to_target, log.time_to_target = step, elapsed
+        return math.isfinite(train_loss) and math.isfinite(test_loss)
+
+    if not record(0):
+        log.diverged = True
+        return log
+    for step in range(1, protocol.steps + 1):
+        index = next(batches)
+        stopwatch.start()
+        loss = _step(problem, optimizer, needs, index)
+        seconds = stopwatch.stop()
+        elapsed += seconds
+        log.step_times.append(seconds)
+        if not math.isfinite(loss):
+            log.diverged = True
+            break
+        if step % protocol.eval_every == 0 or step == protocol.steps:
+            if not record(step):
+                log.diverged = True
+                break
+    return log

@@ -1,0 +1,62 @@
+"""Shared fixtures of the benchmark tests: config composition and config-group lists."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+REPO = Path(__file__).resolve().parents[2]
+CONF = REPO / "conf"
+# `benchmarks` is a top-level folder of the repository, not an installed package.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _members(group: str) -> list[str]:
+    """Names of the options of a config group (its YAML files)."""
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+OPTIMIZERS = _members("optimizer")
+PROBLEMS = _members("problem")
+SWEEPS = _members("sweep")
+
+
+@pytest.fixture
+def compose_config() -> Callable[..., DictConfig]:
+    """Compose the root config (``conf/config.yaml``) with overrides."""
+
+    def _compose(
+        overrides: Sequence[str] = (), return_hydra_config: bool = False
+    ) -> DictConfig:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose(
+                "config",
+                overrides=list(overrides),
+                return_hydra_config=return_hydra_config,
+            )
+
+    return _compose
+
+
+@pytest.fixture(params=OPTIMIZERS)
+def optimizer_name(request: pytest.FixtureRequest) -> str:
+    """Every member of the ``optimizer`` config group."""
+    return request.param
+
+
+@pytest.fixture(params=PROBLEMS)
+def problem_name(request: pytest.FixtureRequest) -> str:
+    """Every member of the ``problem`` config group."""
+    return request.param
+
+
+@pytest.fixture(params=SWEEPS)
+def sweep_name(request: pytest.FixtureRequest) -> str:
+    """Every member of the ``sweep`` config group."""
+    return request.param

@@ -1,0 +1,163 @@
+"""Every config group member composes and instantiates; unknown keys are errors."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from benchmarks.data import Dataset
+from benchmarks.grid import grid_points, select_grid_point
+from benchmarks.measure import Stopwatch
+from benchmarks.models import mlp
+from benchmarks.problems import METRICS, Problem, Protocol, build_problem
+from benchmarks.training import OptimizerNeeds, mini_batches, train
+
+CPU = torch.device("cpu")
+
+
+def tiny_problem(steps: int) -> Problem:
+    """A 4-3-2 MLP on 16 random samples (float64)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 4, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 2, (16,), generator=gen)
+    return Problem(
+        name="tiny",
+        model=mlp(4, [3], 2, activation="tanh", generator=gen).double(),
+        loss_fn=torch.nn.CrossEntropyLoss(),
+        data=Dataset(x, y, x, y),
+        protocol=Protocol(
+            metric="accuracy", target=None, batch_size=8, steps=steps, eval_every=steps
+        ),
+    )
+
+
+def test_root_config_defaults(compose_config):
+    cfg = compose_config()
+    assert cfg.problem.name == "digits_mlp"
+    assert cfg.optimizer_name == "sgd"
+    assert cfg.device == "auto"
+    assert cfg.grid is None and cfg.grid_point is None
+
+
+def test_optimizer_config_trains_tiny_model(compose_config, optimizer_name):
+    cfg = compose_config([f"optimizer={optimizer_name}"])
+    assert cfg.optimizer_name == optimizer_name
+    assert cfg.optimizer._partial_ is True, "optimizer configs must be partials"
+    needs = OptimizerNeeds(**OmegaConf.to_container(cfg.optimizer_needs))
+    problem = tiny_problem(steps=3)
+    if needs.backpack:
+        from backpack import extend
+
+        problem.model, problem.loss_fn = extend(problem.model), extend(problem.loss_fn)
+    before = [p.detach().clone() for p in problem.trainable_parameters()]
+    optimizer = instantiate(cfg.optimizer)(problem.trainable_parameters())
+    batches = mini_batches(16, 8, torch.Generator().manual_seed(1), CPU)
+    log = train(problem, optimizer, needs, batches, Stopwatch(CPU))
+    assert not log.diverged, f"{optimizer_name} diverged on the tiny problem"
+    assert len(log.step_times) == 3
+    moved = [
+        not torch.equal(b, p)
+        for b, p in zip(before, problem.trainable_parameters(), strict=True)
+    ]
+    assert any(moved), f"{optimizer_name} did not change any parameter in 3 steps"
+
+
+def test_problem_config_builds(compose_config, problem_name):
+    cfg = compose_config([f"problem={problem_name}"])
+    assert cfg.problem.name == problem_name
+    root = cfg.problem.data.get("root")
+    if root is not None and not Path(root).is_dir():
+        pytest.skip(
+            f"{root} missing (Debian's dataset-fashion-mnist is not installed); the "
+            "IDX reader is tested on small files in test_bench_data.py"
+        )
+    problem = build_problem(
+        cfg.problem, CPU, torch.float32, torch.Generator().manual_seed(0)
+    )
+    assert problem.protocol.metric in METRICS
+    data = problem.data
+    assert data.x_train.dtype == torch.float32
+    with torch.no_grad():
+        out = problem.model(data.x_test[:3])
+        loss = problem.loss_fn(out, data.y_test[:3])
+    if data.y_train.is_floating_point():
+        assert out.shape == data.y_test[:3].shape
+    else:
+        num_classes = int(data.y_train.max()) + 1
+        assert out.shape == (3, num_classes)
+    assert torch.isfinite(loss), f"initial loss of {problem_name} is {loss}"
+
+
+def _sweep_values(text: str) -> list[str]:
+    """Expand a basic-sweeper value such as ``a,b`` or ``range(4)``."""
+    (override,) = OverridesParser.create().parse_overrides([f"key={text}"])
+    return [str(v) for v in override.sweep_string_iterator()]
+
+
+def test_sweep_preset_gives_optimizers_equal_valid_grids(compose_config, sweep_name):
+    preset = f"+sweep={sweep_name}"
+    params = compose_config([preset], return_hydra_config=True).hydra.sweeper.params
+    assert {"optimizer", "grid_point", "seed"} <= set(params), params
+    num_points = len(_sweep_values(params.grid_point))
+    assert len(_sweep_values(params.seed)) >= 3, "report at least 3 seeds"
+    for name in _sweep_values(params.optimizer):
+        cfg = compose_config([preset, f"optimizer={name}"])
+        points = grid_points(OmegaConf.to_container(cfg.grid[name]))
+        assert len(points) == num_points, (
+            f"{sweep_name}: {name} has {len(points)} grid points, the sweep runs "
+            f"{num_points} (unequal tuning budget)"
+        )
+        for index in range(num_points):
+            job = copy.deepcopy(cfg)
+            job.grid_point = index
+            assert select_grid_point(job) == points[index]
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["not_a_key=1", "problem.not_a_key=1", "optimizer.not_a_setting=1"],
+    ids=["root", "problem", "optimizer"],
+)
+def test_unknown_key_is_a_clear_error(compose_config, override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config([override])
+    message = str(info.value)
+    assert f"Could not override '{key}'" in message
+    assert f"+{key}=1" in message, "the error should say how to add a new key"
+
+
+def test_grid_key_that_is_no_optimizer_setting_is_a_clear_error(compose_config):
+    cfg = compose_config(["optimizer=sgd", "grid={sgd: {lrr: [0.1]}}", "grid_point=0"])
+    with pytest.raises(KeyError, match=r"grid\.sgd\.lrr is not a setting"):
+        select_grid_point(cfg)
+
+
+def test_grid_without_entry_for_the_optimizer_is_a_clear_error(compose_config):
+    cfg = compose_config(["optimizer=adam", "grid={sgd: {lr: [0.1]}}", "grid_point=0"])
+    with pytest.raises(ValueError, match="no entry for optimizer 'adam'"):
+        select_grid_point(cfg)
+
+
+def test_grid_point_beyond_the_grid_means_skip(compose_config):
+    cfg = compose_config(["grid={sgd: {lr: [0.1, 0.2]}}", "grid_point=2"])
+    assert select_grid_point(cfg) is None
+    cfg.grid_point = 1
+    assert select_grid_point(cfg) == {"lr": 0.2}
+    assert cfg.optimizer.lr == 0.2
+
+
+def test_grid_points_are_the_product_first_key_slowest():
+    points = grid_points({"lr": [1, 2], "damping": [0.1, 0.2, 0.3]})
+    assert points == [
+        {"lr": lr, "damping": d} for lr in (1, 2) for d in (0.1, 0.2, 0.3)
+    ]
+    with pytest.raises(ValueError, match="non-empty list"):
+        grid_points({"lr": []})

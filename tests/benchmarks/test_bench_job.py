@@ -1,0 +1,143 @@
+"""Training loop and job: batching, evaluation, divergence and failure records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.data import Dataset
+from benchmarks.job import RESULT_FILE, hyperparameters, run_job
+from benchmarks.models import mlp
+from benchmarks.problems import Problem, Protocol
+from benchmarks.training import evaluate, mini_batches
+
+
+def test_mini_batches_cover_each_epoch_once_dropping_the_rest():
+    batches = mini_batches(10, 3, torch.Generator().manual_seed(0), torch.device("cpu"))
+    for _ in range(2):  # two epochs
+        epoch = [next(batches) for _ in range(3)]
+        seen = torch.cat(epoch)
+        assert all(b.shape == (3,) for b in epoch)
+        assert seen.unique().numel() == 9 and seen.max() < 10
+
+
+def test_evaluate_in_batches_matches_one_pass():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(11, 5, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (11,), generator=gen)
+    problem = Problem(
+        "tiny",
+        mlp(5, [4], 3, generator=gen).double(),
+        torch.nn.CrossEntropyLoss(),
+        Dataset(x, y, x, y),
+        Protocol("accuracy", None, batch_size=4, steps=1, eval_every=1),
+    )
+    loss, accuracy = evaluate(problem, x, y, batch_size=4)
+    with torch.no_grad():
+        out = problem.model(x)
+    expected_loss = torch.nn.functional.cross_entropy(out, y).item()
+    expected_accuracy = (out.argmax(1) == y).double().mean().item()
+    assert loss == pytest.approx(expected_loss, rel=1e-12)
+    assert accuracy == pytest.approx(expected_accuracy, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"metric": "f1"}, "problem.metric must be one of"),
+        ({"steps": 0}, "problem.steps must be >= 1"),
+        ({"train_eval_samples": 0}, "train_eval_samples must be >= 1"),
+    ],
+    ids=["metric", "steps", "train_eval_samples"],
+)
+def test_protocol_validation(kwargs, message):
+    settings = {
+        "metric": "loss",
+        "target": None,
+        "batch_size": 2,
+        "steps": 1,
+        "eval_every": 1,
+        **kwargs,
+    }
+    with pytest.raises(ValueError, match=message):
+        Protocol(**settings)
+
+
+def test_protocol_target_direction():
+    assert Protocol("accuracy", 0.9, 1, 1, 1).reached(0.9)
+    assert not Protocol("accuracy", 0.9, 1, 1, 1).reached(0.89)
+    assert Protocol("loss", 1.0, 1, 1, 1).reached(0.5)
+    assert not Protocol("loss", None, 1, 1, 1).reached(0.0)
+
+
+def _job(compose_config, tmp_path, overrides):
+    cfg = compose_config(["device=cpu", *overrides])
+    summary = run_job(cfg, tmp_path)
+    with open(tmp_path / RESULT_FILE) as f:
+        return summary, json.load(f)
+
+
+def test_successful_job_records_curves_and_targets(compose_config, tmp_path):
+    summary, result = _job(
+        compose_config,
+        tmp_path,
+        [
+            "problem=digits_logreg",
+            "problem.steps=12",
+            "problem.eval_every=4",
+            "problem.target=0.5",
+            "optimizer.lr=0.5",
+            "timing.warmup_steps=2",
+        ],
+    )
+    assert result["status"] == "ok" and summary["status"] == "ok"
+    curves = result["curves"]
+    assert curves["step"] == [0, 4, 8, 12]
+    assert curves["time"][0] == 0 and curves["time"] == sorted(curves["time"])
+    assert result["final"]["test_metric"] == curves["test_metric"][-1]
+    assert result["best"]["test_metric"] == max(curves["test_metric"])
+    reached = [
+        s
+        for s, m in zip(curves["step"], curves["test_metric"], strict=True)
+        if m >= 0.5
+    ]
+    assert result["steps_to_target"] == reached[0]
+    assert result["train_time"] >= curves["time"][-1] - 1e-12
+    assert result["step_time"]["median"] > 0 and result["steps_taken"] == 12
+    assert result["memory"]["kind"] == "cpu_process_max_rss"
+    assert result["memory"]["peak_mb"] >= result["memory"]["at_start_mb"] > 0
+    assert result["hyperparameters"] == {"lr": 0.5}
+    assert result["config"]["problem"]["name"] == "digits_logreg"
+
+
+def test_diverging_job_is_recorded(compose_config, tmp_path):
+    _, result = _job(
+        compose_config,
+        tmp_path,
+        ["problem=noisy_quadratic", "optimizer.lr=10", "problem.steps=30"],
+    )
+    assert result["status"] == "diverged" and result["diverged"] is True
+    assert result["final"]["test_metric"] is None
+    assert result["steps_taken"] < 30
+
+
+def test_failing_job_is_recorded_not_raised(compose_config, tmp_path):
+    summary, result = _job(compose_config, tmp_path, ["optimizer.lr=-1"])
+    assert result["status"] == "failed" and summary["status"] == "failed"
+    assert "Invalid learning rate" in result["error"]
+    assert "Traceback" in result["traceback"]
+
+
+def test_hyperparameters_flatten_nested_nodes(compose_config):
+    cfg = compose_config(
+        ["optimizer=momentum", "+optimizer.extra={a: 1, b: {_target_: x.Y, c: 2}}"]
+    )
+    assert hyperparameters(cfg.optimizer) == {
+        "lr": 0.01,
+        "momentum": 0.9,
+        "extra.a": 1,
+        "extra.b._target_": "x.Y",
+        "extra.b.c": 2,
+    }

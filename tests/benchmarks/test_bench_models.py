@@ -1,0 +1,65 @@
+"""Model builders: shapes, seeded initialization, no use of the global RNG."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks import models
+
+MODELS: list[
+    tuple[str, Callable[[torch.Generator], nn.Module], tuple[int, ...], int]
+] = [
+    ("mlp", lambda g: models.mlp(64, [32, 16], 10, "tanh", generator=g), (64,), 10),
+    ("logreg", lambda g: models.logistic_regression(64, 10, generator=g), (64,), 10),
+    ("mnist1d_cnn", lambda g: models.mnist1d_cnn(generator=g), (1, 40), 10),
+    ("conv_2c2d", lambda g: models.conv_2c2d(generator=g), (1, 28, 28), 10),
+]
+
+
+@pytest.fixture(params=MODELS, ids=[m[0] for m in MODELS])
+def model_case(request):
+    """(name, builder, input shape, number of outputs)."""
+    return request.param
+
+
+def test_output_shape(model_case):
+    _, build, input_shape, outputs = model_case
+    model = build(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(torch.zeros(2, *input_shape))
+    assert out.shape == (2, outputs)
+
+
+def test_seeded_and_global_rng_untouched(model_case):
+    name, build, _, _ = model_case
+    state = torch.get_rng_state()
+    first = build(torch.Generator().manual_seed(1))
+    again = build(torch.Generator().manual_seed(1))
+    other = build(torch.Generator().manual_seed(2))
+    assert torch.equal(torch.get_rng_state(), state), f"{name} used the global RNG"
+    for a, b, c in zip(
+        first.parameters(), again.parameters(), other.parameters(), strict=True
+    ):
+        assert torch.equal(a, b), f"{name}: same seed, different parameters"
+        assert not torch.equal(a, c), f"{name}: different seeds, same parameters"
+
+
+def test_default_init_bounds(model_case):
+    name, build, _, _ = model_case
+    model = build(torch.Generator().manual_seed(0))
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d):
+            bound = 1 / math.sqrt(module.weight[0].numel())
+            for p in (module.weight, module.bias):
+                assert p.abs().max() <= bound, f"{name}: {p.abs().max()} > {bound}"
+                assert p.abs().max() > 0.5 * bound, f"{name}: values not spread out"
+
+
+def test_unknown_activation_is_a_clear_error():
+    with pytest.raises(ValueError, match="Unknown activation 'gelu'"):
+        models.mlp(4, [3], 2, "gelu", generator=torch.Generator())

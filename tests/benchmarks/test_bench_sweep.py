@@ -1,0 +1,95 @@
+"""A tiny multirun through the real command line: results, progress, report files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.report import main as report_main
+
+REPO = Path(__file__).resolve().parents[2]
+OPTIMIZERS = ("sgd", "adam")
+LEARNING_RATES = ("0.1", "-1")  # -1 makes the optimizer constructor raise
+NUM_JOBS = len(OPTIMIZERS) * len(LEARNING_RATES)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """Run 2 optimizers × 2 learning rates (one invalid) × 1 seed on digits_logreg."""
+    sweep_dir = tmp_path_factory.mktemp("sweep")
+    command = [
+        sys.executable,
+        "benchmarks/run.py",
+        "--multirun",
+        f"hydra.sweep.dir={sweep_dir}",
+        "problem=digits_logreg",
+        "problem.steps=6",
+        "problem.eval_every=3",
+        "device=cpu",
+        f"optimizer={','.join(OPTIMIZERS)}",
+        f"optimizer.lr={','.join(LEARNING_RATES)}",
+    ]
+    process = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    return sweep_dir, process
+
+
+def test_every_job_wrote_its_result(sweep):
+    sweep_dir, _ = sweep
+    results = [
+        json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/result.json"))
+    ]
+    assert len(results) == NUM_JOBS
+    by_status = {}
+    for r in results:
+        by_status.setdefault(r["status"], []).append(r)
+    assert len(by_status["ok"]) == len(OPTIMIZERS), "valid jobs must succeed"
+    assert len(by_status["failed"]) == len(OPTIMIZERS), "invalid lr must fail"
+    for r in by_status["failed"]:
+        assert "Invalid learning rate" in r["error"]
+    for r in by_status["ok"]:
+        assert r["curves"]["step"] == [0, 3, 6]
+        assert r["hyperparameters"] == {"lr": 0.1}
+
+
+def test_progress_lines_per_job(sweep):
+    _, process = sweep
+    for k in range(1, NUM_JOBS + 1):
+        assert f"[{k}/{NUM_JOBS}] digits_logreg" in process.stderr
+    assert "FAILED ValueError: Invalid learning rate" in process.stderr
+    assert "final test accuracy" in process.stderr
+
+
+def test_report_files(sweep):
+    sweep_dir, process = sweep
+    report = sweep_dir / "report"
+    assert str(report.resolve()) in process.stdout, "the report location is printed"
+    with open(report / "runs.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == NUM_JOBS
+    assert {r["optimizer"] for r in rows} == set(OPTIMIZERS)
+    markdown = (report / "summary.md").read_text()
+    assert "## digits_logreg" in markdown
+    assert "| optimizer | tuned |" in markdown
+    for optimizer in OPTIMIZERS:
+        assert f"\n| {optimizer} | " in markdown
+    for name in ("curves_digits_logreg", "sensitivity_digits_logreg_lr", "step_cost"):
+        png = report / f"{name}.png"
+        assert png.stat().st_size > 1000, f"{png} is empty"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_script_regenerates(sweep, capsys):
+    sweep_dir, _ = sweep
+    csv_file = sweep_dir / "report" / "runs.csv"
+    csv_file.unlink()
+    report_main([str(sweep_dir)])
+    assert csv_file.is_file()
+    assert "Report folder:" in capsys.readouterr().out

@@ -1,0 +1,88 @@
+"""Plot functions write non-empty PNG files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dampednewton.diagnostics import (
+    GSNR,
+    DiagnosticsMonitor,
+    GradientHistogram,
+    GradientParameterHistogram,
+    NoiseScale,
+)
+from dampednewton.diagnostics.plots import (
+    plot_gsnr_and_noise_scale,
+    plot_histogram_2d,
+    plot_histograms,
+    plot_scalars,
+)
+from tests.conftest import build_case
+from tests.diagnostics.problems import PROBLEMS
+from tests.diagnostics.test_monitor import run_monitored_step
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def monitor() -> DiagnosticsMonitor:
+    case = build_case(PROBLEMS[2])
+    monitor = DiagnosticsMonitor(
+        [
+            GSNR(),
+            NoiseScale(),
+            GradientHistogram(bins=16),
+            GradientParameterHistogram(bins=(12, 10)),
+        ],
+        case.model.named_parameters(),
+    )
+    for step in range(3):
+        run_monitored_step(case, monitor, step)
+    return monitor
+
+
+def assert_png(path, expected):
+    assert path == expected
+    content = path.read_bytes()
+    assert content.startswith(PNG_SIGNATURE)
+    assert len(content) > 5_000, f"{path} is suspiciously small ({len(content)} B)"
+
+
+def test_histogram_plots(tmp_path, monitor):
+    record = monitor.log[-1]
+    assert_png(plot_histograms(record, tmp_path / "hist.png"), tmp_path / "hist.png")
+    for name in (None, "0.weight"):
+        path = tmp_path / "sub" / f"hist2d-{name}.png"
+        assert_png(plot_histogram_2d(record, path, name=name), path)
+
+
+def test_gsnr_and_noise_scale_plot(tmp_path, monitor):
+    path = tmp_path / "gsnr.png"
+    assert_png(plot_gsnr_and_noise_scale(monitor.log, path), path)
+
+
+def test_scalars_plot(tmp_path):
+    steps = np.arange(10)
+    series = {
+        "λ_1": (steps, 1.0 + steps**2),
+        "λ_2": (steps, np.where(steps == 3, np.inf, 0.5 + steps)),
+        "damping": (list(steps), [0.0, *np.logspace(-3, 0, 9)]),
+    }
+    path = tmp_path / "scalars.png"
+    assert_png(
+        plot_scalars(series, path, title="eigenvalues", ylabel="λ", log_y=True), path
+    )
+
+
+def test_missing_data_raise(tmp_path, monitor):
+    with pytest.raises(KeyError, match="no 'nope/counts'"):
+        plot_histograms(monitor.log[-1], tmp_path / "x.png", label="nope")
+    with pytest.raises(KeyError, match="neither"):
+        plot_gsnr_and_noise_scale(
+            monitor.log, tmp_path / "x.png", gsnr_label="a", noise_label="b"
+        )
+    with pytest.raises(ValueError, match="at least one series"):
+        plot_scalars({}, tmp_path / "x.png")
+    with pytest.raises(ValueError, match="equal length"):
+        plot_scalars({"a": ([1, 2], [1.0])}, tmp_path / "x.png")
