@@ -14,11 +14,15 @@ from torch import Generator, Tensor
 from torch.optim import Optimizer
 
 from dampednewton.computations import DirectionalDampedNewtonComputation, NewtonStep
-from dampednewton.computations.base import Block
-from dampednewton.computations.extensions import NonFiniteModelOutput
+from dampednewton.computations.base import GRAD_BATCH, Block
+from dampednewton.computations.extensions import (
+    IndividualGradients,
+    NonFiniteModelOutput,
+)
 from dampednewton.computations.groups import validate_subsampling
 from dampednewton.criteria import Criterion, as_criterion
 from dampednewton.damping import Damping, as_damping
+from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.directional import quadratic_model_decrease
 
 CLOSURE_PATTERN = """\
@@ -105,6 +109,7 @@ class DampedNewton(Optimizer):
         warn_small_eigvals: float = 1e-4,
         nonfinite: str = "raise",
         seed: int | None = None,
+        monitor: DiagnosticsMonitor | None = None,
     ):
         """Set the defaults of every parameter group.
 
@@ -124,6 +129,9 @@ class DampedNewton(Optimizer):
                 step, or ``'skip'`` the update with a warning (counted in the state).
             seed: Seed of the optimizer's own generator for Monte-Carlo sampling;
                 ``None`` draws one from torch's global generator.
+            monitor: Diagnostics computed in the same backward pass as the step, on
+                their schedules; each record also gets the step's eigenvalues,
+                damping and number of directions per group (``newton/...`` keys).
 
         Raises:
             ValueError: For invalid hyperparameters.
@@ -140,6 +148,7 @@ class DampedNewton(Optimizer):
             "warn_small_eigvals": warn_small_eigvals,
         }
         self._nonfinite = nonfinite
+        self.monitor = monitor
         self._seed = (
             int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed)
         )
@@ -214,8 +223,10 @@ class DampedNewton(Optimizer):
             }
             for group in self.param_groups
         ]
+        step_index = self.state[GLOBAL]["step"]
         try:
             hook = computation.get_extension_hook(blocks)
+            extensions, hook = self._with_diagnostics(extensions, hook, step_index)
             try:
                 with (
                     torch.enable_grad(),
@@ -230,6 +241,7 @@ class DampedNewton(Optimizer):
                 if generator is not None:
                     generator.set_state(generator_state)
                 return loss
+            record = self._finish_diagnostics(step_index, loss)
         except BaseException:
             if generator is not None:
                 generator.set_state(generator_state)
@@ -240,7 +252,7 @@ class DampedNewton(Optimizer):
                     continue
                 for param, direction in zip(group["params"], result.step, strict=True):
                     param.add_(direction.to(param.dtype), alpha=group["lr"])
-        self._record(results)
+        self._record(results, record)
         self._adapt_damping(closure, loss, results)
         return loss
 
@@ -408,7 +420,48 @@ class DampedNewton(Optimizer):
         self.state[GLOBAL]["skipped_steps"] += 1
         return True
 
-    def _record(self, results: list[NewtonStep | None]) -> None:
+    def _with_diagnostics(
+        self, extensions: list, hook: Callable, step: int
+    ) -> tuple[list, Callable]:
+        """Add the monitor's extensions and hook (first) to the step's backward pass.
+
+        The monitor's individual gradients replace the structured ones of the step
+        (which skip linear layers); all BackPACK buffers are freed layer by layer.
+        """
+        if self.monitor is None or not self.monitor.is_active(step):
+            return extensions, hook
+        merged = {extension.savefield: extension for extension in extensions}
+        for extension in self.monitor.extensions(step):
+            if extension.savefield == GRAD_BATCH and GRAD_BATCH in merged:
+                if self.param_groups[0]["subsampling_grad"] is not None:
+                    raise ValueError(
+                        "Diagnostics with individual gradients (histograms) need "
+                        "subsampling_grad=None."
+                    )
+                merged[GRAD_BATCH] = IndividualGradients()
+            merged.setdefault(extension.savefield, extension)
+        monitor_hook = self.monitor.module_hook(step)
+        savefields = list(merged)
+
+        def monitor_then_step(module: torch.nn.Module) -> None:
+            monitor_hook(module)
+            hook(module)
+            for param in module.parameters(recurse=False):
+                for savefield in savefields:
+                    if hasattr(param, savefield):
+                        delattr(param, savefield)
+
+        return list(merged.values()), monitor_then_step
+
+    def _finish_diagnostics(self, step: int, loss: Tensor) -> dict | None:
+        if self.monitor is None or not self.monitor.is_active(step):
+            return None
+        params = [p for group in self.param_groups for p in group["params"]]
+        return self.monitor.finish(step, params, loss)
+
+    def _record(
+        self, results: list[NewtonStep | None], record: dict | None = None
+    ) -> None:
         self.state[GLOBAL]["step"] += 1
         stats = self.state.setdefault(
             GROUPS, [_empty_group_stats() for _ in self.param_groups]
@@ -425,6 +478,8 @@ class DampedNewton(Optimizer):
                 damping=result.damping.detach().cpu(),
                 coefficients=result.coefficients.detach().cpu(),
             )
+            if record is not None:
+                record.update(_newton_record(index, stats[index]))
             if num_directions == 0:
                 stats[index]["steps_without_direction"] += 1
                 if index not in self._warned_no_direction:
@@ -462,6 +517,20 @@ class _FiniteCurvatureComputation(DirectionalDampedNewtonComputation):
             self.curvature_finite = False
             return None
         return super()._finish(block)
+
+
+def _newton_record(index: int, stats: dict[str, Any]) -> dict[str, Any]:
+    """A group's step quantities as entries of a diagnostics record."""
+    evals, damping = stats["evals"], stats["damping"]
+    return {
+        f"newton/num_directions/group{index}": stats["num_directions"],
+        f"newton/evals/group{index}": evals.numpy(),
+        f"newton/damping/group{index}": damping.numpy(),
+        f"newton/max_eval/group{index}": evals.max().item() if evals.numel() else 0.0,
+        f"newton/mean_damping/group{index}": (
+            damping.mean().item() if damping.numel() else 0.0
+        ),
+    }
 
 
 def _empty_group_stats() -> dict[str, Any]:

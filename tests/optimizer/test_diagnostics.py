@@ -1,0 +1,107 @@
+"""Diagnostics attached to DampedNewton: same numbers as standalone, same steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dampednewton import DampedNewton, NoiseAwareDamping
+from dampednewton.diagnostics import (
+    GSNR,
+    CurvatureTrace,
+    DiagnosticsMonitor,
+    EveryKSteps,
+    GradientHistogram,
+    GradientParameterHistogram,
+    NoiseScale,
+)
+from tests.conftest import build_case
+from tests.optimizer.support import make_closure
+from tests.problems import PROBLEMS
+
+NUM_STEPS = 3
+
+
+def make_monitor(model) -> DiagnosticsMonitor:
+    return DiagnosticsMonitor(
+        [
+            GSNR(EveryKSteps(1)),
+            NoiseScale(EveryKSteps(1)),
+            GradientHistogram(EveryKSteps(2), bins=16),
+            GradientParameterHistogram(EveryKSteps(2), bins=(8, 6)),
+            CurvatureTrace(EveryKSteps(1), curvature="diag_ggn_exact"),
+        ],
+        named_parameters=model.named_parameters(),
+    )
+
+
+def assert_same_record(attached: dict, standalone: dict) -> None:
+    keys = {k for k in attached if not k.startswith("newton/")}
+    assert keys == set(standalone), keys ^ set(standalone)
+    for key in keys:
+        np.testing.assert_allclose(
+            np.asarray(attached[key], dtype=float),
+            np.asarray(standalone[key], dtype=float),
+            rtol=1e-12,
+            atol=1e-15,
+            err_msg=key,
+        )
+
+
+@pytest.mark.parametrize("damping", [0.1, NoiseAwareDamping(0.1)], ids=["mean", "ps"])
+@pytest.mark.parametrize("problem", [PROBLEMS[0], PROBLEMS[3]], ids=lambda p: p.id)
+def test_attached_diagnostics_match_standalone_and_keep_the_step(problem, damping):
+    attached, plain = build_case(problem), build_case(problem)
+    monitor, standalone = make_monitor(attached.model), make_monitor(plain.model)
+    opt_attached = DampedNewton(
+        attached.model.parameters(), damping=damping, criterion=3, monitor=monitor
+    )
+    opt_plain = DampedNewton(plain.model.parameters(), damping=damping, criterion=3)
+    for step in range(NUM_STEPS):
+        # standalone diagnostics at the same parameters, with a plain backward pass
+        opt_plain.zero_grad()
+        loss = plain.loss_fn(plain.model(plain.X), plain.y)
+        with standalone.backward_context(step):
+            loss.backward()
+        expected = standalone.finish(step, plain.model.parameters(), loss)
+        opt_attached.step(
+            make_closure(
+                opt_attached, attached.model, attached.loss_fn, attached.X, attached.y
+            )
+        )
+        opt_plain.step(
+            make_closure(opt_plain, plain.model, plain.loss_fn, plain.X, plain.y)
+        )
+        assert_same_record(monitor.log[-1], expected)
+        for a, b in zip(
+            attached.model.parameters(), plain.model.parameters(), strict=True
+        ):
+            assert torch.equal(a, b), "diagnostics changed the step"
+        record = monitor.log[-1]
+        stats = opt_attached.state["groups"][0]
+        assert record["newton/num_directions/group0"] == stats["num_directions"]
+        np.testing.assert_array_equal(record["newton/evals/group0"], stats["evals"])
+    assert len(monitor.log) == NUM_STEPS
+    leftovers = [
+        name
+        for p in attached.model.parameters()
+        for name in ("grad_batch", "sum_grad_squared", "diag_ggn_exact")
+        if hasattr(p, name)
+    ]
+    assert not leftovers, leftovers
+
+
+def test_histograms_need_full_batch_gradients():
+    case = build_case(PROBLEMS[0])
+    optimizer = DampedNewton(
+        case.model.parameters(),
+        damping=NoiseAwareDamping(),
+        criterion=2,
+        subsampling_grad=[0, 1],
+        monitor=make_monitor(case.model),
+    )
+    with pytest.raises(ValueError, match="subsampling_grad=None"):
+        optimizer.step(
+            make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+        )
