@@ -1,4 +1,4 @@
-"""Cost of the diagnostics: median SGD step time with and without them.
+"""Cost of the diagnostics: median step time of SGD and DampedNewton with and without.
 
 Problem: MLP 784-128-128-10 (ReLU), cross-entropy, N = 128 random inputs and labels
 (float32). A step is ``zero_grad`` + forward + backward + ``optimizer.step()``;
@@ -7,7 +7,8 @@ with diagnostics the backward runs inside ``monitor.backward_context(step)`` and
 The baseline is SGD on the plain, non-extended model. Variants are timed in
 alternating blocks of consecutive steps (robust to a shared machine's changing
 load); the script prints the median and the minimum per variant and their ratios
-to plain SGD.
+to plain SGD, then the ratio of each ``DampedNewton`` step with GSNR (computed in the
+same backward pass, ``DampedNewton(monitor=...)``) to the same step without.
 
 Usage::
 
@@ -27,6 +28,7 @@ import torch
 from backpack import extend
 from torch import nn
 
+from dampednewton import DampedNewton
 from dampednewton.diagnostics import (
     GSNR,
     CurvatureTrace,
@@ -92,6 +94,36 @@ def step_function(
     return monitored_step
 
 
+def newton_step_function(
+    device: torch.device, mc_samples: int, diagnostics: list | None
+) -> Callable[[int], None]:
+    """One ``DampedNewton`` step (top-10, constant damping), optionally monitored."""
+    X, y = make_data(device)
+    model, loss_fn = extend(make_model(device)), extend(nn.CrossEntropyLoss())
+    monitor = (
+        None
+        if diagnostics is None
+        else DiagnosticsMonitor(diagnostics, model.named_parameters())
+    )
+    optimizer = DampedNewton(
+        model.parameters(),
+        lr=1e-3,
+        damping=1e-2,
+        criterion=10,
+        mc_samples=mc_samples,
+        monitor=monitor,
+        seed=0,
+    )
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = loss_fn(model(X), y)
+        loss.backward()
+        return loss
+
+    return lambda index: optimizer.step(closure)
+
+
 def time_steps(
     steps: dict[str, Callable[[int], None]],
     device: torch.device,
@@ -133,6 +165,9 @@ VARIANTS: dict[str, list | None] = {
 }
 
 
+NEWTON_VARIANTS = {"dampednewton mc1": 1, "dampednewton exact": 0}
+
+
 def main() -> None:
     """Measure every variant and print median/min times and ratios to plain SGD."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -149,16 +184,25 @@ def main() -> None:
         f"(after {args.warmup} untimed)"
     )
     steps = {name: step_function(device, spec) for name, spec in VARIANTS.items()}
+    for label, mc_samples in NEWTON_VARIANTS.items():
+        steps[label] = newton_step_function(device, mc_samples, None)
+        steps[f"{label} + gsnr"] = newton_step_function(device, mc_samples, [GSNR()])
     times = time_steps(steps, device, args.rounds, args.warmup, args.repeats)
     median = {name: statistics.median(values) for name, values in times.items()}
     fastest = {name: min(values) for name, values in times.items()}
     print(f"{'variant':28s} {'median':>10s} {'ratio':>7s} {'min':>10s} {'ratio':>7s}")
-    for name in VARIANTS:
+    for name in steps:
         median_ratio = median[name] / median["sgd"]
         fastest_ratio = fastest[name] / fastest["sgd"]
         print(
             f"{name:28s} {median[name] * 1e3:8.2f}ms {median_ratio:7.2f}"
             f" {fastest[name] * 1e3:8.2f}ms {fastest_ratio:7.2f}"
+        )
+    for label in NEWTON_VARIANTS:
+        with_gsnr = f"{label} + gsnr"
+        print(
+            f"{with_gsnr} / {label}: median {median[with_gsnr] / median[label]:.2f}×, "
+            f"min {fastest[with_gsnr] / fastest[label]:.2f}× (target ≤ 1.3×)"
         )
 
 

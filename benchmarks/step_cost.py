@@ -5,7 +5,8 @@ median wall time of an SGD step (forward, backward, update), of ``DampedNewton.s
 (the fast, structured path) and of the materialized path (BackPACK's dense square
 roots and individual gradients, as in ViViT), and their ratios to SGD. With
 ``--memory``, each variant also runs in a fresh process that reports its peak memory
-(``ru_maxrss`` on CPU, ``torch.cuda.max_memory_allocated`` on GPU).
+(growth of ``ru_maxrss`` during the steps on CPU, ``torch.cuda.max_memory_allocated``
+on GPU).
 
     python benchmarks/step_cost.py                       # MLP and CNN, N=128
     python benchmarks/step_cost.py --models mlp mlp-large cnn --batch-sizes 32 128 512
@@ -152,15 +153,21 @@ def peak_memory_mib(variant, model_name, batch_size, device_name) -> float:
 
 
 def run_single(variant, model_name, batch_size, device_name) -> None:
-    """Entry point of the fresh process: run a few steps, print peak memory."""
+    """Entry point of the fresh process: run a few steps, print the peak memory.
+
+    On CPU the peak is the growth of the resident-set high-water mark over the
+    process's state after building model and data (``ru_maxrss`` also counts the
+    Python and torch libraries); on GPU it is ``torch.cuda.max_memory_allocated``.
+    """
     device = torch.device(device_name)
     step = make_step(variant, model_name, batch_size, device)
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     for _ in range(3):
         step()
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device) / 2**20
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10 - baseline
     print(json.dumps({"peak_mib": peak}))
 
 
