@@ -7,15 +7,13 @@ from dataclasses import dataclass
 
 from torch import Generator, Tensor
 
-from dampednewton.computations.base import Block, GGNComputation
+from dampednewton.computations.base import Block
+from dampednewton.computations.directional_derivatives import (
+    DirectionalDerivativesComputation,
+)
 from dampednewton.computations.directions import select_directions, to_parameter_space
 from dampednewton.damping import as_damping, checked_damping
-from dampednewton.directional import (
-    directional_curvatures,
-    directional_gradients,
-    gram_space_step,
-    newton_coefficients,
-)
+from dampednewton.directional import gram_space_step, newton_coefficients
 
 
 @dataclass
@@ -39,7 +37,7 @@ class NewtonStep:
     coefficients: Tensor
 
 
-class DirectionalDampedNewtonComputation(GGNComputation):
+class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
     r"""BackPACK extensions and hook for directionally damped Newton steps.
 
     With ``e_k`` the selected GGN eigenvectors, ``γ̄_k``/``λ̄_k`` the mean first/second
@@ -57,7 +55,6 @@ class DirectionalDampedNewtonComputation(GGNComputation):
     """
 
     required_group_keys = ("criterion", "damping")
-    needs_gradients = True
     keeps_factors = True
 
     def __init__(
@@ -98,11 +95,11 @@ class DirectionalDampedNewtonComputation(GGNComputation):
                 "comes from .grad, which holds the whole batch."
             )
         super().__init__(
-            subsampling_ggn=subsampling_ggn,
-            subsampling_grad=subsampling_grad,
-            mc_samples=mc_samples_ggn,
-            verbose=verbose,
-            warn_small_eigvals=warn_small_eigvals,
+            subsampling_grad,
+            subsampling_ggn,
+            mc_samples_ggn,
+            verbose,
+            warn_small_eigvals,
             generator=generator,
             structured=structured,
         )
@@ -112,17 +109,7 @@ class DirectionalDampedNewtonComputation(GGNComputation):
     def _finish(self, block: Block) -> NewtonStep:
         directions = select_directions(block, self._warn_small_eigvals)
         evals, gram_evecs = directions.evals, directions.gram_evecs
-        products = block.gradient_products
-        if not self.needs_gradients:
-            products = sum(
-                block.factors[id(p)].mean_gradient_products(_gradient_of(p))
-                for p in block.group["params"]
-                if id(p) in block.factors
-            )
-        gammas = directional_gradients(products, gram_evecs, evals)
-        lambdas = directional_curvatures(
-            gram_evecs, evals, block.num_outputs, block.num_samples
-        )
+        gammas, lambdas = self._derivatives(block, directions)
         policy = as_damping(block.group["damping"])
         damping = checked_damping(
             policy(evals, gram_evecs, gammas, lambdas), evals.numel()
@@ -137,6 +124,15 @@ class DirectionalDampedNewtonComputation(GGNComputation):
             lambda_mean=lambda_mean,
             damping=damping,
             coefficients=coefficients,
+        )
+
+    def _gradient_products(self, block: Block) -> Tensor:
+        if self.needs_gradients:
+            return block.gradient_products
+        return sum(
+            block.factors[id(p)].mean_gradient_products(_gradient_of(p))
+            for p in block.group["params"]
+            if id(p) in block.factors
         )
 
     def get_result(self, group: dict) -> tuple[Tensor, ...]:

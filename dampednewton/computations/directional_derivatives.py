@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from torch import Generator, Tensor
 
 from dampednewton.computations.base import Block, GGNComputation
-from dampednewton.computations.directions import select_directions
+from dampednewton.computations.directions import Directions, select_directions
 from dampednewton.directional import directional_curvatures, directional_gradients
 
 
@@ -58,9 +58,16 @@ class DirectionalDerivativesComputation(GGNComputation):
         )
 
     def _finish(self, block: Block) -> tuple[Tensor, Tensor]:
-        directions = select_directions(block, self._warn_small_eigvals)
+        return self._derivatives(
+            block, select_directions(block, self._warn_small_eigvals)
+        )
+
+    def _derivatives(
+        self, block: Block, directions: Directions
+    ) -> tuple[Tensor, Tensor]:
+        """Per-sample slopes ``γ`` and curvatures ``λ`` along the directions."""
         gammas = directional_gradients(
-            block.gradient_products, directions.gram_evecs, directions.evals
+            self._gradient_products(block), directions.gram_evecs, directions.evals
         )
         lambdas = directional_curvatures(
             directions.gram_evecs,
@@ -69,6 +76,9 @@ class DirectionalDerivativesComputation(GGNComputation):
             block.num_samples,
         )
         return gammas, lambdas
+
+    def _gradient_products(self, block: Block) -> Tensor:
+        return block.gradient_products
 
     def get_result(self, group: dict) -> tuple[Tensor, Tensor]:
         """Return the directional derivatives of a block.
