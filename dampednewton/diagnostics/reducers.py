@@ -197,7 +197,26 @@ class NoiseScaleReducer(SumGradSquaredReducer):
         return entries
 
 
-class GradientHistogramReducer:
+class _IndividualGradientReducer:
+    """Base of the histogram reducers, which bin ``N·grad_batch``."""
+
+    _pieces: dict[int, tuple]
+
+    def extensions(self) -> list[BackpropExtension]:
+        """Return ``[BatchGrad()]``."""
+        return [BatchGrad()]
+
+    def begin(self) -> None:
+        """Forget the pieces of the previous step."""
+        self._pieces = {}
+
+    @staticmethod
+    def _individual_gradients(param: Tensor, batch_size: int) -> Tensor | None:
+        grad_batch = _quantity(param, "grad_batch")
+        return None if grad_batch is None else grad_batch * batch_size
+
+
+class GradientHistogramReducer(_IndividualGradientReducer):
     """1D histograms of individual gradient elements."""
 
     def __init__(self, spec: GradientHistogram) -> None:
@@ -210,14 +229,6 @@ class GradientHistogramReducer:
         self.network_range = spec.initial_range
         self._pieces: dict[int, tuple] = {}
 
-    def extensions(self) -> list[BackpropExtension]:
-        """Return ``[BatchGrad()]``."""
-        return [BatchGrad()]
-
-    def begin(self) -> None:
-        """Forget the pieces of the previous step."""
-        self._pieces = {}
-
     def reduce(self, param: Tensor, batch_size: int) -> None:
         """Bin ``N·grad_batch`` with the parameter's own and the network range.
 
@@ -225,10 +236,9 @@ class GradientHistogramReducer:
             param: Parameter whose module's backward just ran.
             batch_size: Number of samples ``N``.
         """
-        grad_batch = _quantity(param, "grad_batch")
-        if grad_batch is None:
+        individual = self._individual_gradients(param, batch_size)
+        if individual is None:
             return
-        individual = grad_batch * batch_size
         bins = self.spec.bins
         own_range = self.spec.range_policy.compute(individual)
         own = histogram1d(individual, *own_range, bins)
@@ -276,7 +286,7 @@ def _histogram1d_entries(label: str, histogram, suffix: str) -> Entries:
     }
 
 
-class GradientParameterHistogramReducer:
+class GradientParameterHistogramReducer(_IndividualGradientReducer):
     """2D histograms of (individual gradient element, parameter value)."""
 
     def __init__(self, spec: GradientParameterHistogram) -> None:
@@ -292,14 +302,6 @@ class GradientParameterHistogramReducer:
         )
         self._pieces: dict[int, tuple] = {}
 
-    def extensions(self) -> list[BackpropExtension]:
-        """Return ``[BatchGrad()]``."""
-        return [BatchGrad()]
-
-    def begin(self) -> None:
-        """Forget the pieces of the previous step."""
-        self._pieces = {}
-
     def reduce(self, param: Tensor, batch_size: int) -> None:
         """Bin the pairs (``N·grad_batch``, parameter) with own and network ranges.
 
@@ -307,10 +309,9 @@ class GradientParameterHistogramReducer:
             param: Parameter whose module's backward just ran.
             batch_size: Number of samples ``N``.
         """
-        grad_batch = _quantity(param, "grad_batch")
-        if grad_batch is None:
+        individual = self._individual_gradients(param, batch_size)
+        if individual is None:
             return
-        individual = grad_batch * batch_size
         values = param.detach()
         own_ranges = (
             self.spec.gradient_range.compute(individual),
