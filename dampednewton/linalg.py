@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
+# Diagonal shifts tried, relative to the largest entry, when LAPACK fails to converge.
+RETRY_SHIFTS = (0.0, 1e-12, 1e-8)
+
 
 def symmetric_eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigendecomposition of a symmetric matrix, retried in float64 when it fails.
+    """Eigendecomposition of a symmetric matrix, robust to failures of ``eigh``.
 
     Low-precision ``eigh`` can fail to converge (or return non-finite values) on the
     rank-deficient Gram matrices of neural networks. The retry solves the problem in
-    float64 and casts the result back to the input's dtype.
+    float64, scaled by a power of two (exact) to unit magnitude, and, should LAPACK
+    still not converge, with a tiny diagonal shift that is subtracted again. The
+    result is cast back to the input's dtype.
 
     Args:
         matrix: Symmetric matrix of shape ``[M, M]``.
@@ -19,35 +26,52 @@ def symmetric_eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
     Returns:
         Eigenvalues in ascending order (``[M]``) and orthonormal eigenvectors as the
         columns of an ``[M, M]`` matrix.
+
+    Raises:
+        torch.linalg.LinAlgError: If every attempt fails.
     """
-    if matrix.dtype != torch.float64:
-        try:
-            evals, evecs = torch.linalg.eigh(matrix)
-            if torch.isfinite(evals).all():
-                return evals, evecs
-        except torch.linalg.LinAlgError:
-            pass
-    evals, evecs = torch.linalg.eigh(matrix.to(torch.float64))
-    return evals.to(matrix.dtype), evecs.to(matrix.dtype)
+    return _robust(matrix, torch.linalg.eigh)
 
 
 def symmetric_eigvalsh(matrix: Tensor) -> Tensor:
-    """Eigenvalues of a symmetric matrix, retried in float64 when they fail.
+    """Eigenvalues of a symmetric matrix, with the retries of :func:`symmetric_eigh`.
 
     Args:
         matrix: Symmetric matrix of shape ``[M, M]``.
 
     Returns:
         Eigenvalues in ascending order, shape ``[M]``.
+
+    Raises:
+        torch.linalg.LinAlgError: If every attempt fails.
     """
+    return _robust(matrix, lambda m: (torch.linalg.eigvalsh(m),))[0]
+
+
+def _robust(matrix: Tensor, solve) -> tuple[Tensor, ...]:
     if matrix.dtype != torch.float64:
         try:
-            evals = torch.linalg.eigvalsh(matrix)
-            if torch.isfinite(evals).all():
-                return evals
+            result = solve(matrix)
+            if torch.isfinite(result[0]).all():
+                return result
         except torch.linalg.LinAlgError:
             pass
-    return torch.linalg.eigvalsh(matrix.to(torch.float64)).to(matrix.dtype)
+    matrix64 = matrix.to(torch.float64)
+    largest = matrix64.abs().max().item() if matrix64.numel() else 0.0
+    scale = 2.0 ** round(math.log2(largest)) if 0 < largest < math.inf else 1.0
+    normalized = matrix64 / scale
+    identity = torch.eye(matrix.shape[0], dtype=torch.float64, device=matrix.device)
+    for shift in RETRY_SHIFTS:
+        try:
+            evals, *rest = solve(normalized + shift * identity if shift else normalized)
+        except torch.linalg.LinAlgError:
+            continue
+        evals = (evals - shift) * scale
+        return (evals.to(matrix.dtype), *(r.to(matrix.dtype) for r in rest))
+    raise torch.linalg.LinAlgError(
+        "The symmetric eigensolver did not converge on the Gram matrix, even in "
+        f"float64 with diagonal shifts {RETRY_SHIFTS} (largest entry {largest:.3g})."
+    )
 
 
 def top_eigh(
@@ -98,7 +122,7 @@ def top_eigh(
         basis = torch.cat([basis, new], dim=1)
         images = torch.cat([images, matrix @ new], dim=1)
         projected = basis.T @ images
-        ritz_values, ritz_vectors = torch.linalg.eigh((projected + projected.T) / 2)
+        ritz_values, ritz_vectors = symmetric_eigh((projected + projected.T) / 2)
         values, vectors = ritz_values[-k:], ritz_vectors[:, -k:]
         residuals = images @ vectors - (basis @ vectors) * values
         scale = ritz_values[-1].abs().clamp_min(torch.finfo(matrix.dtype).tiny)

@@ -402,7 +402,10 @@ class DampedNewton(Optimizer):
         if not torch.isfinite(loss).all():
             problem = f"the loss is {loss.item()}"
         elif not curvature_finite:
-            problem = "the damped Newton step is not finite (the GGN is not finite)"
+            problem = (
+                "the damped Newton step is not finite (the GGN is not finite or "
+                "its eigendecomposition failed)"
+            )
         elif any(
             not all(torch.isfinite(s).all() for s in r.step)
             for r in results
@@ -516,7 +519,12 @@ class _FiniteCurvatureComputation(DirectionalDampedNewtonComputation):
         if not torch.isfinite(block.gram).all():
             self.curvature_finite = False
             return None
-        return super()._finish(block)
+        try:
+            return super()._finish(block)
+        except torch.linalg.LinAlgError:
+            # The eigensolver failed on a finite but hopeless Gram matrix.
+            self.curvature_finite = False
+            return None
 
 
 def _newton_record(index: int, stats: dict[str, Any]) -> dict[str, Any]:
