@@ -234,7 +234,7 @@ NONFINITE_CASES = [
         "overflowing-ggn",
         _closure_on(1e200),
         FloatingPointError,
-        r"step is not finite \(the GGN is not finite\)",
+        r"step is not finite \(the GGN is not finite",
     ),
     # Finite loss and GGN; the products of gradients and GGN factors overflow.
     BadStep(
