@@ -104,7 +104,9 @@ def per_sample_variance(
             f"grad and sum_grad_squared must have equal shapes, got "
             f"{tuple(grad.shape)} and {tuple(sum_grad_squared.shape)}."
         )
-    return (batch_size * sum_grad_squared - grad**2).clamp_min(0)
+    return torch.addcmul(
+        batch_size * sum_grad_squared, grad, grad, value=-1
+    ).clamp_min_(0)
 
 
 def gsnr(grad: Tensor, variance: Tensor, epsilon: float) -> Tensor:
@@ -148,6 +150,35 @@ def debiased_gsnr(
     _check_batch_size(batch_size, 4)
     _check_epsilon(epsilon)
     return ((batch_size - 3) * grad**2 - variance) / (batch_size * (variance + epsilon))
+
+
+def gsnr_sums(
+    grad: Tensor, variance: Tensor, batch_size: int, epsilon: float
+) -> tuple[Tensor, Tensor]:
+    """Sums over all elements of :func:`gsnr` and :func:`debiased_gsnr`, fused.
+
+    With ``r = ḡ²/(V + ε)`` and ``q = V/(V + ε)``, the debiased GSNR is
+    ``((N − 3)·r − q)/N``, so both sums follow from ``Σ r`` and ``Σ q`` without
+    forming the elementwise tensors twice (the diagnostics record only means).
+
+    Args:
+        grad: Mini-batch gradient ``ḡ``.
+        variance: Per-sample variance ``V`` (``1/N`` normalization), same shape.
+        batch_size: Number of samples ``N ≥ 4``.
+        epsilon: Stabilizer ``ε ≥ 0``.
+
+    Returns:
+        ``(Σ GSNR, Σ debiased GSNR)`` as 0-dim tensors.
+
+    Raises:
+        ValueError: If ``batch_size < 4`` or ``epsilon < 0``.
+    """
+    _check_batch_size(batch_size, 4)
+    _check_epsilon(epsilon)
+    inverse = (variance + epsilon).reciprocal_()
+    plain_sum = torch.dot(grad.flatten().square(), inverse.flatten())
+    ratio_sum = torch.dot(variance.flatten(), inverse.flatten())
+    return plain_sum, ((batch_size - 3) * plain_sum - ratio_sum) / batch_size
 
 
 def plain_noise_scale(

@@ -21,8 +21,7 @@ from torch import Tensor
 
 from dampednewton.diagnostics.bin_adaptation import range_hull
 from dampednewton.diagnostics.gsnr import (
-    debiased_gsnr,
-    gsnr,
+    gsnr_sums,
     per_sample_variance,
     plain_noise_scale,
     unbiased_noise_scale,
@@ -154,12 +153,11 @@ class GSNRReducer(SumGradSquaredReducer):
         variances = self.variances(named_params, batch_size)
         for (name, param), variance in zip(named_params, variances, strict=True):
             grad = param.grad.detach()
-            plain = gsnr(grad, variance, epsilon)
-            debiased = debiased_gsnr(grad, variance, batch_size, epsilon)
-            entries[f"{label}/mean/{name}"] = plain.mean()
-            entries[f"{label}/mean_debiased/{name}"] = debiased.mean()
-            plain_sum.append(plain.sum())
-            debiased_sum.append(debiased.sum())
+            plain, debiased = gsnr_sums(grad, variance, batch_size, epsilon)
+            entries[f"{label}/mean/{name}"] = plain / grad.numel()
+            entries[f"{label}/mean_debiased/{name}"] = debiased / grad.numel()
+            plain_sum.append(plain)
+            debiased_sum.append(debiased)
             count += grad.numel()
         entries[f"{label}/mean"] = torch.stack(plain_sum).sum() / count
         entries[f"{label}/mean_debiased"] = torch.stack(debiased_sum).sum() / count

@@ -10,6 +10,7 @@ import torch
 from dampednewton.diagnostics.gsnr import (
     debiased_gsnr,
     gsnr,
+    gsnr_sums,
     per_sample_variance,
     plain_noise_scale,
     unbiased_noise_scale,
@@ -81,6 +82,18 @@ def test_gsnr_and_debiased_gsnr_formulas(epsilon):
 
 def mean_and_standard_error(values: torch.Tensor) -> tuple[float, float]:
     return values.mean().item(), values.std().item() / math.sqrt(values.numel())
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 1e-8])
+def test_fused_sums_equal_elementwise_estimators(epsilon):
+    per_sample = gaussian_per_sample_gradients(0.3, seed=7)[:, :500]
+    grad, sgs = backpack_quantities(per_sample)
+    variance = per_sample_variance(grad, sgs, NUM_SAMPLES)
+    plain, debiased = gsnr_sums(grad, variance, NUM_SAMPLES, epsilon)
+    assert_close(plain, gsnr(grad, variance, epsilon).sum(), rtol=1e-12)
+    assert_close(
+        debiased, debiased_gsnr(grad, variance, NUM_SAMPLES, epsilon).sum(), rtol=1e-11
+    )
 
 
 def test_pure_noise_debiased_gsnr_is_zero_plain_gsnr_is_floor():
