@@ -13,7 +13,7 @@ same backward pass, ``DampedNewton(monitor=...)``) to the same step without.
 Usage::
 
     python benchmarks/diagnostics_cost.py [--rounds 3] [--repeats 10] [--warmup 2]
-        [--device cpu]
+        [--device cpu] [--threads 1]
 """
 
 from __future__ import annotations
@@ -175,7 +175,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     print(
         f"MLP {'-'.join(map(str, LAYERS))}, N={BATCH_SIZE}, cross-entropy, "
