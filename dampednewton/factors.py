@@ -145,11 +145,16 @@ class LinearFactor:
         if self.inputs is None:
             return products
         num_outputs = self.backproped.shape[0]
-        kernel = memo(
-            shared,
-            ("X'Xᵀ", id(self.gradient_inputs), id(self.inputs)),
-            lambda: self.gradient_inputs @ self.inputs.T,
-        )
+        if self.gradient_inputs is self.inputs:  # same samples: the Gram's kernel
+            kernel = memo(
+                shared, ("XXᵀ", id(self.inputs)), lambda: self.inputs @ self.inputs.T
+            )
+        else:
+            kernel = memo(
+                shared,
+                ("X'Xᵀ", id(self.gradient_inputs), id(self.inputs)),
+                lambda: self.gradient_inputs @ self.inputs.T,
+            )
         return products * kernel.repeat(1, num_outputs)
 
     def mean_gradient_products(self, gradient: Tensor) -> Tensor:
