@@ -56,11 +56,12 @@ def select_directions(block: Block, warn_small_eigvals: float) -> Directions:
     indices = selected_indices(criterion, evals)
     chosen = evals[indices]
     if warn_small_eigvals > 0 and (chosen.abs() < warn_small_eigvals).any():
+        # A constant text, so that Python's default filter reports it once per place.
         warnings.warn(
-            f"Selected GGN eigenvalues {chosen[chosen.abs() < warn_small_eigvals]} "
-            f"are below warn_small_eigvals={warn_small_eigvals}: directions divide by "
-            "√λ and may be inaccurate. Select fewer directions (e.g. "
-            "EigenvalueThreshold) or set warn_small_eigvals=0 to silence this.",
+            f"Selected GGN eigenvalues are below warn_small_eigvals="
+            f"{warn_small_eigvals}: directions divide by √λ and may be inaccurate. "
+            "Select fewer directions (e.g. EigenvalueThreshold) or set "
+            "warn_small_eigvals=0 to silence this.",
             stacklevel=2,
         )
     return Directions(evals=chosen, gram_evecs=evecs[:, indices])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from backpack import backpack, extend
@@ -198,3 +200,16 @@ def test_group_covering_one_layer(layer):
     backward(computation, case.model, case.loss_fn, case.X, case.y, [group])
     expected = reference_step(case, group["params"], k=2, damping=0.1)
     assert_close(reference.flatten(computation.get_result(group)), expected)
+
+
+def test_small_selected_eigenvalues_warn():
+    case = build_case(MLP_CE)
+    group = {"params": list(case.model.parameters()), "criterion": TopK(2)}
+    computation = EighComputation(warn_small_eigvals=1e3)  # every eigenvalue is small
+    with pytest.warns(UserWarning, match="below warn_small_eigvals=1000"):
+        backward(computation, case.model, case.loss_fn, case.X, case.y, [group])
+    quiet = EighComputation(warn_small_eigvals=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message="Full backward hook")
+        backward(quiet, case.model, case.loss_fn, case.X, case.y, [group])
