@@ -67,7 +67,7 @@ class Problem:
         return model, self.loss(), X, y
 
 
-def _initialize(module: nn.Module, generator: torch.Generator) -> nn.Module:
+def initialize(module: nn.Module, generator: torch.Generator) -> nn.Module:
     """Materialize a meta-device module in float64 with parameters from a generator.
 
     Each layer's weight and bias are drawn from N(0, 1/fan_in), fan_in being the
@@ -101,19 +101,19 @@ def _initialize(module: nn.Module, generator: torch.Generator) -> nn.Module:
 def _mlp_relu(generator: torch.Generator) -> nn.Module:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, NUM_CLASSES))
-    return _initialize(model, generator)
+    return initialize(model, generator)
 
 
 def _mlp_sigmoid(generator: torch.Generator) -> nn.Module:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(5, 4), nn.Sigmoid(), nn.Linear(4, NUM_CLASSES))
-    return _initialize(model, generator)
+    return initialize(model, generator)
 
 
 def _mlp_tanh_scalar(generator: torch.Generator) -> nn.Module:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
-    return _initialize(model, generator)
+    return initialize(model, generator)
 
 
 def _cnn(generator: torch.Generator) -> nn.Module:
@@ -126,19 +126,19 @@ def _cnn(generator: torch.Generator) -> nn.Module:
             nn.Flatten(),
             nn.Linear(8, NUM_CLASSES),
         )
-    return _initialize(model, generator)
+    return initialize(model, generator)
 
 
 def _linear_2_to_3(generator: torch.Generator) -> nn.Module:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(2, NUM_CLASSES))
-    return _initialize(model, generator)
+    return initialize(model, generator)
 
 
 def _linear_5_to_3(generator: torch.Generator) -> nn.Module:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(5, NUM_CLASSES))
-    return _initialize(model, generator)
+    return initialize(model, generator)
 
 
 def _cross_entropy() -> nn.Module:

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from dampednewton import DampedNewton
 from tests import reference
+from tests.problems import initialize
 
 NOISE_LEVEL = 1e-10
 """Reference GGN eigenvalues below ``NOISE_LEVEL · λ_max`` are numerically zero."""
@@ -157,18 +158,8 @@ def seeded(module_factory: Callable[[], nn.Module], generator: torch.Generator):
     """Build a float64 module with parameters ``~ N(0, 1/fan_in)`` from a generator.
 
     The module is created on the meta device, so torch's global random state is not
-    used. ``fan_in`` is the number of weight entries per output unit.
+    used (see :func:`tests.problems.initialize`).
     """
     with torch.device("meta"):
         module = module_factory()
-    module = module.to_empty(device="cpu").to(torch.float64)
-    with torch.no_grad():
-        for layer in module.modules():
-            weight = getattr(layer, "weight", None)
-            if not isinstance(weight, nn.Parameter):
-                continue
-            for param in (weight, getattr(layer, "bias", None)):
-                if param is not None:
-                    draw = torch.randn(param.shape, generator=generator).double()
-                    param.copy_(draw * weight[0].numel() ** -0.5)
-    return module
+    return initialize(module, generator)
