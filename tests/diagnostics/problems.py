@@ -12,26 +12,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from tests import reference
-from tests.problems import Problem
+from tests.problems import Problem, initialize
 
 NUM_CLASSES = 3
-
-
-def _initialize(model: nn.Module, generator: torch.Generator) -> nn.Module:
-    """Materialize a meta-device model in float64, entries ~ N(0, 1/fan_in)."""
-    model = model.to_empty(device="cpu").to(torch.float64)
-    with torch.no_grad():
-        for layer in model.modules():
-            weight = getattr(layer, "weight", None)
-            if not isinstance(weight, nn.Parameter):
-                continue
-            scale = weight[0].numel() ** -0.5
-            for param in (weight, layer.bias):
-                param.copy_(
-                    scale
-                    * torch.randn(param.shape, generator=generator, dtype=torch.float64)
-                )
-    return model
 
 
 def _mlp(activation: type[nn.Module]):
@@ -40,7 +23,7 @@ def _mlp(activation: type[nn.Module]):
             model = nn.Sequential(
                 nn.Linear(5, 4), activation(), nn.Linear(4, NUM_CLASSES)
             )
-        return _initialize(model, generator)
+        return initialize(model, generator)
 
     return build
 
@@ -54,7 +37,7 @@ def _cnn(generator: torch.Generator) -> nn.Module:
             nn.Flatten(),
             nn.Linear(18, NUM_CLASSES),
         )
-    return _initialize(model, generator)
+    return initialize(model, generator)
 
 
 def _classification(*shape: int):
