@@ -68,10 +68,6 @@ class DampedNewton(Optimizer):
     adapted after each step by the reduction ratio of the loss, which calls the
     closure a second time (outside the BackPACK context) on the same batch.
 
-    Damping policies with an ``update`` method (:class:`LevenbergMarquardt`) are
-    adapted after each step by the reduction ratio of the loss, which calls the
-    closure a second time (outside the BackPACK context) on the same batch.
-
     Every hyperparameter lives in the param groups. ``mc_samples``, ``subsampling_ggn``
     and ``subsampling_grad`` shape the single backward pass and must agree across
     groups.
