@@ -79,18 +79,24 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_time(step: Callable[[], None], device: torch.device, repeats: int) -> float:
-    """Median seconds of ``step`` after two warm-up calls."""
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def interleaved_medians(
+    steps: dict[str, Callable[[], None]], device: torch.device, repeats: int
+) -> dict[str, float]:
+    """Median seconds of each step, timed round-robin after two warm-up rounds.
+
+    Interleaving exposes every variant to the same slow phases of a shared machine,
+    so their ratios are steadier than those of back-to-back blocks of repeats.
+    """
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_index in range(repeats + 2):
+        for name, step in steps.items():
+            synchronize(device)
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            if round_index >= 2:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def make_step(variant: str, model_name: str, batch_size: int, device: torch.device):
@@ -197,7 +203,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=MODELS)
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[128])
     parser.add_argument("--ggn", nargs="+", default=["mc1", "exact"])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--skip-materialized", action="store_true")
     parser.add_argument("--memory", action="store_true", help="peak memory per variant")
     parser.add_argument("--threads", type=int, default=None)
@@ -218,30 +224,26 @@ def main() -> None:
     print(header)
     for model_name in args.models:
         for batch_size in args.batch_sizes:
-            sgd = median_time(
-                make_step("sgd", model_name, batch_size, device), device, args.repeats
-            )
             for ggn in args.ggn:
-                variants = ["fast"] + ([] if args.skip_materialized else ["dense"])
-                times = {
-                    v: median_time(
-                        make_step(f"{v}:{ggn}", model_name, batch_size, device),
-                        device,
-                        args.repeats,
-                    )
-                    for v in variants
-                }
-                dense = times.get("dense", float("nan"))
+                variants = ["sgd", f"fast:{ggn}"]
+                variants += [] if args.skip_materialized else [f"dense:{ggn}"]
+                times = interleaved_medians(
+                    {v: make_step(v, model_name, batch_size, device) for v in variants},
+                    device,
+                    args.repeats,
+                )
+                sgd = times["sgd"]
+                fast = times[f"fast:{ggn}"]
+                dense = times.get(f"dense:{ggn}", float("nan"))
                 line = (
                     f"{model_name:10} {batch_size:>4} {ggn:>5} {sgd * 1e3:8.2f} "
-                    f"{times['fast'] * 1e3:8.1f} {times['fast'] / sgd:8.1f}× "
+                    f"{fast * 1e3:8.1f} {fast / sgd:8.1f}× "
                     f"{dense * 1e3:9.1f} {dense / sgd:9.1f}×"
                 )
                 if args.memory:
                     memory = [
                         peak_memory_mib(v, model_name, batch_size, device.type)
-                        for v in ["sgd", f"fast:{ggn}"]
-                        + ([] if args.skip_materialized else [f"dense:{ggn}"])
+                        for v in variants
                     ]
                     memory += [float("nan")] * (3 - len(memory))
                     line += f" {memory[0]:8.0f} {memory[1]:9.0f} {memory[2]:10.0f}"

@@ -133,7 +133,7 @@ def as_criterion(criterion: int | Criterion) -> Criterion:
 
 
 def selected_indices(criterion: Criterion, evals: Tensor) -> Tensor:
-    """Apply a criterion and check its answer.
+    """Apply a criterion and check its answer (the built-in ones are trusted).
 
     Args:
         criterion: Callable receiving the ascending eigenvalues.
@@ -146,7 +146,11 @@ def selected_indices(criterion: Criterion, evals: Tensor) -> Tensor:
         IndexError: If an index is out of range.
         ValueError: If an index repeats or selects an eigenvalue ``<= 0``.
     """
-    indices = torch.as_tensor(list(criterion(evals)), dtype=torch.int64)
+    answer = criterion(evals)
+    if isinstance(criterion, TopK | EigenvalueThreshold | RelativeThreshold):
+        # Sorted, unique, in range and positive by construction.
+        return torch.as_tensor(answer, dtype=torch.int64, device=evals.device)
+    indices = torch.as_tensor(list(answer), dtype=torch.int64)
     num_evals = evals.numel()
     if indices.numel() and (indices.min() < -num_evals or indices.max() >= num_evals):
         raise IndexError(

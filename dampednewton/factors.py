@@ -65,19 +65,30 @@ class DenseFactor:
         """Return ``g_nᵀ V_p`` for every per-sample gradient (``[N', C·N]``)."""
         return self.gradients @ self.matrix.T
 
-    def mean_gradient_products(self, gradient: Tensor) -> Tensor:
+    def mean_gradient_products(
+        self, gradient: Tensor, shared: dict | None = None
+    ) -> Tensor:
         """Return ``ḡᵀ V_p`` for one (mean) gradient shaped like the parameter.
 
         Args:
             gradient: The parameter's gradient.
+            shared: Unused (the interface of :class:`LinearFactor`).
 
         Returns:
             ``[1, C·N]`` products.
         """
         return gradient.reshape(1, -1) @ self.matrix.T
 
-    def apply(self, vectors: Tensor) -> Tensor:
-        """Map Gram-space vectors ``[C·N(, K)]`` to ``p.shape`` (``[K, *p.shape]``)."""
+    def apply(self, vectors: Tensor, shared: dict | None = None) -> Tensor:
+        """Map Gram-space vectors ``[C·N(, K)]`` to ``p.shape`` (``[K, *p.shape]``).
+
+        Args:
+            vectors: ``[C·N]`` or ``[C·N, K]``.
+            shared: Unused (the interface of :class:`LinearFactor`).
+
+        Returns:
+            ``[*p.shape]`` or ``[K, *p.shape]``.
+        """
         columns, leading = _as_columns(vectors)
         return (columns.T @ self.matrix).reshape(*leading, *self.shape)
 
@@ -90,19 +101,21 @@ class LinearFactor:
         backproped: Back-propagated square root at the layer output ``[C, N, d_out]``.
         inputs: Layer inputs of the same ``N`` samples ``[N, d_in]``; ``None`` for
             the bias.
-        output_gradients: Per-sample output gradients ``∇_out ℓ_n`` ``[N', d_out]``,
-            if gradients are needed.
-        gradient_inputs: Layer inputs of those ``N'`` samples (``None`` for the bias).
+        output_gradients: Per-sample output gradients ``δ_n = ∇_out ℓ_n``
+            ``[N', d_out]`` of the gradient samples, when gradient products are
+            formed from them.
+        kernel: Input kernel ``x'_nᵀ x_m`` of gradient and GGN samples ``[N', N]``
+            (the weight's companion of ``output_gradients``; ``None`` for the bias).
     """
 
     backproped: Tensor
     inputs: Tensor | None
     output_gradients: Tensor | None = None
-    gradient_inputs: Tensor | None = None
+    kernel: Tensor | None = None
 
     def drop_gradients(self) -> None:
         """Release the per-sample gradient data once their products are formed."""
-        self.output_gradients = self.gradient_inputs = None
+        self.output_gradients = self.kernel = None
 
     @property
     def _rows(self) -> Tensor:
@@ -122,17 +135,19 @@ class LinearFactor:
         outer = memo(shared, ("BBᵀ", id(self.backproped)), self._outer)
         if self.inputs is None:
             return outer
-        num_outputs = self.backproped.shape[0]
+        num_outputs, num_samples, _ = self.backproped.shape
         kernel = memo(
             shared, ("XXᵀ", id(self.inputs)), lambda: self.inputs @ self.inputs.T
         )
-        return outer * kernel.repeat(num_outputs, num_outputs)
+        blocks = outer.view(num_outputs, num_samples, num_outputs, num_samples)
+        return (blocks * kernel.view(1, num_samples, 1, num_samples)).view_as(outer)
 
     def gradient_products(self, shared: dict | None = None) -> Tensor:
-        """Return ``(δ_nᵀ b_cm)(x_nᵀ x_m)`` for the gradient samples ``[N', C·N]``.
+        """Return ``(δ_nᵀ b_cm)(x'_nᵀ x_m)`` for the gradient samples ``[N', C·N]``.
 
         Args:
-            shared: Optional memo, as for :meth:`gram`.
+            shared: Optional memo, as for :meth:`gram`: the bias's products are the
+                weight's before the kernel is applied.
 
         Returns:
             The ``[N', C·N]`` products with the per-sample gradients.
@@ -144,28 +159,28 @@ class LinearFactor:
         )
         if self.inputs is None:
             return products
-        num_outputs = self.backproped.shape[0]
-        if self.gradient_inputs is self.inputs:  # same samples: the Gram's kernel
-            kernel = memo(
-                shared, ("XXᵀ", id(self.inputs)), lambda: self.inputs @ self.inputs.T
-            )
-        else:
-            kernel = memo(
-                shared,
-                ("X'Xᵀ", id(self.gradient_inputs), id(self.inputs)),
-                lambda: self.gradient_inputs @ self.inputs.T,
-            )
-        return products * kernel.repeat(1, num_outputs)
+        num_outputs, num_samples, _ = self.backproped.shape
+        blocks = products.view(-1, num_outputs, num_samples)
+        return (blocks * self.kernel.unsqueeze(1)).view_as(products)
 
-    def mean_gradient_products(self, gradient: Tensor) -> Tensor:
+    def mean_gradient_products(
+        self, gradient: Tensor, shared: dict | None = None
+    ) -> Tensor:
         """Return ``ḡᵀ V_p``: ``b_cmᵀ ḡ_W x_m`` (weight) or ``b_cmᵀ ḡ_b`` (bias).
 
+        With ``output_gradients`` (see :func:`mean_products_via_kernel`) the products
+        are the mean of :meth:`gradient_products`, which never touches ``ḡ`` (cheaper
+        when ``N'·C < d_in``); otherwise they come from ``gradient``.
+
         Args:
-            gradient: The parameter's gradient ``[d_out, d_in]`` or ``[d_out]``.
+            gradient: The parameter's mean gradient ``[d_out, d_in]`` or ``[d_out]``.
+            shared: Optional memo, as for :meth:`gradient_products`.
 
         Returns:
             ``[1, C·N]`` products.
         """
+        if self.output_gradients is not None:
+            return self.gradient_products(shared).mean(0, keepdim=True)
         if self.inputs is None:
             products = self.backproped @ gradient
         else:
@@ -177,18 +192,69 @@ class LinearFactor:
     def _outer(self) -> Tensor:
         return self._rows @ self._rows.T
 
-    def apply(self, vectors: Tensor) -> Tensor:
-        """Map Gram-space vectors: ``Σ_cn β_cn b_cn x_nᵀ`` as one matrix product."""
+    def apply(self, vectors: Tensor, shared: dict | None = None) -> Tensor:
+        """Map Gram-space vectors: ``Σ_cn β_cn b_cn x_nᵀ`` as one matrix product.
+
+        Args:
+            vectors: ``[C·N]`` or ``[C·N, K]``.
+            shared: Optional memo: weight and bias share the combination over ``c``.
+
+        Returns:
+            ``[*p.shape]`` or ``[K, *p.shape]``.
+        """
         columns, leading = _as_columns(vectors)
         num_outputs, num_samples, _ = self.backproped.shape
         weights = columns.reshape(num_outputs, num_samples, -1)
         # w[k, n, o] = Σ_c β_k[c, n] b[c, n, o]
-        combined = torch.einsum("cnk,cno->kno", weights, self.backproped)
+        combined = memo(
+            shared,
+            ("βB", id(vectors), id(self.backproped)),
+            lambda: torch.einsum("cnk,cno->kno", weights, self.backproped),
+        )
         if self.inputs is None:
             result = combined.sum(1)
         else:
             result = combined.transpose(1, 2) @ self.inputs
         return result.reshape(*leading, *result.shape[1:])
+
+
+def mean_products_via_kernel(
+    num_outputs: int,
+    num_samples: int,
+    num_gradient_samples: int,
+    in_features: int,
+    out_features: int,
+    *,
+    kernel_shared: bool,
+) -> bool:
+    """Whether a linear layer's ``ḡᵀV`` is cheaper from output gradients and kernel.
+
+    Multiply-adds of the two routes (``C`` columns per sample, ``N`` GGN and ``N'``
+    gradient samples):
+
+    * from the mean gradient: ``ḡ_W x_m`` for every GGN sample, ``N·d_in·d_out``,
+      then ``C·N·d_out`` inner products;
+    * from output gradients: ``δ Bᵀ`` costs ``N'·C·N·d_out``, weighting it by the
+      input kernel ``N'·C·N``, and the kernel itself ``N'·N·d_in`` unless the Gram
+      matrix's ``X Xᵀ`` serves (same samples).
+
+    Args:
+        num_outputs: ``C``.
+        num_samples: ``N``.
+        num_gradient_samples: ``N'``.
+        in_features: ``d_in``.
+        out_features: ``d_out``.
+        kernel_shared: Whether the kernel is the Gram matrix's ``X Xᵀ``.
+
+    Returns:
+        ``True`` when the output-gradient route needs fewer multiply-adds.
+    """
+    columns = num_outputs * num_samples
+    direct = num_samples * out_features * (in_features + num_outputs)
+    via_kernel = num_gradient_samples * columns * (out_features + 1)
+    if not kernel_shared:
+        via_kernel += num_gradient_samples * num_samples * in_features
+    return via_kernel < direct
 
 
 def memo(shared: dict | None, key: tuple, compute: Callable[[], Tensor]) -> Tensor:

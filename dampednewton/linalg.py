@@ -7,6 +7,8 @@ import math
 import torch
 from torch import Tensor
 
+from dampednewton.finite import all_finite
+
 # Diagonal shifts tried, relative to the largest entry, when LAPACK fails to converge.
 RETRY_SHIFTS = (0.0, 1e-12, 1e-8)
 
@@ -52,7 +54,7 @@ def _robust(matrix: Tensor, solve) -> tuple[Tensor, ...]:
     if matrix.dtype != torch.float64:
         try:
             result = solve(matrix)
-            if torch.isfinite(result[0]).all():
+            if all_finite(result[0]):
                 return result
         except torch.linalg.LinAlgError:
             pass

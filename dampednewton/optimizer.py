@@ -24,6 +24,7 @@ from dampednewton.criteria import Criterion, as_criterion
 from dampednewton.damping import Damping, as_damping
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.directional import quadratic_model_decrease
+from dampednewton.finite import all_finite
 
 CLOSURE_PATTERN = """\
     def closure():
@@ -395,18 +396,14 @@ class DampedNewton(Optimizer):
             raise TypeError(
                 f"The closure must return the loss tensor, got {type(loss).__name__}."
             )
-        if not torch.isfinite(loss).all():
+        if not all_finite(loss.detach()):
             problem = f"the loss is {loss.item()}"
         elif not curvature_finite:
             problem = (
                 "the damped Newton step is not finite (the GGN is not finite or "
                 "its eigendecomposition failed)"
             )
-        elif any(
-            not all(torch.isfinite(s).all() for s in r.step)
-            for r in results
-            if r is not None
-        ):
+        elif not all_finite(*(s for r in results if r is not None for s in r.step)):
             problem = "the damped Newton step is not finite"
         if problem is None:
             return False
@@ -471,11 +468,11 @@ class DampedNewton(Optimizer):
             num_directions = result.evals.numel()
             stats[index].update(
                 num_directions=num_directions,
-                evals=result.evals.detach().cpu(),
-                gamma_mean=result.gamma_mean.detach().cpu(),
-                lambda_mean=result.lambda_mean.detach().cpu(),
-                damping=result.damping.detach().cpu(),
-                coefficients=result.coefficients.detach().cpu(),
+                evals=result.evals.detach(),
+                gamma_mean=result.gamma_mean.detach(),
+                lambda_mean=result.lambda_mean.detach(),
+                damping=result.damping.detach(),
+                coefficients=result.coefficients.detach(),
             )
             if record is not None:
                 record.update(_newton_record(index, stats[index]))
@@ -512,7 +509,7 @@ class _FiniteCurvatureComputation(DirectionalDampedNewtonComputation):
         self.curvature_finite = True
 
     def _finish(self, block: Block) -> NewtonStep | None:
-        if not torch.isfinite(block.gram).all():
+        if not all_finite(block.gram.diagonal()):  # it bounds every entry
             self.curvature_finite = False
             return None
         try:
@@ -528,8 +525,8 @@ def _newton_record(index: int, stats: dict[str, Any]) -> dict[str, Any]:
     evals, damping = stats["evals"], stats["damping"]
     return {
         f"newton/num_directions/group{index}": stats["num_directions"],
-        f"newton/evals/group{index}": evals.numpy(),
-        f"newton/damping/group{index}": damping.numpy(),
+        f"newton/evals/group{index}": evals.cpu().numpy(),
+        f"newton/damping/group{index}": damping.cpu().numpy(),
         f"newton/max_eval/group{index}": evals.max().item() if evals.numel() else 0.0,
         f"newton/mean_damping/group{index}": (
             damping.mean().item() if damping.numel() else 0.0

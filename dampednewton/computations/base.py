@@ -293,8 +293,8 @@ class GGNComputation:
             block.gradient_products = _add(
                 block.gradient_products, factor.gradient_products(shared)
             )
-        if self.keeps_factors:
             factor.drop_gradients()
+        if self.keeps_factors:
             block.factors[id(param)] = factor
         block.pending.discard(id(param))
 

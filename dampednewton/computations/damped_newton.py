@@ -129,8 +129,9 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
     def _gradient_products(self, block: Block) -> Tensor:
         if self.needs_gradients:
             return block.gradient_products
+        shared: dict = {}  # a layer's weight and bias share products
         return sum(
-            block.factors[id(p)].mean_gradient_products(_gradient_of(p))
+            block.factors[id(p)].mean_gradient_products(_gradient_of(p), shared)
             for p in block.group["params"]
             if id(p) in block.factors
         )

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from dampednewton.computations.base import Block
 from dampednewton.criteria import TopK, as_criterion, selected_indices
+from dampednewton.finite import all_finite
 from dampednewton.linalg import symmetric_eigh, top_eigh
 
 # The partial eigensolver pays off for large Gram matrices and few directions.
@@ -46,7 +47,8 @@ def select_directions(block: Block, warn_small_eigvals: float) -> Directions:
     Raises:
         FloatingPointError: If the Gram matrix is not finite.
     """
-    if not torch.isfinite(block.gram).all():
+    # Entries are bounded by the diagonal's (Cauchy-Schwarz): checking it suffices.
+    if not all_finite(block.gram.diagonal()):
         raise FloatingPointError(
             "The GGN's Gram matrix is not finite (the model output or loss Hessian "
             "overflowed); no step can be computed."
@@ -96,6 +98,7 @@ def to_parameter_space(block: Block, gram_vectors: Tensor) -> list[Tensor]:
         One tensor per parameter, shaped ``p.shape`` (or ``[K, *p.shape]``).
     """
     leading = tuple(gram_vectors.shape[1:])
+    shared: dict = {}  # a layer's weight and bias share work
     mapped = []
     for param in block.group["params"]:
         factor = block.factors.get(id(param))
@@ -106,5 +109,5 @@ def to_parameter_space(block: Block, gram_vectors: Tensor) -> list[Tensor]:
                 )
             )
         else:
-            mapped.append(factor.apply(gram_vectors))
+            mapped.append(factor.apply(gram_vectors, shared))
     return mapped

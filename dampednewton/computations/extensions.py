@@ -8,13 +8,18 @@ training mode, loss not extended) and let Monte-Carlo sampling draw from a
 
 from __future__ import annotations
 
+from backpack.core.derivatives.crossentropyloss import CrossEntropyLossDerivatives
 from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
 from backpack.extensions.backprop_extension import BackpropExtension
-from torch import Generator, Tensor, cuda, get_rng_state, isfinite, set_rng_state
-from torch.nn import Module
+from backpack.extensions.secondorder.sqrt_ggn.losses import SqrtGGNBaseLossModule
+from torch import Generator, Tensor, cuda, get_rng_state, set_rng_state
+from torch.nn import CrossEntropyLoss, Module
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
 from torch.random import fork_rng
+
+from dampednewton.finite import all_finite
+from dampednewton.sampling import sampled_cross_entropy_gradients
 
 
 def _supported_modules(extension: BackpropExtension) -> list[str]:
@@ -66,13 +71,34 @@ class ExactSqrtGGN(SqrtGGNExact):
         _run_translating_errors(self, SqrtGGNExact, module, g_inp, g_out)
 
 
+class _GeneratorCrossEntropyDerivatives(CrossEntropyLossDerivatives):
+    """Cross-entropy derivatives whose Monte-Carlo labels come from a generator."""
+
+    def __init__(self, generator: Generator | None):
+        super().__init__()
+        self.generator = generator
+
+    def compute_sampled_grads(self, subsampled_input: Tensor, mc_samples: int):
+        return sampled_cross_entropy_gradients(
+            subsampled_input, mc_samples, self.generator
+        )
+
+
+class _GeneratorSqrtGGNCrossEntropyLoss(SqrtGGNBaseLossModule):
+    """Square-root extension of ``nn.CrossEntropyLoss`` sampling from a generator."""
+
+    def __init__(self, generator: Generator | None):
+        super().__init__(_GeneratorCrossEntropyDerivatives(generator))
+
+
 class MonteCarloSqrtGGN(SqrtGGNMC):
     """:class:`backpack.extensions.SqrtGGNMC` drawing from a private generator.
 
     BackPACK samples the loss Hessian's square root with the global random state. With a
-    ``generator``, the sampling runs inside a forked random state seeded from the
-    generator, whose state then advances, so results are reproducible and the user's
-    global random stream is untouched.
+    ``generator``, results are reproducible and the user's global random stream is
+    untouched: the cross-entropy draws its labels from the generator directly (one
+    ``torch.multinomial``); the other losses sample inside a forked random state seeded
+    from the generator, whose state then advances.
     """
 
     def __init__(
@@ -90,15 +116,24 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
         """
         super().__init__(mc_samples=mc_samples, subsampling=subsampling)
         self.generator = generator
+        self.set_module_extension(
+            CrossEntropyLoss,
+            _GeneratorSqrtGGNCrossEntropyLoss(generator),
+            overwrite=True,
+        )
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension; sample from the generator at the loss."""
-        if isinstance(module, _Loss) and not isfinite(module.input0).all():
+        if isinstance(module, _Loss) and not all_finite(module.input0):
             raise NonFiniteModelOutput(
                 "The model output is not finite, so the loss Hessian cannot be "
                 "sampled (Monte-Carlo GGN)."
             )
-        if self.generator is None or not isinstance(module, _Loss):
+        if (
+            self.generator is None
+            or not isinstance(module, _Loss)
+            or isinstance(module, CrossEntropyLoss)
+        ):
             _run_translating_errors(self, SqrtGGNMC, module, g_inp, g_out)
             return
         device = self.generator.device

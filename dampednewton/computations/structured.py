@@ -1,9 +1,10 @@
 """BackPACK module extensions that keep ``nn.Linear``'s Kronecker structure.
 
 Instead of materializing ``[C, N, d_out, d_in]`` square roots and ``[N, d_out, d_in]``
-per-sample gradients, the linear layer's square-root extension stores a
-:class:`~dampednewton.factors.LinearFactor` (back-propagated square root, layer input,
-output gradients) and its individual-gradient extension stores nothing. Layers with
+per-sample gradients, the linear layer's square-root extension stores
+:class:`LinearBuffers` (back-propagated square root, layer inputs, output gradients),
+from which :func:`make_factor` builds a :class:`~dampednewton.factors.LinearFactor`,
+and its individual-gradient extension stores nothing. Layers with
 weight sharing (inputs with more than two dimensions) fall back to BackPACK's dense
 computation.
 """
@@ -11,6 +12,7 @@ computation.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from backpack.extensions.firstorder.batch_grad.linear import BatchGradLinear
 from backpack.extensions.secondorder.sqrt_ggn.linear import SqrtGGNLinear
@@ -18,7 +20,30 @@ from backpack.utils.subsampling import subsample
 from torch import Tensor
 from torch.nn import Module
 
-from dampednewton.factors import DenseFactor, LinearFactor, flatten_sqrt_ggn, memo
+from dampednewton.factors import (
+    DenseFactor,
+    LinearFactor,
+    flatten_sqrt_ggn,
+    mean_products_via_kernel,
+    memo,
+)
+
+
+@dataclass
+class LinearBuffers:
+    """What the structured square-root extension stores on a linear parameter.
+
+    Attributes:
+        backproped: Back-propagated square root at the layer output ``[C, N, d_out]``.
+        inputs: Layer inputs of the GGN samples ``[N, d_in]``; ``None`` for the bias.
+        output_gradients: Output gradients of the mean loss for the whole batch.
+        layer_inputs: Layer inputs of the whole batch (for weight and bias).
+    """
+
+    backproped: Tensor
+    inputs: Tensor | None
+    output_gradients: Tensor
+    layer_inputs: Tensor
 
 
 def _is_structured(module: Module) -> bool:
@@ -26,24 +51,24 @@ def _is_structured(module: Module) -> bool:
 
 
 class StructuredSqrtGGNLinear(SqrtGGNLinear):
-    """Square-root extension for ``nn.Linear`` storing a :class:`LinearFactor`."""
+    """Square-root extension for ``nn.Linear`` storing :class:`LinearBuffers`."""
 
-    def weight(self, ext, module, g_inp, g_out, backproped) -> LinearFactor | Tensor:
-        """Return the weight's factor (dense for inputs with weight sharing)."""
+    def weight(self, ext, module, g_inp, g_out, backproped) -> LinearBuffers | Tensor:
+        """Return the weight's buffers (dense square root for weight sharing)."""
         if not _is_structured(module):
             return self._make_param_function("weight")(
                 ext, module, g_inp, g_out, backproped
             )
         inputs = subsample(module.input0, subsampling=ext.get_subsampling())
-        return LinearFactor(backproped, inputs, g_out[0], module.input0)
+        return LinearBuffers(backproped, inputs, g_out[0], module.input0)
 
-    def bias(self, ext, module, g_inp, g_out, backproped) -> LinearFactor | Tensor:
-        """Return the bias's factor (dense for inputs with weight sharing)."""
+    def bias(self, ext, module, g_inp, g_out, backproped) -> LinearBuffers | Tensor:
+        """Return the bias's buffers (dense square root for weight sharing)."""
         if not _is_structured(module):
             return self._make_param_function("bias")(
                 ext, module, g_inp, g_out, backproped
             )
-        return LinearFactor(backproped, None, g_out[0], None)
+        return LinearBuffers(backproped, None, g_out[0], module.input0)
 
 
 class StructuredBatchGradLinear(BatchGradLinear):
@@ -67,7 +92,7 @@ class StructuredBatchGradLinear(BatchGradLinear):
 
 
 def make_factor(
-    sqrt_ggn: Tensor | LinearFactor,
+    sqrt_ggn: Tensor | LinearBuffers,
     grad_batch: Tensor | None,
     *,
     batch_size: int,
@@ -80,7 +105,9 @@ def make_factor(
     BackPACK scales square roots by ``1/√N`` for the whole batch, whereas a
     sub-sample's GGN is its own mean: the factor is rescaled by ``√(N/N_ggn)``.
     Gradients are rescaled from ``∇ℓ_n/N`` (or output gradients of the mean loss) to
-    those of ``ℓ_n``.
+    those of ``ℓ_n``. A linear factor keeps output gradients and input kernel when
+    per-sample gradients are needed, or when they are the cheaper route to the mean
+    gradient's products (:func:`~dampednewton.factors.mean_products_via_kernel`).
 
     Args:
         sqrt_ggn: What the square-root extension stored on the parameter.
@@ -94,30 +121,54 @@ def make_factor(
     Returns:
         The parameter's factor in the conventions of :mod:`dampednewton.factors`.
     """
-    if isinstance(sqrt_ggn, LinearFactor):
-        scale = math.sqrt(batch_size / sqrt_ggn.backproped.shape[1])
-        backproped = memo(
-            shared, ("B", id(sqrt_ggn.backproped)), lambda: sqrt_ggn.backproped * scale
-        )
-        output_gradients = gradient_inputs = None
-        if with_gradients:
-            output_gradients = memo(
-                shared,
-                ("δ", id(sqrt_ggn.output_gradients)),
-                lambda: (
-                    subsample(sqrt_ggn.output_gradients, subsampling=subsampling_grad)
-                    * batch_size
-                ),
-            )
-            if sqrt_ggn.gradient_inputs is not None:
-                gradient_inputs = subsample(
-                    sqrt_ggn.gradient_inputs, subsampling=subsampling_grad
-                )
-        return LinearFactor(
-            backproped, sqrt_ggn.inputs, output_gradients, gradient_inputs
+    if isinstance(sqrt_ggn, LinearBuffers):
+        return _linear_factor(
+            sqrt_ggn, batch_size, subsampling_grad, with_gradients, shared
         )
     scale = math.sqrt(batch_size / sqrt_ggn.shape[1])
     gradients = grad_batch.flatten(start_dim=1) * batch_size if with_gradients else None
     return DenseFactor(
         flatten_sqrt_ggn(sqrt_ggn) * scale, sqrt_ggn.shape[2:], gradients
     )
+
+
+def _linear_factor(
+    buffers: LinearBuffers,
+    batch_size: int,
+    subsampling_grad: list[int] | None,
+    with_gradients: bool,
+    shared: dict,
+) -> LinearFactor:
+    num_outputs, num_samples, out_features = buffers.backproped.shape
+    backproped = buffers.backproped
+    if num_samples != batch_size:
+        scale = math.sqrt(batch_size / num_samples)
+        backproped = memo(shared, ("B", id(backproped)), lambda: backproped * scale)
+    gradient_inputs = subsample(buffers.layer_inputs, subsampling=subsampling_grad)
+    kernel_shared = gradient_inputs is buffers.inputs  # no subsampling at all
+    keeps_gradients = with_gradients or mean_products_via_kernel(
+        num_outputs,
+        num_samples,
+        gradient_inputs.shape[0],
+        gradient_inputs.shape[1],
+        out_features,
+        kernel_shared=kernel_shared,
+    )
+    if not keeps_gradients:
+        return LinearFactor(backproped, buffers.inputs)
+    output_gradients = memo(
+        shared,
+        ("δ", id(buffers.output_gradients)),
+        lambda: (
+            subsample(buffers.output_gradients, subsampling=subsampling_grad)
+            * batch_size
+        ),
+    )
+    kernel = None
+    if buffers.inputs is not None:
+        # Under the Gram matrix's key when the samples agree, so it is formed once.
+        key = ("XXᵀ", id(buffers.inputs))
+        if not kernel_shared:
+            key = ("X'Xᵀ", id(gradient_inputs), id(buffers.inputs))
+        kernel = memo(shared, key, lambda: gradient_inputs @ buffers.inputs.T)
+    return LinearFactor(backproped, buffers.inputs, output_gradients, kernel)

@@ -106,28 +106,60 @@ def test_structured_equals_materialized(
             assert_close(a, b, rtol=1e-8, atol=1e-12, name=computation_name)
 
 
+def _newton_pass(problem_id, structure, **settings):
+    model, loss_fn, X, y = build(problem_id)
+    model, loss_fn = extend(model), extend(loss_fn)
+    groups = make_groups(model, structure, criterion=TopK(3), damping=0.3)
+    computation = DirectionalDampedNewtonComputation(**settings)
+    hook = computation.get_extension_hook(groups)
+    with backpack(*computation.get_extensions(), extension_hook=hook):
+        loss_fn(model(X), y).backward()
+    return computation, groups
+
+
+@pytest.mark.parametrize("mc_samples", [0, 1], ids=["exact", "mc1"])
+@pytest.mark.parametrize("subsampling", [None, [0, 2]], ids=["all", "subsampled"])
 @pytest.mark.parametrize("structured", [True, False], ids=["structured", "dense"])
 @pytest.mark.parametrize("structure", ["full", "per-layer"])
 @pytest.mark.parametrize("problem_id", CASES)
-def test_mean_gradient_mode_equals_per_sample_mode(problem_id, structure, structured):
-    """``γ̄ = ḡᵀ e_k`` from ``.grad`` gives the step of the per-sample route."""
+def test_mean_gradient_mode_equals_per_sample_mode(
+    problem_id, structure, structured, subsampling, mc_samples
+):
+    """``γ̄ = ḡᵀ e_k`` without per-sample gradients gives the per-sample route's step.
+
+    Under MC-1 the first layers' products come from output gradients and the input
+    kernel (cheaper than from ``.grad``); the draws are the same in both modes.
+    """
     steps = []
     for per_sample_gradients in (True, False):
-        model, loss_fn, X, y = build(problem_id)
-        model, loss_fn = extend(model), extend(loss_fn)
-        groups = make_groups(model, structure, criterion=TopK(3), damping=0.3)
-        computation = DirectionalDampedNewtonComputation(
-            subsampling_ggn=[0, 2],
+        computation, groups = _newton_pass(
+            problem_id,
+            structure,
+            subsampling_ggn=subsampling,
+            mc_samples_ggn=mc_samples,
+            generator=torch.Generator().manual_seed(5),
             structured=structured,
             per_sample_gradients=per_sample_gradients,
         )
-        hook = computation.get_extension_hook(groups)
-        with backpack(*computation.get_extensions(), extension_hook=hook):
-            loss_fn(model(X), y).backward()
         steps.append(invariants("newton", computation.get_result(groups[0])))
         details = computation.get_details(groups[0])
         assert details.gamma_mean.shape == details.evals.shape
     assert_close(steps[1][0], steps[0][0], rtol=1e-9, atol=1e-12, name="mean mode")
+
+
+def test_mc1_mean_mode_takes_the_kernel_route_on_wide_inputs():
+    """MLP 5-4-3 at N=4 under MC-1: ``N·C = 4 < d_in = 5`` for the first layer."""
+    computation, groups = _newton_pass(
+        "mlp-ce",
+        "full",
+        mc_samples_ggn=1,
+        generator=torch.Generator().manual_seed(0),
+        per_sample_gradients=False,
+    )
+    (block,) = computation._ready.values()
+    first_weight = groups[0]["params"][0]
+    assert block.factors[id(first_weight)].output_gradients is not None
+    computation.get_result(groups[0])
 
 
 def test_mean_gradient_mode_refuses_gradient_subsampling():

@@ -1,0 +1,127 @@
+"""The structured linear factor against its explicit columns, in float64.
+
+A linear layer's square-root column ``(c, m)`` is ``b_cm x_mᵀ`` and a per-sample
+gradient is ``δ_n x'_nᵀ``; the reference builds both explicitly (``[C·N, D]`` and
+``[N', D]``) and forms every product densely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dampednewton.factors import DenseFactor, LinearFactor, mean_products_via_kernel
+from tests.assertions import assert_close
+
+
+@dataclass(frozen=True)
+class Shapes:
+    id: str
+    num_outputs: int  # C
+    num_samples: int  # N (GGN samples)
+    num_gradient_samples: int  # N'
+    in_features: int
+    out_features: int
+
+
+SHAPES = [
+    Shapes("mc1-wide-input", 1, 6, 6, 9, 4),
+    Shapes("exact-narrow-input", 3, 5, 5, 2, 3),
+    Shapes("subsampled-ggn", 2, 3, 7, 5, 4),
+]
+
+
+def _draw(shapes: Shapes, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*size):
+        return torch.randn(*size, generator=generator, dtype=torch.float64)
+
+    backproped = normal(shapes.num_outputs, shapes.num_samples, shapes.out_features)
+    inputs = normal(shapes.num_samples, shapes.in_features)
+    output_gradients = normal(shapes.num_gradient_samples, shapes.out_features)
+    gradient_inputs = normal(shapes.num_gradient_samples, shapes.in_features)
+    return backproped, inputs, output_gradients, gradient_inputs
+
+
+def _explicit(backproped, inputs, output_gradients, gradient_inputs):
+    """Dense factors of weight and bias: ``V`` rows and per-sample gradients."""
+    weight_rows = torch.einsum("cmo,mi->cmoi", backproped, inputs).flatten(2)
+    weight = DenseFactor(
+        weight_rows.flatten(end_dim=1),
+        torch.Size([backproped.shape[2], inputs.shape[1]]),
+        torch.einsum("no,ni->noi", output_gradients, gradient_inputs).flatten(1),
+    )
+    bias = DenseFactor(
+        backproped.flatten(end_dim=1),
+        torch.Size([backproped.shape[2]]),
+        output_gradients,
+    )
+    return weight, bias
+
+
+def _structured(backproped, inputs, output_gradients, gradient_inputs, *, with_kernel):
+    if not with_kernel:
+        return LinearFactor(backproped, inputs), LinearFactor(backproped, None)
+    kernel = gradient_inputs @ inputs.T
+    return (
+        LinearFactor(backproped, inputs, output_gradients, kernel),
+        LinearFactor(backproped, None, output_gradients),
+    )
+
+
+@pytest.mark.parametrize("shapes", SHAPES, ids=lambda s: s.id)
+def test_gram_and_gradient_products_equal_explicit_ones(shapes):
+    tensors = _draw(shapes)
+    for explicit, structured in zip(
+        _explicit(*tensors), _structured(*tensors, with_kernel=True), strict=True
+    ):
+        assert_close(structured.gram(), explicit.gram(), name="Gram")
+        assert_close(
+            structured.gradient_products(),
+            explicit.gradient_products(),
+            name="gradient products",
+        )
+
+
+@pytest.mark.parametrize("with_kernel", [True, False], ids=["kernel", "mean-grad"])
+@pytest.mark.parametrize("shapes", SHAPES, ids=lambda s: s.id)
+def test_both_routes_to_mean_gradient_products_agree(shapes, with_kernel):
+    """``ḡᵀV`` from ``.grad`` or from output gradients and kernel is the same."""
+    tensors = _draw(shapes)
+    explicit = _explicit(*tensors)
+    structured = _structured(*tensors, with_kernel=with_kernel)
+    shared: dict = {}
+    for dense, factor in zip(explicit, structured, strict=True):
+        mean_gradient = dense.gradients.mean(0).reshape(dense.shape)
+        expected = dense.mean_gradient_products(mean_gradient)
+        actual = factor.mean_gradient_products(mean_gradient, shared)
+        assert_close(actual, expected, name="ḡᵀV")
+
+
+@pytest.mark.parametrize("shapes", SHAPES, ids=lambda s: s.id)
+def test_apply_equals_explicit_map_and_shares_work(shapes):
+    tensors = _draw(shapes)
+    generator = torch.Generator().manual_seed(1)
+    columns = shapes.num_outputs * shapes.num_samples
+    for vectors in (
+        torch.randn(columns, generator=generator, dtype=torch.float64),
+        torch.randn(columns, 3, generator=generator, dtype=torch.float64),
+    ):
+        shared: dict = {}
+        for dense, factor in zip(
+            _explicit(*tensors), _structured(*tensors, with_kernel=False), strict=True
+        ):
+            assert_close(factor.apply(vectors, shared), dense.apply(vectors), name="Vβ")
+        assert len(shared) == 1  # the bias reused the weight's combination
+
+
+def test_cost_model_picks_the_kernel_for_wide_inputs_only():
+    # MLP 784-128 at N=128: MC-1 (C·N = 128 < 784) vs exact (C·N = 1280 > 784).
+    assert mean_products_via_kernel(1, 128, 128, 784, 128, kernel_shared=True)
+    assert not mean_products_via_kernel(10, 128, 128, 784, 128, kernel_shared=True)
+    # Square layers gain nothing; an unshared kernel costs N'·N·d_in extra.
+    assert not mean_products_via_kernel(1, 128, 128, 128, 128, kernel_shared=True)
+    assert not mean_products_via_kernel(1, 128, 128, 784, 128, kernel_shared=False)
