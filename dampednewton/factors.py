@@ -33,7 +33,16 @@ def flatten_sqrt_ggn(sqrt_ggn: Tensor) -> Tensor:
     return sqrt_ggn.flatten(start_dim=2).flatten(end_dim=1)
 
 
-def _as_columns(vectors: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+def as_columns(vectors: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """View a Gram-space vector ``[C·N]`` or matrix ``[C·N, K]`` as columns.
+
+    Args:
+        vectors: One vector or ``K`` of them as columns.
+
+    Returns:
+        ``[C·N, K']`` columns and the leading shape of the mapped result (``()`` or
+        ``(K,)``).
+    """
     if vectors.dim() == 1:
         return vectors.unsqueeze(1), ()
     return vectors, (vectors.shape[1],)
@@ -89,7 +98,7 @@ class DenseFactor:
         Returns:
             ``[*p.shape]`` or ``[K, *p.shape]``.
         """
-        columns, leading = _as_columns(vectors)
+        columns, leading = as_columns(vectors)
         return (columns.T @ self.matrix).reshape(*leading, *self.shape)
 
 
@@ -202,7 +211,7 @@ class LinearFactor:
         Returns:
             ``[*p.shape]`` or ``[K, *p.shape]``.
         """
-        columns, leading = _as_columns(vectors)
+        columns, leading = as_columns(vectors)
         num_outputs, num_samples, _ = self.backproped.shape
         weights = columns.reshape(num_outputs, num_samples, -1)
         # w[k, n, o] = Σ_c β_k[c, n] b[c, n, o]

@@ -12,6 +12,16 @@ from torch import Tensor, nn
 from tests.problems import PROBLEMS, Problem
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """One intra-op thread per test process.
+
+    ``make test`` runs one pytest worker per core; torch's default of one thread per
+    core would oversubscribe the machine, and busy-waiting OpenMP threads then slow
+    small operations down by an order of magnitude.
+    """
+    torch.set_num_threads(1)
+
+
 @dataclass
 class Case:
     """A problem built twice: BackPACK-extended, and plain for the references.

@@ -1,6 +1,6 @@
 """Tiny, deterministic test problems (model, loss, data) for float64 comparisons.
 
-Every problem is small enough (N = 4..6 samples, C ≤ 3 outputs, D ≤ 50
+Every problem is small enough (N = 4..6 samples, C ≤ 3 outputs, D ≤ 405
 parameters) that the full D×D GGN and its eigendecomposition are instant.
 Parameters and data are drawn from a local ``torch.Generator`` seeded with the
 problem's seed; the global RNG is never touched (modules are created on the meta
@@ -129,6 +129,29 @@ def _cnn(generator: torch.Generator) -> nn.Module:
     return initialize(model, generator)
 
 
+def _sequence_mlp(generator: torch.Generator) -> nn.Module:
+    # [N, 2, 12] -> shared Linear [N, 2, 6] -> flatten [N, 12]: few positions, so the
+    # first weight takes the structured shared-weight path.
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Linear(12, 6), nn.Tanh(), nn.Flatten(), nn.Linear(12, NUM_CLASSES)
+        )
+    return initialize(model, generator)
+
+
+def _cnn_few_positions(generator: torch.Generator) -> nn.Module:
+    # [N, 6, 4, 4] -> conv [N, 6, 2, 2] -> flatten [N, 24]: 4 output positions and 54
+    # inputs per position, so the exact GGN's conv weight is contracted structurally.
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Conv2d(6, 6, kernel_size=3),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(24, NUM_CLASSES),
+        )
+    return initialize(model, generator)
+
+
 def _linear_2_to_3(generator: torch.Generator) -> nn.Module:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(2, NUM_CLASSES))
@@ -178,6 +201,14 @@ def _images_4x1x6x6(generator: torch.Generator) -> tuple[Tensor, Tensor]:
     return _features(generator, 4, 1, 6, 6), _labels(generator, 4)
 
 
+def _sequences_4x2x12(generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    return _features(generator, 4, 2, 12), _labels(generator, 4)
+
+
+def _images_4x6x4x4(generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    return _features(generator, 4, 6, 4, 4), _labels(generator, 4)
+
+
 def _classification_6x2(generator: torch.Generator) -> tuple[Tensor, Tensor]:
     return _features(generator, 6, 2), _labels(generator, 6)
 
@@ -198,6 +229,10 @@ PROBLEMS: list[Problem] = [
     # N=6, C=3, D=9 < N·C = 18: the Gram matrix is larger than the GGN.
     # Linear in θ, so GGN = Hessian.
     Problem("mlp-ce-wide", _linear_2_to_3, _cross_entropy, _classification_6x2, seed=4),
+    # N=4, C=3, D=117: nn.Linear shared over 2 positions, cross-entropy.
+    Problem("seq-ce", _sequence_mlp, _cross_entropy, _sequences_4x2x12, seed=6),
+    # N=4, C=3, D=405: convolution with 4 output positions, cross-entropy.
+    Problem("cnn-wide-ce", _cnn_few_positions, _cross_entropy, _images_4x6x4x4, seed=7),
 ]
 """Problems whose non-zero GGN eigenvalues are simple, so eigenvectors are unique
 up to sign. Cross-entropy GGNs also have zero eigenvalues (rank ≤ N·(C−1))."""

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dampednewton.factors import DenseFactor, LinearFactor, mean_products_via_kernel
+from dampednewton.shared_factors import SharedLinearFactor, prefers_structured
 from tests.assertions import assert_close
 
 
@@ -125,3 +126,71 @@ def test_cost_model_picks_the_kernel_for_wide_inputs_only():
     # Square layers gain nothing; an unshared kernel costs N'·N·d_in extra.
     assert not mean_products_via_kernel(1, 128, 128, 128, 128, kernel_shared=True)
     assert not mean_products_via_kernel(1, 128, 128, 784, 128, kernel_shared=False)
+
+
+# Weights shared over positions: columns Σ_p b_cnp x_npᵀ.
+SHARED_SHAPES = [  # (C, N, N', P, d_in, d_out)
+    pytest.param((3, 4, 4, 2, 6, 5), id="exact-2-positions"),
+    pytest.param((1, 5, 3, 4, 4, 3), id="mc1-4-positions-subsampled"),
+]
+
+
+def _draw_shared(shape):
+    num_outputs, num_samples, num_gradients, positions, d_in, d_out = shape
+    generator = torch.Generator().manual_seed(2)
+
+    def normal(*size):
+        return torch.randn(*size, generator=generator, dtype=torch.float64)
+
+    return (
+        normal(num_outputs, num_samples, positions, d_out),
+        normal(num_samples, positions, d_in),
+        normal(num_gradients, positions, d_out),
+        normal(num_gradients, positions, d_in),
+    )
+
+
+@pytest.mark.parametrize("shape", SHARED_SHAPES)
+def test_shared_factor_equals_explicit_columns(shape):
+    backproped, inputs, output_gradients, gradient_inputs = _draw_shared(shape)
+    d_out, d_in = backproped.shape[-1], inputs.shape[-1]
+    weight_shape = torch.Size([d_out, 2, d_in // 2])  # like a convolution kernel
+    explicit = DenseFactor(
+        torch.einsum("cnpo,npi->cnoi", backproped, inputs).flatten(2).flatten(0, 1),
+        weight_shape,
+        torch.einsum("npo,npi->noi", output_gradients, gradient_inputs).flatten(1),
+    )
+    with_gradients = SharedLinearFactor(
+        backproped, inputs, weight_shape, output_gradients, gradient_inputs
+    )
+    without_gradients = SharedLinearFactor(backproped, inputs, weight_shape)
+    assert_close(with_gradients.gram(), explicit.gram(), name="Gram")
+    assert_close(
+        with_gradients.gradient_products(),
+        explicit.gradient_products(),
+        name="gradient products",
+    )
+    mean_gradient = explicit.gradients.mean(0).reshape(weight_shape)
+    for factor in (with_gradients, without_gradients):
+        assert_close(
+            factor.mean_gradient_products(mean_gradient),
+            explicit.mean_gradient_products(mean_gradient),
+            name="ḡᵀV",
+        )
+    columns = backproped.shape[0] * backproped.shape[1]
+    generator = torch.Generator().manual_seed(3)
+    vectors = torch.randn(columns, 3, generator=generator, dtype=torch.float64)
+    assert_close(without_gradients.apply(vectors), explicit.apply(vectors), name="Vβ")
+    assert_close(
+        without_gradients.apply(vectors[:, 0]), explicit.apply(vectors[:, 0]), name="Vβ"
+    )
+
+
+def test_cost_model_contracts_few_positions_and_materializes_many():
+    # nn.Linear over 2 positions (exact GGN, C=3, N=4): contraction is cheaper.
+    assert prefers_structured(3, 4, 2, 12, 6)
+    # The benchmark CNN's second convolution (MC-1, N=128, 8×8 positions, 16·5·5
+    # inputs): (C·N·P)² = 8192² would dwarf the materialized 128 × 12800 factor.
+    assert not prefers_structured(1, 128, 64, 400, 32)
+    # One position is a plain linear layer: always cheaper than materializing.
+    assert prefers_structured(10, 128, 1, 784, 128)

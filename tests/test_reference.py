@@ -100,7 +100,8 @@ def test_problem_is_tiny(problem):
     outputs = model(X)
     assert 4 <= X.shape[0] <= 6
     assert outputs.shape in ((X.shape[0], 3), (X.shape[0], 1))
-    assert sum(p.numel() for p in params) <= 150
+    # The convolution with few positions needs enough channels to be structured.
+    assert sum(p.numel() for p in params) <= 450
 
 
 def test_problems_are_picklable():

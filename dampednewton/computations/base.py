@@ -16,9 +16,10 @@ from typing import Any
 
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
-from torch.nn import Linear, Module
+from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module
 from torch.nn.modules.loss import _Loss
 
+from dampednewton.computations.assembly import Factor, make_factor
 from dampednewton.computations.extensions import (
     ExactSqrtGGN,
     IndividualGradients,
@@ -31,11 +32,14 @@ from dampednewton.computations.groups import (
     validate_subsampling,
 )
 from dampednewton.computations.structured import (
+    StructuredBatchGradConv1d,
+    StructuredBatchGradConv2d,
+    StructuredBatchGradConv3d,
     StructuredBatchGradLinear,
+    StructuredSqrtGGNConv,
     StructuredSqrtGGNLinear,
-    make_factor,
 )
-from dampednewton.factors import DenseFactor, LinearFactor
+from dampednewton.factors import DenseFactor
 
 GRAD_BATCH = "grad_batch"
 
@@ -60,7 +64,7 @@ class Block:
     pending: set[int]
     gram: Tensor | None = None
     gradient_products: Tensor | None = None
-    factors: dict[int, DenseFactor | LinearFactor] = field(default_factory=dict)
+    factors: dict[int, Factor] = field(default_factory=dict)
     num_outputs: int = 0
     num_samples: int = 0
 
@@ -153,12 +157,23 @@ class GGNComputation:
             sqrt_ggn.set_module_extension(
                 Linear, StructuredSqrtGGNLinear(), overwrite=True
             )
+            for conv in (Conv1d, Conv2d, Conv3d):
+                sqrt_ggn.set_module_extension(
+                    conv, StructuredSqrtGGNConv(conv), overwrite=True
+                )
         if self.needs_gradients:
+            # After the square roots: their buffers tell which gradients to skip.
             gradients = IndividualGradients(subsampling=self._subsampling_grad)
             if self._structured:
-                gradients.set_module_extension(
-                    Linear, StructuredBatchGradLinear(), overwrite=True
-                )
+                for module_class, module_extension in (
+                    (Linear, StructuredBatchGradLinear()),
+                    (Conv1d, StructuredBatchGradConv1d()),
+                    (Conv2d, StructuredBatchGradConv2d()),
+                    (Conv3d, StructuredBatchGradConv3d()),
+                ):
+                    gradients.set_module_extension(
+                        module_class, module_extension, overwrite=True
+                    )
             extensions.append(gradients)
         return extensions
 
@@ -284,10 +299,10 @@ class GGNComputation:
             with_gradients=self.needs_gradients,
             shared=shared,
         )
-        if isinstance(factor, LinearFactor):
-            block.num_outputs, block.num_samples = factor.backproped.shape[:2]
-        else:
+        if isinstance(factor, DenseFactor):
             block.num_outputs, block.num_samples = sqrt_ggn.shape[:2]
+        else:
+            block.num_outputs, block.num_samples = factor.backproped.shape[:2]
         block.gram = _add(block.gram, factor.gram(shared))
         if self.needs_gradients:
             block.gradient_products = _add(

@@ -1,174 +1,228 @@
-"""BackPACK module extensions that keep ``nn.Linear``'s Kronecker structure.
+"""BackPACK module extensions that keep the Kronecker structure of linear layers.
 
-Instead of materializing ``[C, N, d_out, d_in]`` square roots and ``[N, d_out, d_in]``
-per-sample gradients, the linear layer's square-root extension stores
-:class:`LinearBuffers` (back-propagated square root, layer inputs, output gradients),
-from which :func:`make_factor` builds a :class:`~dampednewton.factors.LinearFactor`,
-and its individual-gradient extension stores nothing. Layers with
-weight sharing (inputs with more than two dimensions) fall back to BackPACK's dense
-computation.
+Instead of materializing ``[C, N, *weight.shape]`` square roots, the square-root
+extensions store what the factors of :mod:`dampednewton.factors` and
+:mod:`dampednewton.shared_factors` need: back-propagated square roots, layer inputs and
+output gradients.
+
+* ``nn.Linear`` on ``[N, d_in]`` inputs: always :class:`LinearBuffers`.
+* ``nn.Linear`` on ``[N, *positions, d_in]`` inputs and ``nn.Conv1d/2d/3d`` (one group,
+  zero padding given by numbers) share the weight over positions: per layer,
+  :func:`~dampednewton.shared_factors.prefers_structured` decides between
+  :class:`SharedLinearBuffers` and BackPACK's materialized square root. Their biases
+  always store :class:`LinearBuffers` of the position-summed square root.
+
+Buffers carry the output gradients, so the individual-gradient extensions (run after
+the square-root extension) skip every parameter that has them.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from backpack.core.derivatives.conv1d import Conv1DDerivatives
+from backpack.core.derivatives.conv2d import Conv2DDerivatives
+from backpack.core.derivatives.conv3d import Conv3DDerivatives
+from backpack.extensions.firstorder.batch_grad.conv1d import BatchGradConv1d
+from backpack.extensions.firstorder.batch_grad.conv2d import BatchGradConv2d
+from backpack.extensions.firstorder.batch_grad.conv3d import BatchGradConv3d
 from backpack.extensions.firstorder.batch_grad.linear import BatchGradLinear
+from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
 from backpack.extensions.secondorder.sqrt_ggn.linear import SqrtGGNLinear
+from backpack.utils.conv import unfold_input
 from backpack.utils.subsampling import subsample
-from torch import Tensor
-from torch.nn import Module
+from torch import Size, Tensor
+from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module
 
-from dampednewton.factors import (
-    DenseFactor,
-    LinearFactor,
-    flatten_sqrt_ggn,
-    mean_products_via_kernel,
-    memo,
-)
+from dampednewton.shared_factors import prefers_structured
 
 
 @dataclass
 class LinearBuffers:
-    """What the structured square-root extension stores on a linear parameter.
+    """What a structured square-root extension stores on a linear weight or bias.
 
     Attributes:
-        backproped: Back-propagated square root at the layer output ``[C, N, d_out]``.
-        inputs: Layer inputs of the GGN samples ``[N, d_in]``; ``None`` for the bias.
-        output_gradients: Output gradients of the mean loss for the whole batch.
-        layer_inputs: Layer inputs of the whole batch (for weight and bias).
+        backproped: Back-propagated square root at the layer output ``[C, N, d_out]``
+            (summed over positions for the bias of a shared weight).
+        inputs: Layer inputs of the GGN samples ``[N, d_in]``; ``None`` for a bias.
+        output_gradients: Output gradients of the mean loss for the whole batch
+            ``[N_batch, d_out]`` (summed over positions likewise).
+        layer_inputs: Layer inputs of the whole batch; ``None`` for a bias.
     """
 
     backproped: Tensor
     inputs: Tensor | None
     output_gradients: Tensor
+    layer_inputs: Tensor | None = None
+
+
+@dataclass
+class SharedLinearBuffers:
+    """What a structured square-root extension stores on a weight shared over positions.
+
+    Attributes:
+        backproped: Back-propagated square root ``[C, N, P, d_out]``.
+        inputs: Inputs of the GGN samples ``[N, P, d_in]`` (unfolded for convolutions).
+        output_gradients: Output gradients of the mean loss ``[N_batch, P, d_out]``.
+        layer_inputs: Inputs of the whole batch ``[N_batch, P, d_in]``.
+        shape: The weight's shape.
+    """
+
+    backproped: Tensor
+    inputs: Tensor
+    output_gradients: Tensor
     layer_inputs: Tensor
+    shape: Size
 
 
-def _is_structured(module: Module) -> bool:
-    return module.input0.dim() == 2
+def _shared_or_dense(extension, ext, module, g_inp, g_out, backproped, *, layout):
+    """Shared-weight buffers when the cost model prefers them, else BackPACK's.
+
+    ``layout`` maps ``[C, N, <layer's output layout>]`` to ``[C, N, P, d_out]``.
+    """
+    inputs = (
+        module.input0.flatten(start_dim=1, end_dim=-2)
+        if isinstance(module, Linear)
+        else unfold_input(module, module.input0).transpose(1, 2)
+    )  # [N, P, d_in]
+    outputs_last = layout(backproped)
+    num_outputs, num_samples, positions, out_features = outputs_last.shape
+    if prefers_structured(
+        num_outputs, num_samples, positions, inputs.shape[-1], out_features
+    ):
+        return SharedLinearBuffers(
+            outputs_last,
+            subsample(inputs, subsampling=ext.get_subsampling()),
+            layout(g_out[0].unsqueeze(0))[0],
+            inputs,
+            module.weight.shape,
+        )
+    return extension._make_param_function("weight")(
+        ext, module, g_inp, g_out, backproped
+    )
+
+
+def _summed_over_positions(
+    backproped: Tensor, g_out: tuple[Tensor], *, layout
+) -> LinearBuffers:
+    """A shared weight's bias: its column is ``Σ_p b_cnp``."""
+    summed = layout(backproped).sum(2)
+    gradients = layout(g_out[0].unsqueeze(0))[0].sum(1)
+    return LinearBuffers(summed, None, gradients)
+
+
+def _positions_last(tensor: Tensor) -> Tensor:
+    """Channels-last ``[C, N, P, d]`` from a linear layer's ``[C, N, *P, d]``."""
+    return tensor.flatten(start_dim=2, end_dim=-2)
+
+
+def _channels_last(tensor: Tensor) -> Tensor:
+    """``[C, N, P, d]`` from a convolution's ``[C, N, d, *spatial]``."""
+    return tensor.flatten(start_dim=3).transpose(2, 3)
 
 
 class StructuredSqrtGGNLinear(SqrtGGNLinear):
-    """Square-root extension for ``nn.Linear`` storing :class:`LinearBuffers`."""
+    """Square-root extension for ``nn.Linear`` storing (shared) linear buffers."""
 
-    def weight(self, ext, module, g_inp, g_out, backproped) -> LinearBuffers | Tensor:
-        """Return the weight's buffers (dense square root for weight sharing)."""
-        if not _is_structured(module):
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        """Return the weight's buffers, or BackPACK's dense square root."""
+        if module.input0.dim() == 2:
+            inputs = subsample(module.input0, subsampling=ext.get_subsampling())
+            return LinearBuffers(backproped, inputs, g_out[0], module.input0)
+        return _shared_or_dense(
+            self, ext, module, g_inp, g_out, backproped, layout=_positions_last
+        )
+
+    def bias(self, ext, module, g_inp, g_out, backproped) -> LinearBuffers:
+        """Return the bias's buffers."""
+        if module.input0.dim() == 2:
+            return LinearBuffers(backproped, None, g_out[0])
+        return _summed_over_positions(backproped, g_out, layout=_positions_last)
+
+
+class StructuredSqrtGGNConv(SqrtGGNBaseModule):
+    """Square-root extension for ``nn.Conv1d/2d/3d`` deciding per layer."""
+
+    def __init__(self, module_class: type[Conv1d | Conv2d | Conv3d]):
+        """Use BackPACK's derivatives of the convolution's dimension.
+
+        Args:
+            module_class: ``nn.Conv1d``, ``nn.Conv2d`` or ``nn.Conv3d``.
+        """
+        derivatives = {
+            Conv1d: Conv1DDerivatives,
+            Conv2d: Conv2DDerivatives,
+            Conv3d: Conv3DDerivatives,
+        }[module_class]()
+        super().__init__(derivatives, params=["bias", "weight"])
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        """Return shared-weight buffers, or BackPACK's dense square root."""
+        if not _unfoldable(module):
             return self._make_param_function("weight")(
                 ext, module, g_inp, g_out, backproped
             )
-        inputs = subsample(module.input0, subsampling=ext.get_subsampling())
-        return LinearBuffers(backproped, inputs, g_out[0], module.input0)
+        return _shared_or_dense(
+            self, ext, module, g_inp, g_out, backproped, layout=_channels_last
+        )
 
-    def bias(self, ext, module, g_inp, g_out, backproped) -> LinearBuffers | Tensor:
-        """Return the bias's buffers (dense square root for weight sharing)."""
-        if not _is_structured(module):
-            return self._make_param_function("bias")(
-                ext, module, g_inp, g_out, backproped
-            )
-        return LinearBuffers(backproped, None, g_out[0], module.input0)
+    def bias(self, ext, module, g_inp, g_out, backproped) -> LinearBuffers:
+        """Return the bias's buffers (the square root summed over positions)."""
+        return _summed_over_positions(backproped, g_out, layout=_channels_last)
+
+
+def _unfoldable(module: Module) -> bool:
+    return (
+        module.groups == 1
+        and module.padding_mode == "zeros"
+        and not isinstance(module.padding, str)
+    )
+
+
+def _carries_gradients(param: Tensor) -> bool:
+    """Whether the square-root extension (run first) left buffers with gradients."""
+    return any(
+        isinstance(getattr(param, savefield, None), LinearBuffers | SharedLinearBuffers)
+        for savefield in ("sqrt_ggn_exact", "sqrt_ggn_mc")
+    )
+
+
+def _gradients_unless_carried(name: str):
+    def individual_gradients(self, ext, module, g_inp, g_out, bp_quantities):
+        if _carries_gradients(getattr(module, name)):
+            return None
+        return self._make_param_function(name)(ext, module, g_inp, g_out, bp_quantities)
+
+    individual_gradients.__doc__ = (
+        f"Return the {name}'s individual gradients, or ``None`` when the square-root "
+        "buffers carry them."
+    )
+    return individual_gradients
 
 
 class StructuredBatchGradLinear(BatchGradLinear):
-    """Individual gradients for ``nn.Linear``: none when the factor carries them."""
+    """Individual gradients of ``nn.Linear``, skipped where buffers carry them."""
 
-    def weight(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor | None:
-        """Skip the ``[N, d_out, d_in]`` tensor; dense for weight sharing."""
-        if _is_structured(module):
-            return None
-        return self._make_param_function("weight")(
-            ext, module, g_inp, g_out, bp_quantities
-        )
-
-    def bias(self, ext, module, g_inp, g_out, bp_quantities) -> Tensor | None:
-        """Skip the ``[N, d_out]`` tensor; dense for weight sharing."""
-        if _is_structured(module):
-            return None
-        return self._make_param_function("bias")(
-            ext, module, g_inp, g_out, bp_quantities
-        )
+    weight = _gradients_unless_carried("weight")
+    bias = _gradients_unless_carried("bias")
 
 
-def make_factor(
-    sqrt_ggn: Tensor | LinearBuffers,
-    grad_batch: Tensor | None,
-    *,
-    batch_size: int,
-    subsampling_grad: list[int] | None,
-    with_gradients: bool,
-    shared: dict,
-) -> DenseFactor | LinearFactor:
-    """Turn BackPACK's buffers of one parameter into a rescaled factor.
+class StructuredBatchGradConv1d(BatchGradConv1d):
+    """Individual gradients of ``nn.Conv1d``, skipped where buffers carry them."""
 
-    BackPACK scales square roots by ``1/√N`` for the whole batch, whereas a
-    sub-sample's GGN is its own mean: the factor is rescaled by ``√(N/N_ggn)``.
-    Gradients are rescaled from ``∇ℓ_n/N`` (or output gradients of the mean loss) to
-    those of ``ℓ_n``. A linear factor keeps output gradients and input kernel when
-    per-sample gradients are needed, or when they are the cheaper route to the mean
-    gradient's products (:func:`~dampednewton.factors.mean_products_via_kernel`).
-
-    Args:
-        sqrt_ggn: What the square-root extension stored on the parameter.
-        grad_batch: What the individual-gradient extension stored (or ``None``).
-        batch_size: ``N``, the mini-batch size.
-        subsampling_grad: Samples of the gradients (``None``: all).
-        with_gradients: Whether per-sample gradients are needed.
-        shared: Memo for the parameters of one layer, so that its weight and bias
-            factors share the rescaled tensors (and, later, their products).
-
-    Returns:
-        The parameter's factor in the conventions of :mod:`dampednewton.factors`.
-    """
-    if isinstance(sqrt_ggn, LinearBuffers):
-        return _linear_factor(
-            sqrt_ggn, batch_size, subsampling_grad, with_gradients, shared
-        )
-    scale = math.sqrt(batch_size / sqrt_ggn.shape[1])
-    gradients = grad_batch.flatten(start_dim=1) * batch_size if with_gradients else None
-    return DenseFactor(
-        flatten_sqrt_ggn(sqrt_ggn) * scale, sqrt_ggn.shape[2:], gradients
-    )
+    weight = _gradients_unless_carried("weight")
+    bias = _gradients_unless_carried("bias")
 
 
-def _linear_factor(
-    buffers: LinearBuffers,
-    batch_size: int,
-    subsampling_grad: list[int] | None,
-    with_gradients: bool,
-    shared: dict,
-) -> LinearFactor:
-    num_outputs, num_samples, out_features = buffers.backproped.shape
-    backproped = buffers.backproped
-    if num_samples != batch_size:
-        scale = math.sqrt(batch_size / num_samples)
-        backproped = memo(shared, ("B", id(backproped)), lambda: backproped * scale)
-    gradient_inputs = subsample(buffers.layer_inputs, subsampling=subsampling_grad)
-    kernel_shared = gradient_inputs is buffers.inputs  # no subsampling at all
-    keeps_gradients = with_gradients or mean_products_via_kernel(
-        num_outputs,
-        num_samples,
-        gradient_inputs.shape[0],
-        gradient_inputs.shape[1],
-        out_features,
-        kernel_shared=kernel_shared,
-    )
-    if not keeps_gradients:
-        return LinearFactor(backproped, buffers.inputs)
-    output_gradients = memo(
-        shared,
-        ("δ", id(buffers.output_gradients)),
-        lambda: (
-            subsample(buffers.output_gradients, subsampling=subsampling_grad)
-            * batch_size
-        ),
-    )
-    kernel = None
-    if buffers.inputs is not None:
-        # Under the Gram matrix's key when the samples agree, so it is formed once.
-        key = ("XXᵀ", id(buffers.inputs))
-        if not kernel_shared:
-            key = ("X'Xᵀ", id(gradient_inputs), id(buffers.inputs))
-        kernel = memo(shared, key, lambda: gradient_inputs @ buffers.inputs.T)
-    return LinearFactor(backproped, buffers.inputs, output_gradients, kernel)
+class StructuredBatchGradConv2d(BatchGradConv2d):
+    """Individual gradients of ``nn.Conv2d``, skipped where buffers carry them."""
+
+    weight = _gradients_unless_carried("weight")
+    bias = _gradients_unless_carried("bias")
+
+
+class StructuredBatchGradConv3d(BatchGradConv3d):
+    """Individual gradients of ``nn.Conv3d``, skipped where buffers carry them."""
+
+    weight = _gradients_unless_carried("weight")
+    bias = _gradients_unless_carried("bias")
