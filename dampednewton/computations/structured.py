@@ -80,16 +80,17 @@ def _shared_or_dense(extension, ext, module, g_inp, g_out, backproped, *, layout
 
     ``layout`` maps ``[C, N, <layer's output layout>]`` to ``[C, N, P, d_out]``.
     """
-    inputs = (
-        module.input0.flatten(start_dim=1, end_dim=-2)
-        if isinstance(module, Linear)
-        else unfold_input(module, module.input0).transpose(1, 2)
-    )  # [N, P, d_in]
     outputs_last = layout(backproped)
     num_outputs, num_samples, positions, out_features = outputs_last.shape
+    in_features = module.weight[0].numel()  # d_in (times the kernel size)
     if prefers_structured(
-        num_outputs, num_samples, positions, inputs.shape[-1], out_features
+        num_outputs, num_samples, positions, in_features, out_features
     ):
+        inputs = (
+            module.input0.flatten(start_dim=1, end_dim=-2)
+            if isinstance(module, Linear)
+            else unfold_input(module, module.input0).transpose(1, 2)
+        )  # [N, P, d_in]
         return SharedLinearBuffers(
             outputs_last,
             subsample(inputs, subsampling=ext.get_subsampling()),
