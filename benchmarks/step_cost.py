@@ -79,22 +79,28 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def interleaved_medians(
-    steps: dict[str, Callable[[], None]], device: torch.device, repeats: int
+def round_robin_medians(
+    steps: dict[str, Callable[[], None]],
+    device: torch.device,
+    repeats: int,
+    rounds: int = 8,
 ) -> dict[str, float]:
-    """Median seconds of each step, timed round-robin after two warm-up rounds.
+    """Median seconds per step of each variant, timed in alternating blocks.
 
-    Interleaving exposes every variant to the same slow phases of a shared machine,
-    so their ratios are steadier than those of back-to-back blocks of repeats.
+    Every round runs each variant for one untimed warm-up step and then
+    ``⌈repeats / rounds⌉`` timed steps in a row, as in a training loop (warm caches);
+    the rounds expose all variants to the same slow phases of a shared machine.
     """
+    per_round = -(-repeats // rounds)
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for round_index in range(repeats + 2):
+    for _ in range(rounds):
         for name, step in steps.items():
-            synchronize(device)
-            start = time.perf_counter()
             step()
-            synchronize(device)
-            if round_index >= 2:
+            for _ in range(per_round):
+                synchronize(device)
+                start = time.perf_counter()
+                step()
+                synchronize(device)
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -203,7 +209,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=MODELS)
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[128])
     parser.add_argument("--ggn", nargs="+", default=["mc1", "exact"])
-    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--skip-materialized", action="store_true")
     parser.add_argument("--memory", action="store_true", help="peak memory per variant")
     parser.add_argument("--threads", type=int, default=None)
@@ -227,7 +233,7 @@ def main() -> None:
             for ggn in args.ggn:
                 variants = ["sgd", f"fast:{ggn}"]
                 variants += [] if args.skip_materialized else [f"dense:{ggn}"]
-                times = interleaved_medians(
+                times = round_robin_medians(
                     {v: make_step(v, model_name, batch_size, device) for v in variants},
                     device,
                     args.repeats,

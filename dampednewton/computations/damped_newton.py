@@ -81,10 +81,13 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
             structured: Exploit ``nn.Linear``'s Kronecker structure (``False``:
                 materialize square roots and individual gradients, the reference).
             per_sample_gradients: ``False`` skips individual gradients: ``γ̄_k =
-                ḡᵀ e_k`` comes from the parameters' ``.grad`` after the backward pass,
-                and the damping policies receive ``γ̄`` as ``gammas`` (``[1, K]``).
-                Then the step is formed in :meth:`get_result`, which must be called
-                before the gradients change; ``subsampling_grad`` must be ``None``.
+                ḡᵀ e_k`` with the batch's mean gradient ``ḡ``, read from the
+                parameters' ``.grad`` after the backward pass (so gradients must be
+                zero before it, as in every closure) or, for linear layers where that
+                is cheaper, formed from the layer's output gradients. The damping
+                policies receive ``γ̄`` as ``gammas`` (``[1, K]``). The step is formed
+                in :meth:`get_result`, which must be called before the gradients
+                change; ``subsampling_grad`` must be ``None``.
 
         Raises:
             ValueError: For ``subsampling_grad`` without per-sample gradients.
