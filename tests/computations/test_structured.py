@@ -17,28 +17,54 @@ from dampednewton import (
 )
 from tests.assertions import assert_close
 from tests.conftest import make_groups
-from tests.problems import PROBLEMS
+from tests.problems import PROBLEMS, initialize
 
 
-def _sequence_model(generator: torch.Generator) -> nn.Module:
-    """A linear layer with weight sharing over positions (falls back to dense)."""
-    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3))
-    for p in model.parameters():
-        p.data = torch.randn(p.shape, generator=generator, dtype=torch.float64) / 2
-    return model
+def _sequence_model() -> nn.Module:
+    """A linear layer with weight sharing over positions (materialized weight)."""
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3))
+
+
+def _conv1d_model() -> nn.Module:
+    """Conv1d with 2 output positions: the contraction over positions is cheaper."""
+    return nn.Sequential(nn.Conv1d(6, 5, 3), nn.Tanh(), nn.Flatten(), nn.Linear(10, 3))
+
+
+def _conv3d_model() -> nn.Module:
+    """Conv3d with 4 output positions: the contraction over positions is cheaper."""
+    return nn.Sequential(nn.Conv3d(6, 6, 2), nn.ReLU(), nn.Flatten(), nn.Linear(24, 3))
+
+
+def _grouped_conv_model() -> nn.Module:
+    """Grouped convolution: materialized weight, structured bias."""
+    return nn.Sequential(
+        nn.Conv2d(6, 6, 3, groups=2), nn.ReLU(), nn.Flatten(), nn.Linear(24, 3)
+    )
+
+
+# Cases beyond PROBLEMS: (model factory, input shape), with 4 samples and 3 classes.
+LOCAL_CASES = {
+    "sequence-linear": (_sequence_model, (4, 3, 5)),
+    "conv1d": (_conv1d_model, (4, 6, 4)),
+    "conv3d": (_conv3d_model, (4, 6, 3, 3, 2)),
+    "grouped-conv": (_grouped_conv_model, (4, 6, 4, 4)),
+}
 
 
 def build(problem_id: str):
-    if problem_id == "sequence-linear":
+    if problem_id in LOCAL_CASES:
+        factory, input_shape = LOCAL_CASES[problem_id]
         generator = torch.Generator().manual_seed(11)
-        model = _sequence_model(generator)
-        X = torch.randn(4, 3, 5, generator=generator, dtype=torch.float64)
+        with torch.device("meta"):
+            model = factory()
+        model = initialize(model, generator)
+        X = torch.randn(*input_shape, generator=generator, dtype=torch.float64)
         return model, nn.CrossEntropyLoss(), X, torch.tensor([0, 1, 2, 1])
     problem = next(p for p in PROBLEMS if p.id == problem_id)
     return problem.build()
 
 
-CASES = [p.id for p in PROBLEMS] + ["sequence-linear"]
+CASES = [p.id for p in PROBLEMS] + list(LOCAL_CASES)
 COMPUTATIONS = {
     "eigvalsh": lambda **kw: EigvalshComputation(
         subsampling=kw["subsampling_ggn"], structured=kw["structured"]
