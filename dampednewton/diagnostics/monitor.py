@@ -109,6 +109,8 @@ class DiagnosticsMonitor:
                 f"for mc_samples {sorted(mc_samples)}; use one value."
             )
         self._reducers = [make_reducer(spec) for spec in self.diagnostics]
+        # Extensions are stateless between passes: build them once, not every step.
+        self._extensions = {id(r): r.extensions() for r in self._reducers}
         if isinstance(named_parameters, Mapping):
             named_parameters = named_parameters.items()
         self._names = {id(p): name for name, p in (named_parameters or ())}
@@ -140,7 +142,7 @@ class DiagnosticsMonitor:
         """
         unique: dict[type, BackpropExtension] = {}
         for reducer in self._active(step):
-            for extension in reducer.extensions():
+            for extension in self._extensions[id(reducer)]:
                 unique.setdefault(type(extension), extension)
         return list(unique.values())
 
