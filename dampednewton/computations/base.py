@@ -32,10 +32,7 @@ from dampednewton.computations.groups import (
     validate_subsampling,
 )
 from dampednewton.computations.structured import (
-    StructuredBatchGradConv1d,
-    StructuredBatchGradConv2d,
-    StructuredBatchGradConv3d,
-    StructuredBatchGradLinear,
+    STRUCTURED_BATCH_GRAD,
     StructuredSqrtGGNConv,
     StructuredSqrtGGNLinear,
 )
@@ -165,14 +162,9 @@ class GGNComputation:
             # After the square roots: their buffers tell which gradients to skip.
             gradients = IndividualGradients(subsampling=self._subsampling_grad)
             if self._structured:
-                for module_class, module_extension in (
-                    (Linear, StructuredBatchGradLinear()),
-                    (Conv1d, StructuredBatchGradConv1d()),
-                    (Conv2d, StructuredBatchGradConv2d()),
-                    (Conv3d, StructuredBatchGradConv3d()),
-                ):
+                for module_class, module_extension in STRUCTURED_BATCH_GRAD.items():
                     gradients.set_module_extension(
-                        module_class, module_extension, overwrite=True
+                        module_class, module_extension(), overwrite=True
                     )
             extensions.append(gradients)
         return extensions

@@ -201,29 +201,24 @@ def _gradients_unless_carried(name: str):
     return individual_gradients
 
 
-class StructuredBatchGradLinear(BatchGradLinear):
-    """Individual gradients of ``nn.Linear``, skipped where buffers carry them."""
-
-    weight = _gradients_unless_carried("weight")
-    bias = _gradients_unless_carried("bias")
-
-
-class StructuredBatchGradConv1d(BatchGradConv1d):
-    """Individual gradients of ``nn.Conv1d``, skipped where buffers carry them."""
-
-    weight = _gradients_unless_carried("weight")
-    bias = _gradients_unless_carried("bias")
-
-
-class StructuredBatchGradConv2d(BatchGradConv2d):
-    """Individual gradients of ``nn.Conv2d``, skipped where buffers carry them."""
-
-    weight = _gradients_unless_carried("weight")
-    bias = _gradients_unless_carried("bias")
+def _skipping_carried(base: type) -> type:
+    """Subclass of a BackPACK individual-gradient extension that skips carried ones."""
+    return type(
+        f"Structured{base.__name__}",
+        (base,),
+        {
+            "__doc__": f"{base.__name__} that skips parameters whose buffers carry "
+            "the gradients.",
+            "weight": _gradients_unless_carried("weight"),
+            "bias": _gradients_unless_carried("bias"),
+        },
+    )
 
 
-class StructuredBatchGradConv3d(BatchGradConv3d):
-    """Individual gradients of ``nn.Conv3d``, skipped where buffers carry them."""
-
-    weight = _gradients_unless_carried("weight")
-    bias = _gradients_unless_carried("bias")
+STRUCTURED_BATCH_GRAD: dict[type[Module], type] = {
+    Linear: _skipping_carried(BatchGradLinear),
+    Conv1d: _skipping_carried(BatchGradConv1d),
+    Conv2d: _skipping_carried(BatchGradConv2d),
+    Conv3d: _skipping_carried(BatchGradConv3d),
+}
+"""Individual-gradient module extensions to register next to the structured ones."""
