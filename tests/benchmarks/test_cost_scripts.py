@@ -1,0 +1,46 @@
+"""The cost scripts run end to end on tiny settings and print well-formed tables."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> str:
+    command = [sys.executable, str(ROOT / "benchmarks" / args[0]), *args[1:]]
+    result = subprocess.run(
+        command, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+    return result.stdout
+
+
+def test_step_cost_prints_one_row_per_variant_with_ratios():
+    output = _run(
+        "step_cost.py",
+        *("--models", "mlp", "--batch-sizes", "8", "--ggn", "mc1", "exact"),
+        *("--repeats", "1", "--threads", "1"),
+    )
+    rows = [line.split() for line in output.splitlines() if line.startswith("mlp ")]
+    assert [row[2] for row in rows] == ["mc1", "exact"]
+    for row in rows:
+        sgd, fast, fast_ratio, dense, dense_ratio = (
+            float(value.rstrip("×")) for value in row[3:8]
+        )
+        assert min(sgd, fast, dense) > 0
+        # Printed times are rounded (SGD to 0.01 ms): ratios agree to a few percent.
+        assert abs(fast_ratio - fast / sgd) <= 0.05 * fast_ratio + 0.1
+        assert abs(dense_ratio - dense / sgd) <= 0.05 * dense_ratio + 0.1
+
+
+def test_step_cost_memory_runs_each_variant_in_a_fresh_process():
+    output = _run(
+        "step_cost.py",
+        *("--models", "mlp", "--batch-sizes", "8", "--ggn", "mc1"),
+        *("--repeats", "1", "--threads", "1", "--memory", "--skip-materialized"),
+    )
+    (row,) = [line.split() for line in output.splitlines() if line.startswith("mlp ")]
+    sgd_mib, fast_mib = float(row[8]), float(row[9])
+    assert sgd_mib >= 0 and fast_mib >= 0
