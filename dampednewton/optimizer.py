@@ -509,13 +509,11 @@ class _FiniteCurvatureComputation(DirectionalDampedNewtonComputation):
         self.curvature_finite = True
 
     def _finish(self, block: Block) -> NewtonStep | None:
-        if not all_finite(block.gram.diagonal()):  # it bounds every entry
-            self.curvature_finite = False
-            return None
         try:
             return super()._finish(block)
-        except torch.linalg.LinAlgError:
-            # The eigensolver failed on a finite but hopeless Gram matrix.
+        except (FloatingPointError, torch.linalg.LinAlgError):
+            # A non-finite Gram matrix (select_directions checks it), or the
+            # eigensolver failed on a finite but hopeless one.
             self.curvature_finite = False
             return None
 

@@ -96,9 +96,10 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
 
     BackPACK samples the loss Hessian's square root with the global random state. With a
     ``generator``, results are reproducible and the user's global random stream is
-    untouched: the cross-entropy draws its labels from the generator directly (one
-    ``torch.multinomial``); the other losses sample inside a forked random state seeded
-    from the generator, whose state then advances.
+    untouched: the cross-entropy draws its labels from the generator directly
+    (:func:`~dampednewton.sampling.sampled_cross_entropy_gradients`); the other
+    losses sample inside a forked random state seeded from the generator, whose state
+    then advances.
     """
 
     def __init__(

@@ -266,22 +266,30 @@ class GradientHistogramReducer(_IndividualGradientReducer):
             entries.update(_histogram1d_entries(label, own, f"/{name}"))
             ranges.append(own_range)
             network.append(in_network)
-        total = network[0]._replace(
-            counts=torch.stack([h.counts for h in network]).sum(0),
-            below=torch.stack([h.below for h in network]).sum(),
-            above=torch.stack([h.above for h in network]).sum(),
-            nan=torch.stack([h.nan for h in network]).sum(),
-        )
+        total = _summed(network, ("counts", "below", "above", "nan"))
         entries.update(_histogram1d_entries(label, total, ""))
         self.network_range = range_hull(ranges)
         return entries
 
 
+def _summed(histograms: list, fields: tuple[str, ...]):
+    """The network histogram: per-parameter ones in the same range, added up."""
+    return histograms[0]._replace(
+        **{
+            field: torch.stack([getattr(h, field) for h in histograms]).sum(0)
+            for field in fields
+        }
+    )
+
+
+def _entries(label: str, histogram, suffix: str, fields: tuple[str, ...]) -> Entries:
+    return {f"{label}/{field}{suffix}": getattr(histogram, field) for field in fields}
+
+
 def _histogram1d_entries(label: str, histogram, suffix: str) -> Entries:
-    return {
-        f"{label}/{field}{suffix}": getattr(histogram, field)
-        for field in ("counts", "edges", "below", "above", "nan")
-    }
+    return _entries(
+        label, histogram, suffix, ("counts", "edges", "below", "above", "nan")
+    )
 
 
 class GradientParameterHistogramReducer(_IndividualGradientReducer):
@@ -344,11 +352,7 @@ class GradientParameterHistogramReducer(_IndividualGradientReducer):
             gradient_ranges.append(gradient_range)
             parameter_ranges.append(parameter_range)
             network.append(in_network)
-        total = network[0]._replace(
-            counts=torch.stack([h.counts for h in network]).sum(0),
-            margins=torch.stack([h.margins for h in network]).sum(0),
-            nan=torch.stack([h.nan for h in network]).sum(),
-        )
+        total = _summed(network, ("counts", "margins", "nan"))
         entries.update(_histogram2d_entries(label, total, ""))
         self.network_ranges = (
             range_hull(gradient_ranges),
@@ -358,10 +362,9 @@ class GradientParameterHistogramReducer(_IndividualGradientReducer):
 
 
 def _histogram2d_entries(label: str, histogram, suffix: str) -> Entries:
-    return {
-        f"{label}/{field}{suffix}": getattr(histogram, field)
-        for field in ("counts", "x_edges", "y_edges", "margins", "nan")
-    }
+    return _entries(
+        label, histogram, suffix, ("counts", "x_edges", "y_edges", "margins", "nan")
+    )
 
 
 class CurvatureTraceReducer:
