@@ -101,10 +101,38 @@ class Setting:
         """Mean ± std over the successful seeds of the best test metric."""
         return mean_std([r["best"]["test_metric"] for r in self.ok_runs])
 
-    def to_target(self, key: str) -> tuple[float, float, int]:
-        """Mean ± std of ``steps_to_target``/``time_to_target`` and how many reached."""
-        values = [r[key] for r in self.ok_runs if r.get(key) is not None]
+    def to_target(self, key: str, index: int) -> tuple[float, float, int]:
+        """Mean ± std of ``steps_to_target``/``time_to_target`` and how many reached.
+
+        Args:
+            key: ``"steps_to_target"`` or ``"time_to_target"``.
+            index: Which target of the problem (0: the easier).
+
+        Returns:
+            Mean and std over the successful seeds that reached the target, and
+            their number.
+        """
+        values = [r[key][index] for r in self.ok_runs if r[key][index] is not None]
         return (*mean_std(values), len(values))
+
+    def divergences(self) -> list[tuple[int, str]]:
+        """``(seed, reason)`` of every diverged run."""
+        return [(r["seed"], r["divergence"]) for r in self.runs if r.get("divergence")]
+
+    @property
+    def extended_from(self) -> dict[str, Any] | None:
+        """How the grid extension added this setting (``None``: in the sweep's grid).
+
+        See :mod:`benchmarks.extension`.
+        """
+        return next(
+            (
+                r["config"]["extended_from"]
+                for r in self.runs
+                if (r.get("config") or {}).get("extended_from")
+            ),
+            None,
+        )
 
     def step_times(self) -> list[float]:
         """Median per-step times of the runs that trained (any status)."""

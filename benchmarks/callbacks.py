@@ -1,4 +1,4 @@
-"""Hydra callbacks: a progress bar over a sweep's jobs and the end-of-sweep report.
+"""Hydra callbacks: a progress bar over a sweep's jobs; grid extension and report.
 
 Both are registered in ``conf/config.yaml`` under ``hydra.callbacks``. With the basic
 (sequential) launcher all jobs run in one process, so one callback instance sees every
@@ -76,7 +76,10 @@ def summary_line(summary: dict[str, Any]) -> str:
     if status == "failed":
         return f"{head}: FAILED {summary['error']}"
     if status == "diverged":
-        return f"{head}: DIVERGED after {summary['train_time']:.1f} s"
+        return (
+            f"{head}: DIVERGED ({summary['divergence']}) after "
+            f"{summary['train_time']:.1f} s"
+        )
     step = summary["step_time"]["median"]
     per_step = f" ({1e3 * step:.3g} ms/step)" if step is not None else ""
     final = summary["final"]["test_metric"]
@@ -127,10 +130,21 @@ class SweepProgress(Callback):
 
 
 class SweepReport(Callback):
-    """Aggregate a finished multirun into ``<sweep dir>/report`` and print where."""
+    """Extend grids at their edges, then report into ``<sweep dir>/report``.
+
+    The extension (:mod:`benchmarks.extension`, at most ``grid_extension.rounds``
+    rounds) runs its jobs in this process, into new numbered job directories.
+    """
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        """Write the report of the sweep directory."""
+        """Run the grid extension, then write and print the sweep's report."""
+        from benchmarks.extension import extend_sweep
         from benchmarks.report import print_locations, write_report
 
-        print_locations(write_report(Path(config.hydra.sweep.dir)))
+        sweep_dir = Path(config.hydra.sweep.dir)
+        extend_sweep(
+            sweep_dir,
+            config.grid_extension.rounds,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+        print_locations(write_report(sweep_dir))

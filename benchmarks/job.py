@@ -1,8 +1,9 @@
 """One benchmark job: train one (problem, optimizer, hyperparameters, seed).
 
-The job never raises for a failing run: divergence (NaN/inf loss) and exceptions are
-recorded in ``result.json`` (``status`` ``"diverged"`` / ``"failed"`` with the error
-message) so that a sweep continues with its next job.
+The job never raises for a failing run: divergence (see
+:func:`benchmarks.training.train` for the rule) and exceptions are recorded in
+``result.json`` (``status`` ``"diverged"`` with the ``divergence`` reason, or
+``"failed"`` with the error message) so that a sweep continues with its next job.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def _train_from_config(cfg: DictConfig) -> dict[str, Any]:
         "status": "diverged" if log.diverged else "ok",
         "metric": problem.protocol.metric,
         "maximize": maximize,
-        "target": problem.protocol.target,
+        "targets": list(problem.protocol.targets),
         "curves": vars(curves),
         "final": {
             "train_loss": curves.train_loss[-1] if final_ok else None,
@@ -155,6 +156,7 @@ def _train_from_config(cfg: DictConfig) -> dict[str, Any]:
         },
         "memory": vars(reading),
         "diverged": log.diverged,
+        "divergence": log.divergence,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device)
         if device.type == "cuda"
@@ -182,7 +184,8 @@ def run_job(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
 
     Returns:
         A short summary (for the progress callback): problem, optimizer, seed, the
-        grid point, status, metric, final test metric, train time, error.
+        grid point, status, divergence reason, metric, final test metric, train
+        time, error.
     """
     result: dict[str, Any] = {
         "problem": cfg.problem.name,
@@ -217,6 +220,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
             "grid_point",
             "hyperparameters",
             "status",
+            "divergence",
             "metric",
             "final",
             "train_time",

@@ -32,8 +32,12 @@ from benchmarks.plots import plot_curves, plot_sensitivity, plot_step_cost
 REPORT_DIR = "report"
 NOTES = (
     "Tuned = best mean final test metric over seeds; settings where a seed diverged "
-    "or failed rank last; ⚠ marks a tuned value on the edge of its grid (extend the "
-    "grid). Steps/time to target: mean ± std over the seeds that reached it "
+    "(non-finite loss, train loss above the blow-up factor times its initial value, or "
+    "final accuracy near chance) or failed rank last; ⚠ marks a tuned value still on "
+    "the edge of its grid after the grid extension, which adds points half a decade "
+    "beyond an edge (marked 'extended from edge'). Best test metric: the best "
+    "evaluation of each seed. Steps/time to a target: mean ± std over the seeds that "
+    "reached it "
     "(resolution: the evaluation interval); time excludes evaluation. ms/step: median "
     "after warm-up over the runs of the tuned setting; × sgd: ratio of the medians "
     "over all runs of the optimizer and of sgd on the problem."
@@ -49,13 +53,14 @@ CSV_COLUMNS = [
     "final_test_loss",
     "final_train_loss",
     "best_test_metric",
-    "steps_to_target",
-    "time_to_target",
+    "targets",
     "median_step_time",
     "train_time",
     "peak_memory_mb",
     "memory_kind",
     "device",
+    "divergence",
+    "extended_from",
     "error",
     "job_dir",
 ]
@@ -75,20 +80,26 @@ def _csv_row(result: dict[str, Any]) -> dict[str, Any]:
         "final_test_loss": final.get("test_loss"),
         "final_train_loss": final.get("train_loss"),
         "best_test_metric": (result.get("best") or {}).get("test_metric"),
-        "steps_to_target": result.get("steps_to_target"),
-        "time_to_target": result.get("time_to_target"),
+        "targets": json.dumps(result.get("targets")),
+        **{
+            f"{key}_{i + 1}": value
+            for key in ("steps_to_target", "time_to_target")
+            for i, value in enumerate(result.get(key) or [])
+        },
         "median_step_time": (result.get("step_time") or {}).get("median"),
         "train_time": result.get("train_time"),
         "peak_memory_mb": (result.get("memory") or {}).get("peak_mb"),
         "memory_kind": (result.get("memory") or {}).get("kind"),
         "device": result.get("device"),
+        "divergence": result.get("divergence"),
+        "extended_from": json.dumps((result.get("config") or {}).get("extended_from")),
         "error": result.get("error"),
         "job_dir": result["job_dir"],
     }
 
 
 def write_csv(results: list[dict[str, Any]], path: Path) -> Path:
-    """One row per run.
+    """One row per run; ``steps_to_target_<i>``/``time_to_target_<i>`` per target.
 
     Args:
         results: Loaded results.
@@ -98,7 +109,15 @@ def write_csv(results: list[dict[str, Any]], path: Path) -> Path:
         ``path``.
     """
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        num_targets = max(len(r.get("targets") or []) for r in results)
+        per_target = [
+            f"{key}_{i + 1}"
+            for i in range(num_targets)
+            for key in ("steps_to_target", "time_to_target")
+        ]
+        column = CSV_COLUMNS.index("targets") + 1
+        fieldnames = CSV_COLUMNS[:column] + per_target + CSV_COLUMNS[column:]
+        writer = csv.DictWriter(f, fieldnames=fieldnames)
         writer.writeheader()
         writer.writerows(_csv_row(r) for r in results)
     return path
@@ -121,6 +140,9 @@ def _value(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+EXTENDED = "extended from edge"
+
+
 def _tuned_cell(choice: Tuned) -> str:
     """Tuned values of the varied hyperparameters, ⚠ on a grid edge."""
     parts = []
@@ -128,12 +150,47 @@ def _tuned_cell(choice: Tuned) -> str:
         edge = choice.edges.get(key)
         flag = f" ⚠ {edge} of grid" if edge else ""
         parts.append(f"{key}={_value(choice.best.hyperparameters.get(key))}{flag}")
-    return ", ".join(parts) or "(not tuned)"
+    extended = f" ({EXTENDED})" if choice.best.extended_from else ""
+    return (", ".join(parts) or "(not tuned)") + extended
 
 
-def _target_cell(setting: Setting, key: str, seeds: int) -> str:
-    """``mean ± std (reached/seeds)`` of steps or seconds to target."""
-    mean, std, reached = setting.to_target(key)
+def _grid_values(choice: Tuned, key: str) -> str:
+    """The values tried for ``key``, those added by the grid extension marked."""
+    added = {
+        json.dumps(s.hyperparameters[key])
+        for s in choice.candidates
+        if (s.extended_from or {}).get("key") == key
+    }
+    return ", ".join(
+        _value(v) + (f" ({EXTENDED})" if json.dumps(v) in added else "")
+        for v in choice.grid[key]
+    )
+
+
+def _divergence_lines(settings: list[Setting]) -> list[str]:
+    """One line per setting with a diverged seed: how many, and why."""
+    lines = []
+    for setting in settings:
+        diverged = setting.divergences()
+        if not diverged:
+            continue
+        values = _format_hyperparameters(setting.hyperparameters)
+        reasons = "; ".join(f"seed {seed}: {reason}" for seed, reason in diverged)
+        lines.append(
+            f"- {setting.optimizer} {values}: {len(diverged)}/{len(setting.runs)} "
+            f"seed(s) diverged ({reasons})"
+        )
+    return lines
+
+
+def _format_hyperparameters(hyperparameters: dict[str, Any]) -> str:
+    """``lr=0.1, damping=0.01``."""
+    return ", ".join(f"{k}={_value(v)}" for k, v in hyperparameters.items())
+
+
+def _target_cell(setting: Setting, key: str, index: int, seeds: int) -> str:
+    """``mean ± std (reached/seeds)`` of steps or seconds to one target."""
+    mean, std, reached = setting.to_target(key, index)
     if reached == 0:
         return f"— (0/{seeds})"
     return f"{_pm(mean, std, 3)} ({reached}/{seeds})"
@@ -156,6 +213,7 @@ def problem_table(
     config = first.get("config", {}).get("problem", {})
     metric = first.get("metric") or config.get("metric", "metric")
     direction = "higher" if next(iter(tuned.values())).best.maximize else "lower"
+    targets = first.get("targets") or []
     columns = [
         "optimizer",
         "tuned",
@@ -164,8 +222,11 @@ def problem_table(
         f"best test {metric}",
         *([] if metric == "loss" else ["final test loss"]),
         "final train loss",
-        "steps to target",
-        "time to target [s]",
+        *(
+            column
+            for target in targets
+            for column in (f"steps to {target:g}", f"time to {target:g} [s]")
+        ),
         "ms/step",
         "× sgd",
         "peak memory [MiB]",
@@ -173,8 +234,9 @@ def problem_table(
     lines = [
         f"## {problem}",
         "",
-        f"Test metric: {metric} ({direction} is better), target "
-        f"{config.get('target')}, {config.get('steps')} steps of batch size "
+        f"Test metric: {metric} ({direction} is better), targets "
+        f"{', '.join(f'{t:g}' for t in targets) or 'none'} (easier first), "
+        f"{config.get('steps')} steps of batch size "
         f"{config.get('batch_size')}, evaluated every {config.get('eval_every')} "
         "steps.",
         "",
@@ -197,8 +259,11 @@ def problem_table(
             _pm(*best.best_metric()),
             *([] if metric == "loss" else [_pm(*best.final("test_loss"))]),
             _pm(*best.final("train_loss")),
-            _target_cell(best, "steps_to_target", seeds),
-            _target_cell(best, "time_to_target", seeds),
+            *(
+                _target_cell(best, key, index, seeds)
+                for index in range(len(targets))
+                for key in ("steps_to_target", "time_to_target")
+            ),
             _num(ms, 3),
             _num(step_time_ratio(settings, problem, optimizer), 3),
             _num(peak, 4),
@@ -207,14 +272,16 @@ def problem_table(
     lines += ["", "Grids (values tried; every setting over the same seeds):", ""]
     for optimizer, choice in tuned.items():
         grid = "; ".join(
-            f"{key} ∈ {{{', '.join(_value(v) for v in values)}}}"
-            for key, values in choice.grid.items()
+            f"{key} ∈ {{{_grid_values(choice, key)}}}" for key in choice.grid
         )
         lines.append(
             f"- {optimizer}: {grid or 'one setting'} ({len(choice.candidates)} "
             f"setting(s) × {len(choice.best.runs)} seed(s))"
         )
     lines.append("")
+    diverged = _divergence_lines([s for s in settings if s.problem == problem])
+    if diverged:
+        lines += ["Diverged runs (per setting):", "", *diverged, ""]
     if "cpu_process_max_rss" in memory_kinds:
         lines.append(
             "Peak memory on CPU is the process's resident-set high-water mark "

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from benchmarks.measure import Stopwatch
-from benchmarks.problems import Problem
+from benchmarks.problems import Problem, Protocol
 
 
 @dataclass(frozen=True)
@@ -64,16 +64,23 @@ class TrainingLog:
     Attributes:
         curves: The evaluations.
         step_times: Wall-clock seconds of every step taken.
-        diverged: A loss became NaN or infinite (training stopped there).
-        steps_to_target: First evaluated step whose test metric reached the target.
-        time_to_target: Training seconds at that step.
+        divergence: Why the run counts as diverged (``None``: it did not); see
+            :func:`train`.
+        steps_to_target: Per target of the protocol, the first evaluated step whose
+            test metric reached it (``None``: never).
+        time_to_target: Training seconds at those steps.
     """
 
     curves: Curves = field(default_factory=Curves)
     step_times: list[float] = field(default_factory=list)
-    diverged: bool = False
-    steps_to_target: int | None = None
-    time_to_target: float | None = None
+    divergence: str | None = None
+    steps_to_target: list[int | None] = field(default_factory=list)
+    time_to_target: list[float | None] = field(default_factory=list)
+
+    @property
+    def diverged(self) -> bool:
+        """Whether the run counts as diverged."""
+        return self.divergence is not None
 
     def median_step_time(self, warmup_steps: int) -> float | None:
         """Median step time without the first ``warmup_steps`` steps."""
@@ -159,8 +166,12 @@ def train(
 ) -> TrainingLog:
     """Train for the problem's step budget, evaluating on its schedule.
 
-    Stops early when a mini-batch loss or an evaluated loss is NaN or infinite
-    (recorded as diverged).
+    The run counts as diverged (``log.divergence`` says why) when a mini-batch or
+    evaluated loss is NaN or infinite, or an evaluated train loss exceeds
+    ``protocol.blowup_factor`` times the one at step 0 (both stop training), or, for
+    ``metric: accuracy``, the final test accuracy is at most
+    :meth:`~benchmarks.problems.Protocol.chance_threshold` (chance level plus a
+    margin).
 
     Args:
         problem: The problem, with model and loss already extended if needed.
@@ -175,9 +186,12 @@ def train(
     protocol, data = problem.protocol, problem.data
     train_eval = slice(0, protocol.train_eval_samples)
     log = TrainingLog()
+    log.steps_to_target = [None] * len(protocol.targets)
+    log.time_to_target = [None] * len(protocol.targets)
     elapsed = 0.0
 
-    def record(step: int) -> bool:
+    def record(step: int) -> str | None:
+        """Evaluate and log; return why the run diverged, if it did."""
         problem.model.eval()
         train_loss, _ = evaluate(
             problem,
@@ -200,14 +214,23 @@ def train(
         curves.train_loss.append(train_loss)
         curves.test_loss.append(test_loss)
         curves.test_metric.append(metric)
-        if log.steps_to_target is None and protocol.reached(metric):
-            log.steps_to_target, log.time_to_target = step, elapsed
-        return math.isfinite(train_loss) and math.isfinite(test_loss)
+        for i, target in enumerate(protocol.targets):
+            if log.steps_to_target[i] is None and protocol.reached(metric, target):
+                log.steps_to_target[i], log.time_to_target[i] = step, elapsed
+        if not (math.isfinite(train_loss) and math.isfinite(test_loss)):
+            return f"non-finite evaluated loss at step {step}"
+        initial, factor = curves.train_loss[0], protocol.blowup_factor
+        if factor is not None and train_loss > factor * initial:
+            return (
+                f"train loss {train_loss:.4g} > {factor:g} × initial {initial:.4g} "
+                f"at step {step}"
+            )
+        return None
 
-    if not record(0):
-        log.diverged = True
-        return log
-    for step in range(1, protocol.steps + 1):
+    log.divergence = record(0)
+    step = 0
+    while not log.diverged and step < protocol.steps:
+        step += 1
         index = next(batches)
         stopwatch.start()
         loss = _step(problem, optimizer, needs, index)
@@ -215,10 +238,21 @@ def train(
         elapsed += seconds
         log.step_times.append(seconds)
         if not math.isfinite(loss):
-            log.diverged = True
-            break
-        if step % protocol.eval_every == 0 or step == protocol.steps:
-            if not record(step):
-                log.diverged = True
-                break
+            log.divergence = f"non-finite mini-batch loss at step {step}"
+        elif step % protocol.eval_every == 0 or step == protocol.steps:
+            log.divergence = record(step)
+    if not log.diverged and protocol.metric == "accuracy":
+        log.divergence = _chance_level(protocol, problem.num_classes, log)
     return log
+
+
+def _chance_level(protocol: Protocol, num_classes: int, log: TrainingLog) -> str | None:
+    """Why the final test accuracy counts as chance level, or ``None``."""
+    threshold = protocol.chance_threshold(num_classes)
+    final = log.curves.test_metric[-1]
+    if threshold is None or final > threshold:
+        return None
+    return (
+        f"final test accuracy {final:.4g} ≤ {threshold:.4g} (chance 1/{num_classes} "
+        f"+ {protocol.chance_margin:g} of the gap to 1)"
+    )

@@ -33,7 +33,15 @@ def tiny_problem(steps: int) -> Problem:
         loss_fn=torch.nn.CrossEntropyLoss(),
         data=Dataset(x, y, x, y),
         protocol=Protocol(
-            metric="accuracy", target=None, batch_size=8, steps=steps, eval_every=steps
+            metric="accuracy",
+            targets=(),
+            batch_size=8,
+            steps=steps,
+            eval_every=steps,
+            # 3 steps on random labels test that a config runs, not that it learns:
+            # only a non-finite loss counts as divergence here.
+            blowup_factor=None,
+            chance_margin=None,
         ),
     )
 
@@ -82,6 +90,8 @@ def test_problem_config_builds(compose_config, problem_name):
         cfg.problem, CPU, torch.float32, torch.Generator().manual_seed(0)
     )
     assert problem.protocol.metric in METRICS
+    assert len(problem.protocol.targets) == 2, "an easier and a harder target"
+    assert problem.protocol.blowup_factor == 10.0
     data = problem.data
     assert data.x_train.dtype == torch.float32
     with torch.no_grad():

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
+from benchmarks.callbacks import summary_line
 from benchmarks.data import Dataset
 from benchmarks.job import RESULT_FILE, hyperparameters, run_job
 from benchmarks.models import mlp
@@ -32,7 +34,7 @@ def test_evaluate_in_batches_matches_one_pass():
         mlp(5, [4], 3, generator=gen).double(),
         torch.nn.CrossEntropyLoss(),
         Dataset(x, y, x, y),
-        Protocol("accuracy", None, batch_size=4, steps=1, eval_every=1),
+        Protocol("accuracy", (), batch_size=4, steps=1, eval_every=1),
     )
     loss, accuracy = evaluate(problem, x, y, batch_size=4)
     with torch.no_grad():
@@ -49,13 +51,16 @@ def test_evaluate_in_batches_matches_one_pass():
         ({"metric": "f1"}, "problem.metric must be one of"),
         ({"steps": 0}, "problem.steps must be >= 1"),
         ({"train_eval_samples": 0}, "train_eval_samples must be >= 1"),
+        ({"blowup_factor": 1.0}, "blowup_factor must be > 1"),
+        ({"chance_margin": 1.0}, r"chance_margin must be in \[0, 1\)"),
+        ({"targets": (1.0, 2.0)}, "easier to harder .*decreasing"),
     ],
-    ids=["metric", "steps", "train_eval_samples"],
+    ids=["metric", "steps", "train_eval_samples", "blowup", "chance", "targets"],
 )
 def test_protocol_validation(kwargs, message):
     settings = {
         "metric": "loss",
-        "target": None,
+        "targets": (),
         "batch_size": 2,
         "steps": 1,
         "eval_every": 1,
@@ -66,10 +71,10 @@ def test_protocol_validation(kwargs, message):
 
 
 def test_protocol_target_direction():
-    assert Protocol("accuracy", 0.9, 1, 1, 1).reached(0.9)
-    assert not Protocol("accuracy", 0.9, 1, 1, 1).reached(0.89)
-    assert Protocol("loss", 1.0, 1, 1, 1).reached(0.5)
-    assert not Protocol("loss", None, 1, 1, 1).reached(0.0)
+    accuracy = Protocol("accuracy", (0.8, 0.9), 1, 1, 1)
+    assert accuracy.reached(0.9, 0.9) and not accuracy.reached(0.89, 0.9)
+    loss = Protocol("loss", (2.0, 1.0), 1, 1, 1)
+    assert loss.reached(0.5, 1.0) and not loss.reached(1.5, 1.0)
 
 
 def _job(compose_config, tmp_path, overrides):
@@ -87,7 +92,7 @@ def test_successful_job_records_curves_and_targets(compose_config, tmp_path):
             "problem=digits_logreg",
             "problem.steps=12",
             "problem.eval_every=4",
-            "problem.target=0.5",
+            "problem.targets=[0.5,0.9]",
             "optimizer.lr=0.5",
             "timing.warmup_steps=2",
         ],
@@ -98,12 +103,19 @@ def test_successful_job_records_curves_and_targets(compose_config, tmp_path):
     assert curves["time"][0] == 0 and curves["time"] == sorted(curves["time"])
     assert result["final"]["test_metric"] == curves["test_metric"][-1]
     assert result["best"]["test_metric"] == max(curves["test_metric"])
-    reached = [
-        s
-        for s, m in zip(curves["step"], curves["test_metric"], strict=True)
-        if m >= 0.5
-    ]
-    assert result["steps_to_target"] == reached[0]
+    assert result["targets"] == [0.5, 0.9]
+    for i, target in enumerate(result["targets"]):
+        reached = [
+            (s, t)
+            for s, t, m in zip(
+                curves["step"], curves["time"], curves["test_metric"], strict=True
+            )
+            if m >= target
+        ]
+        first = reached[0] if reached else (None, None)
+        assert (result["steps_to_target"][i], result["time_to_target"][i]) == first
+    assert result["steps_to_target"][0] is not None, "logreg reaches 50% in 12 steps"
+    assert result["divergence"] is None and result["diverged"] is False
     assert result["train_time"] >= curves["time"][-1] - 1e-12
     assert result["step_time"]["median"] > 0 and result["steps_taken"] == 12
     assert result["memory"]["kind"] == "cpu_process_max_rss"
@@ -112,15 +124,75 @@ def test_successful_job_records_curves_and_targets(compose_config, tmp_path):
     assert result["config"]["problem"]["name"] == "digits_logreg"
 
 
-def test_diverging_job_is_recorded(compose_config, tmp_path):
+def test_finite_blowup_is_diverged_and_stops_early(compose_config, tmp_path):
+    """SGD far above 2/λ_max: the loss explodes (finite) past 10× its initial value."""
+    summary, result = _job(
+        compose_config,
+        tmp_path,
+        ["problem=noisy_quadratic", "optimizer.lr=0.02", "problem.steps=30"],
+    )
+    train_loss = result["curves"]["train_loss"]
+    assert result["status"] == "diverged" and result["diverged"] is True
+    assert result["divergence"].startswith("train loss ")
+    assert "> 10 × initial" in result["divergence"]
+    assert all(math.isfinite(v) for v in train_loss), "flagged while still finite"
+    assert train_loss[-1] > 10 * train_loss[0] >= max(train_loss[:-1])
+    step = result["curves"]["step"][-1]
+    assert result["divergence"].endswith(f"at step {step}")
+    assert result["steps_taken"] == step < 30
+    assert result["final"]["test_metric"] is None
+    assert "DIVERGED (train loss" in summary_line(summary)
+
+
+def test_non_finite_loss_is_diverged(compose_config, tmp_path):
     _, result = _job(
         compose_config,
         tmp_path,
-        ["problem=noisy_quadratic", "optimizer.lr=10", "problem.steps=30"],
+        [
+            "problem=noisy_quadratic",
+            "optimizer.lr=10",
+            "problem.steps=30",
+            "problem.blowup_factor=null",
+        ],
     )
-    assert result["status"] == "diverged" and result["diverged"] is True
-    assert result["final"]["test_metric"] is None
+    assert result["status"] == "diverged"
+    assert result["divergence"].startswith("non-finite ")
     assert result["steps_taken"] < 30
+
+
+def test_chance_threshold_is_a_fraction_of_the_gap_to_one():
+    protocol = Protocol("accuracy", (), 1, 1, 1, chance_margin=0.15)
+    assert protocol.chance_threshold(10) == pytest.approx(0.1 + 0.15 * 0.9)
+    assert protocol.chance_threshold(2) == pytest.approx(0.5 + 0.15 * 0.5)
+    assert (
+        Protocol("accuracy", (), 1, 1, 1, chance_margin=None).chance_threshold(10)
+        is None
+    )
+
+
+@pytest.mark.parametrize("margin", [0.15, None], ids=["default", "off"])
+def test_chance_level_accuracy_is_diverged(compose_config, tmp_path, margin):
+    """A learning rate too small to learn leaves digits_mlp near 10% accuracy."""
+    _, result = _job(
+        compose_config,
+        tmp_path,
+        [
+            "optimizer.lr=1e-6",
+            "problem.steps=20",
+            f"problem.chance_margin={'null' if margin is None else margin}",
+        ],
+    )
+    accuracy = result["curves"]["test_metric"][-1]
+    assert accuracy <= 0.235, "the run should not have learned"
+    if margin is None:
+        assert result["status"] == "ok" and result["divergence"] is None
+    else:
+        assert result["status"] == "diverged"
+        assert result["divergence"] == (
+            f"final test accuracy {accuracy:.4g} ≤ 0.235 (chance 1/10 + 0.15 of the "
+            "gap to 1)"
+        )
+        assert result["steps_taken"] == 20, "the chance rule does not stop training"
 
 
 def test_failing_job_is_recorded_not_raised(compose_config, tmp_path):

@@ -1,0 +1,154 @@
+"""Grid extension at the edge: run more settings where a tuned value is on an edge.
+
+At the end of a multirun, :func:`extend_sweep` tunes the sweep
+(:func:`benchmarks.aggregate.tune`). For every (problem, optimizer) pair whose tuned
+setting has every seed ``ok`` and whose tuned value of a varied hyperparameter is the
+smallest (largest) value tried, it adds one point half a decade beyond that edge: the
+edge value divided (multiplied) by ``10**0.5``. Only grids of positive numbers that are
+not all integers are extended (a learning rate or a damping, not ``criterion``). The
+new setting is the tuned one with that value changed, run on every seed of the tuned
+setting: each job is the stored config of one tuned run with the new value (``grid``
+and ``grid_point`` cleared, ``extended_from`` set), run in-process by
+:func:`benchmarks.job.run_job` into the next numbered subdirectory of the sweep
+directory. Then the sweep is tuned again, for at most ``rounds`` rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from benchmarks.aggregate import Tuned, group_settings, load_results, tune
+from benchmarks.callbacks import summary_line
+from benchmarks.job import run_job
+
+#: Ratio between neighbouring grid values: half a decade.
+FACTOR = 10**0.5
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One setting to add beyond the edge of a grid.
+
+    Attributes:
+        problem: Problem name.
+        optimizer: Optimizer name.
+        key: The hyperparameter whose tuned value is on the edge.
+        edge: ``"min"`` or ``"max"``.
+        value: The tuned (edge) value.
+        new_value: The value half a decade beyond it.
+        runs: The tuned setting's results (one per seed), whose configs are copied.
+    """
+
+    problem: str
+    optimizer: str
+    key: str
+    edge: str
+    value: float
+    new_value: float
+    runs: list[dict[str, Any]]
+
+
+def _extendable(values: list[Any]) -> bool:
+    """Whether a grid is positive and not integer-valued (log-spaced by design)."""
+    numbers = all(
+        isinstance(v, int | float) and not isinstance(v, bool) and v > 0 for v in values
+    )
+    return numbers and not all(isinstance(v, int) for v in values)
+
+
+def extensions(tuned: dict[tuple[str, str], Tuned]) -> list[Extension]:
+    """The settings to add for tuned values on a grid edge.
+
+    Args:
+        tuned: ``(problem, optimizer) → Tuned``, from
+            :func:`~benchmarks.aggregate.tune`.
+
+    Returns:
+        One extension per (pair, hyperparameter) on an extendable edge; none for a
+        pair whose tuned setting has a diverged or failed seed.
+    """
+    found = []
+    for (problem, optimizer), choice in tuned.items():
+        if not math.isfinite(choice.best.score()):
+            continue
+        for key, edge in choice.edges.items():
+            if not _extendable(choice.grid[key]):
+                continue
+            value = choice.best.hyperparameters[key]
+            new_value = value * FACTOR if edge == "max" else value / FACTOR
+            found.append(
+                Extension(
+                    problem, optimizer, key, edge, value, new_value, choice.best.runs
+                )
+            )
+    return found
+
+
+def job_config(extension: Extension, run: dict[str, Any], round_: int) -> DictConfig:
+    """The config of one extension job: a tuned run's config with the new value.
+
+    Args:
+        extension: The setting to add.
+        run: One result of the tuned setting (its stored ``config`` is copied).
+        round_: The extension round (1-based).
+
+    Returns:
+        The job config.
+    """
+    cfg = OmegaConf.create(run["config"])
+    cfg.grid, cfg.grid_point = None, None
+    OmegaConf.update(cfg.optimizer, extension.key, extension.new_value, merge=False)
+    cfg.extended_from = {
+        "key": extension.key,
+        "edge": extension.edge,
+        "value": extension.value,
+        "round": round_,
+    }
+    return cfg
+
+
+def _next_job_number(sweep_dir: Path) -> int:
+    """One more than the largest numbered subdirectory of the sweep."""
+    numbers = [int(p.name) for p in sweep_dir.iterdir() if p.name.isdigit()]
+    return max(numbers, default=-1) + 1
+
+
+def extend_sweep(
+    sweep_dir: Path, rounds: int, log: Callable[[str], None] = print
+) -> int:
+    """Extend the sweep's grids at their edges, at most ``rounds`` times.
+
+    Args:
+        sweep_dir: The sweep directory (numbered job subdirectories).
+        rounds: Maximum number of rounds (0: none).
+        log: Receives one line per extension and per finished job.
+
+    Returns:
+        The number of jobs run.
+    """
+    sweep_dir = Path(sweep_dir)
+    jobs = 0
+    for round_ in range(1, rounds + 1):
+        todo = extensions(tune(group_settings(load_results(sweep_dir))))
+        if not todo:
+            break
+        for extension in todo:
+            log(
+                f"grid extension {round_}/{rounds}: {extension.problem} "
+                f"{extension.optimizer} {extension.key}={extension.value:g} is the "
+                f"{extension.edge} of its grid; adding {extension.new_value:g}"
+            )
+            for run in extension.runs:
+                number = _next_job_number(sweep_dir)
+                summary = run_job(
+                    job_config(extension, run, round_), sweep_dir / str(number)
+                )
+                log(f"[extension job {number}] {summary_line(summary)}")
+                jobs += 1
+    return jobs
