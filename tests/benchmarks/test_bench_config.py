@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,36 @@ def test_grid_points_are_the_product_first_key_slowest():
     ]
     with pytest.raises(ValueError, match="non-empty list"):
         grid_points({"lr": []})
+
+
+@pytest.mark.parametrize(
+    ("preset", "full_steps"),
+    [
+        ("mnist1d_mlp", 2000),
+        ("mnist1d_cnn", 2000),
+        ("fmnist_mlp", 4000),
+        ("fmnist_2c2d", 4000),
+    ],
+)
+def test_problem_presets_compare_four_optimizers_on_half_decade_grids(
+    compose_config, preset, full_steps
+):
+    cpu = compose_config([f"+sweep={preset}"], return_hydra_config=True)
+    gpu = compose_config([f"+sweep=gpu_{preset}"], return_hydra_config=True)
+    assert cpu.problem.name == gpu.problem.name == preset
+    assert cpu.problem.steps < full_steps == gpu.problem.steps
+    assert (cpu.device, gpu.device) == ("auto", "cuda")
+    assert gpu.hydra.sweeper.params == cpu.hydra.sweeper.params
+    assert gpu.grid == cpu.grid
+    optimizers = _sweep_values(cpu.hydra.sweeper.params.optimizer)
+    assert optimizers[:3] == ["sgd", "momentum", "adam"]
+    assert optimizers[3] in ("dampednewton", "dampednewton_mc")
+    for name in optimizers:
+        varied = {k: v for k, v in cpu.grid[name].items() if len(v) > 1}
+        (key, values), *others = varied.items()
+        assert not others and len(values) == 6, f"{name}: {varied}"
+        assert key == ("damping" if name.startswith("dampednewton") else "lr")
+        for low, high in itertools.pairwise(values):
+            assert high / low == pytest.approx(10**0.5, rel=0.06), f"{name}: {values}"
+    if preset.startswith("fmnist"):
+        assert gpu.problem.batch_size == 128
