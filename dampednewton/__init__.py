@@ -1,5 +1,7 @@
 """Directionally damped Newton steps from the GGN's low-rank structure, on BackPACK."""
 
+from dampednewton.averaging import CurvatureAveraging
+from dampednewton.complement import ConstantCurvature, SmallestCurvature
 from dampednewton.computations import (
     DirectionalDampedNewtonComputation,
     DirectionalDerivativesComputation,
@@ -17,7 +19,9 @@ from dampednewton.damping import (
 from dampednewton.optimizer import DampedNewton
 
 __all__ = [
+    "ConstantCurvature",
     "ConstantDamping",
+    "CurvatureAveraging",
     "DampedNewton",
     "DirectionalDampedNewtonComputation",
     "DirectionalDerivativesComputation",
@@ -29,5 +33,6 @@ __all__ = [
     "NewtonStep",
     "NoiseAwareDamping",
     "RelativeThreshold",
+    "SmallestCurvature",
     "TopK",
 ]

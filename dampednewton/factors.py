@@ -86,7 +86,18 @@ class DenseFactor:
         Returns:
             ``[1, C·N]`` products.
         """
-        return gradient.reshape(1, -1) @ self.matrix.T
+        return self.vector_products(gradient.unsqueeze(0))
+
+    def vector_products(self, vectors: Tensor) -> Tensor:
+        """Return ``xᵀ V_p`` for parameter-space vectors ``[K, *p.shape]``.
+
+        Args:
+            vectors: ``K`` vectors shaped like the parameter.
+
+        Returns:
+            ``[K, C·N]`` products.
+        """
+        return vectors.reshape(vectors.shape[0], -1) @ self.matrix.T
 
     def apply(self, vectors: Tensor, shared: dict | None = None) -> Tensor:
         """Map Gram-space vectors ``[C·N(, K)]`` to ``p.shape`` (``[K, *p.shape]``).
@@ -190,13 +201,23 @@ class LinearFactor:
         """
         if self.output_gradients is not None:
             return self.gradient_products(shared).mean(0, keepdim=True)
+        return self.vector_products(gradient.unsqueeze(0))
+
+    def vector_products(self, vectors: Tensor) -> Tensor:
+        """Return ``xᵀ V_p``: ``b_cmᵀ x_W x_m`` (weight) or ``b_cmᵀ x_b`` (bias).
+
+        Args:
+            vectors: ``K`` vectors shaped like the parameter, ``[K, *p.shape]``.
+
+        Returns:
+            ``[K, C·N]`` products.
+        """
         if self.inputs is None:
-            products = self.backproped @ gradient
+            products = torch.einsum("cmo,ko->kcm", self.backproped, vectors)
         else:
-            products = torch.einsum(
-                "cmo,mo->cm", self.backproped, self.inputs @ gradient.T
-            )
-        return products.reshape(1, -1)
+            mapped = torch.einsum("mi,koi->kmo", self.inputs, vectors)
+            products = torch.einsum("cmo,kmo->kcm", self.backproped, mapped)
+        return products.reshape(vectors.shape[0], -1)
 
     def _outer(self) -> Tensor:
         return self._rows @ self._rows.T

@@ -13,8 +13,9 @@ from backpack import backpack
 from torch import Generator, Tensor
 from torch.optim import Optimizer
 
-from dampednewton.computations import DirectionalDampedNewtonComputation, NewtonStep
-from dampednewton.computations.base import GRAD_BATCH, Block
+from dampednewton.averaging import CurvatureAveraging
+from dampednewton.complement import ComplementPolicy, SmallestCurvature, as_complement
+from dampednewton.computations.base import GRAD_BATCH
 from dampednewton.computations.extensions import (
     IndividualGradients,
     NonFiniteModelOutput,
@@ -23,8 +24,14 @@ from dampednewton.computations.groups import validate_subsampling
 from dampednewton.criteria import Criterion, as_criterion
 from dampednewton.damping import Damping, as_damping
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.directional import quadratic_model_decrease
 from dampednewton.finite import all_finite
+from dampednewton.group_step import (
+    AveragedFactor,
+    GroupStep,
+    StepComputation,
+    averaged_step,
+)
+from dampednewton.model import predicted_change, trust_region_scale, validate_kl_clip
 
 CLOSURE_PATTERN = """\
     def closure():
@@ -43,21 +50,44 @@ GLOBAL = "global"
 # profiling wrapper that torch.optim puts around every optimizer's step.
 STACKLEVEL_OF_CALLER = 4
 GROUPS = "groups"
+BASIS = "curvature_basis"
+MOMENTUM = "momentum_buffer"
 
 
 class DampedNewton(Optimizer):
     r"""Directionally damped Newton steps along the GGN's leading eigenvectors.
 
     Each parameter group is one block of the generalized Gauss-Newton matrix
-    ``G = V Vᵀ``. Per group, the criterion selects eigenvectors ``e_k`` of ``G`` from
-    the small Gram matrix ``VᵀV``, and with the mean directional slopes
-    ``γ̄_k = mean_n ∇ℓ_nᵀ e_k``, curvatures ``λ̄_k = mean_n e_kᵀ G_n e_k`` and the
-    damping ``δ_k`` of the group's damping policy, the update is
+    ``G = V Vᵀ``. Per group, the criterion selects eigenvectors ``e_k`` of ``G`` (from
+    the small Gram matrix ``VᵀV``, or of the averaged GGN, see below). With the mean
+    directional slopes ``γ̄_k = ḡᵀ e_k``, curvatures ``λ̄_k = e_kᵀ G e_k`` and the damping
+    ``δ_k`` of the group's damping policy, the direction is
 
     .. math::
 
-        s = \sum_k \frac{-\bar\gamma_k}{\bar\lambda_k + \delta_k} e_k, \qquad
-        \theta \leftarrow \theta + \mathrm{lr} \cdot s .
+        s = \sum_k \frac{-\bar\gamma_k}{\bar\lambda_k + \delta_k} e_k
+            - \frac{1}{\rho}\Big(\bar g - \sum_k \bar\gamma_k e_k\Big),
+
+    the second term being the complement step along the rest of the mean gradient
+    ``ḡ`` with curvature ``ρ`` (default: the smallest kept ``λ̄_k + δ_k``;
+    ``complement=None`` drops it, which is ViViT's step). The update is
+
+    .. math::
+
+        \nu = \min\Big(1, \sqrt{\frac{2\kappa}{\mathrm{lr}^2\,(-\bar g^\top s)}}
+            \Big), \quad
+        m \leftarrow \mu m + \nu s, \quad
+        \theta \leftarrow (1 - \mathrm{lr}\cdot\mathrm{wd})\,\theta
+            + \mathrm{lr}\cdot m
+
+    (Nesterov: ``θ += lr·(νs + μm)``): ``ν`` is a trust region on the damped quadratic
+    model (K-FAC's norm constraint, ``κ = kl_clip``), ``μ`` the momentum and ``wd`` a
+    decoupled weight decay.
+
+    With ``averaging=CurvatureAveraging(decay=β, rank=r)`` a group's directions are
+    those of the GGN averaged across steps, ``Ḡ_t = β Ḡ_{t−1} + (1 − β) V Vᵀ``, kept
+    as a rank-``r`` factor and bias-corrected by ``1 − β^t``; between refreshes
+    (``interval``) the closure runs without BackPACK extensions.
 
     ``step(closure)`` runs the closure (``zero_grad``, forward, ``backward``) inside a
     BackPACK context, so model and loss function must be extended with
@@ -100,6 +130,12 @@ class DampedNewton(Optimizer):
         damping: float | Damping = 1e-2,
         criterion: int | Criterion = 10,
         *,
+        complement: float | ComplementPolicy | None = SmallestCurvature(),  # noqa: B008
+        averaging: CurvatureAveraging | None = None,
+        kl_clip: float | None = None,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
         mc_samples: int = 0,
         subsampling_ggn: Sequence[int] | None = None,
         subsampling_grad: Sequence[int] | None = None,
@@ -117,6 +153,17 @@ class DampedNewton(Optimizer):
                 ``(evals, gram_evecs, gammas, lambdas) -> δ``.
             criterion: Int ``k`` (the ``k`` largest positive eigenvalues) or a
                 callable mapping ascending eigenvalues to indices.
+            complement: Curvature ``ρ`` of the complement step: a policy
+                (:class:`SmallestCurvature`, :class:`ConstantCurvature`), a number
+                ``ρ > 0``, or ``None`` for ViViT's step inside the directions only.
+            averaging: :class:`CurvatureAveraging` to average the GGN across steps
+                (needs a damping policy from mean slopes: constant or
+                Levenberg-Marquardt), or ``None`` for this batch's GGN.
+            kl_clip: Trust region ``κ > 0`` on the damped quadratic model,
+                ``½ lr² ν² (−ḡᵀs) ≤ κ``, or ``None``.
+            momentum: Heavy-ball momentum ``μ`` in ``[0, 1)`` on the (clipped) steps.
+            nesterov: Nesterov's variant of the momentum (needs ``momentum > 0``).
+            weight_decay: Decoupled weight decay (``θ ← (1 − lr·wd) θ``), ``>= 0``.
             mc_samples: ``0`` for the exact GGN, else Monte-Carlo samples of the loss
                 Hessian's square root (``1`` replaces ``C`` by 1 in the costs).
             subsampling_ggn: Sample indices for directions and curvatures.
@@ -139,6 +186,12 @@ class DampedNewton(Optimizer):
             "lr": lr,
             "damping": damping,
             "criterion": criterion,
+            "complement": complement,
+            "averaging": averaging,
+            "kl_clip": kl_clip,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "weight_decay": weight_decay,
             "mc_samples": mc_samples,
             "subsampling_ggn": subsampling_ggn,
             "subsampling_grad": subsampling_grad,
@@ -150,7 +203,7 @@ class DampedNewton(Optimizer):
             int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed)
         )
         self._generator: Generator | None = None
-        self._cached: tuple[tuple, _FiniteCurvatureComputation, list] | None = None
+        self._cached: tuple[tuple, StepComputation, list] | None = None
         self._warned_no_direction: set[int] = set()
         super().__init__(params, defaults)
         self.state[GLOBAL] = {"step": 0, "skipped_steps": 0}
@@ -209,32 +262,48 @@ class DampedNewton(Optimizer):
         for group in self.param_groups:
             _validate_group(group)
         _check_shared_settings(self.param_groups)
+        step_index = self.state[GLOBAL]["step"]
+        blocks = [
+            self._block(index, group) for index, group in enumerate(self.param_groups)
+        ]
+        refreshing = [
+            block["averaging"] is None
+            or block["averaging"].refreshes(step_index, _updates(block["factor"]))
+            for block in blocks
+        ]
         generator = self._mc_generator()
         generator_state = None if generator is None else generator.get_state()
-        computation, extensions = self._computation_and_extensions(generator)
-        blocks = [
-            {
-                "params": group["params"],
-                "criterion": group["criterion"],
-                "damping": group["damping"],
-            }
-            for group in self.param_groups
-        ]
-        step_index = self.state[GLOBAL]["step"]
         try:
-            hook = computation.get_extension_hook(blocks)
+            computation, extensions, hook = None, [], None
+            if any(refreshing):
+                computation, extensions = self._computation_and_extensions(generator)
+                hook = computation.get_extension_hook(
+                    [
+                        b
+                        for b, refresh in zip(blocks, refreshing, strict=True)
+                        if refresh
+                    ]
+                )
             extensions, hook = self._with_diagnostics(extensions, hook, step_index)
             try:
-                with (
-                    torch.enable_grad(),
-                    backpack(*extensions, extension_hook=hook),
-                ):
-                    loss = closure()
-                results = [self._result(computation, block) for block in blocks]
+                with torch.enable_grad():
+                    if extensions:
+                        with backpack(*extensions, extension_hook=hook):
+                            loss = closure()
+                    else:
+                        loss = closure()
+                with torch.no_grad():
+                    results = [
+                        self._result(computation, block)
+                        if refresh
+                        else averaged_step(block, block["factor"])
+                        for block, refresh in zip(blocks, refreshing, strict=True)
+                    ]
             except NonFiniteModelOutput:
                 # Raised inside backward, before the closure could return its loss.
                 loss, results = torch.tensor(math.nan), [None] * len(blocks)
-            if self._refuse_nonfinite(loss, results, computation.curvature_finite):
+            curvature_finite = computation is None or computation.curvature_finite
+            if self._refuse_nonfinite(loss, results, curvature_finite):
                 if generator is not None:
                     generator.set_state(generator_state)
                 return loss
@@ -243,15 +312,81 @@ class DampedNewton(Optimizer):
             if generator is not None:
                 generator.set_state(generator_state)
             raise
+        scales = self._apply(results)
+        self._record(results, scales, record)
+        self._adapt_damping(closure, loss, results, scales)
+        return loss
+
+    def _block(self, index: int, group: dict[str, Any]) -> dict[str, Any]:
+        """The group as the step computation sees it, with its averaged factor."""
+        return {
+            "params": group["params"],
+            "criterion": group["criterion"],
+            "damping": group["damping"],
+            "complement": group["complement"],
+            "averaging": group["averaging"],
+            "factor": self._stored_factor(index, group),
+        }
+
+    def _stored_factor(
+        self, index: int, group: dict[str, Any]
+    ) -> AveragedFactor | None:
+        """The group's averaged factor from the optimizer state (``None`` if none)."""
+        stats = self.state.get(GROUPS, [])
+        updates = stats[index].get("curvature_updates", 0) if stats else 0
+        if group["averaging"] is None or updates == 0:
+            return None
+        basis = tuple(self.state[p][BASIS] for p in group["params"])
+        return AveragedFactor(basis, stats[index]["curvature_weights"], updates)
+
+    def _apply(self, results: list[GroupStep | None]) -> list[Tensor | float]:
+        """Move the parameters: trust region, momentum, weight decay, commit factors.
+
+        Returns:
+            The trust-region scale ``ν`` of every group (1 for groups without a step).
+        """
+        scales: list[Tensor | float] = []
         with torch.no_grad():
             for group, result in zip(self.param_groups, results, strict=True):
                 if result is None:
+                    scales.append(1.0)
                     continue
+                lr, mu = group["lr"], group["momentum"]
+                scale = trust_region_scale(lr, result.slope, group["kl_clip"])
+                scales.append(scale)
                 for param, direction in zip(group["params"], result.step, strict=True):
-                    param.add_(direction.to(param.dtype), alpha=group["lr"])
-        self._record(results, record)
-        self._adapt_damping(closure, loss, results)
-        return loss
+                    if not param.requires_grad:
+                        continue
+                    update = (direction * scale).to(param.dtype)
+                    if mu > 0:
+                        buffer = self.state[param].get(MOMENTUM)
+                        if buffer is None:
+                            buffer = self.state[param][MOMENTUM] = update.clone()
+                        else:
+                            buffer.mul_(mu).add_(update)
+                        update = (
+                            update.add(buffer, alpha=mu)
+                            if group["nesterov"]
+                            else buffer
+                        )
+                    if group["weight_decay"] > 0:
+                        param.mul_(1 - lr * group["weight_decay"])
+                    param.add_(update, alpha=lr)
+                if result.factor is not None:
+                    self._store_factor(group, result.factor)
+        return scales
+
+    def _store_factor(self, group: dict[str, Any], factor: AveragedFactor) -> None:
+        index = self.param_groups.index(group)
+        for param, basis in zip(group["params"], factor.basis, strict=True):
+            self.state[param][BASIS] = basis
+        stats = self._group_stats()[index]
+        stats.update(curvature_weights=factor.weights, curvature_updates=factor.updates)
+
+    def _group_stats(self) -> list[dict[str, Any]]:
+        return self.state.setdefault(
+            GROUPS, [_empty_group_stats() for _ in self.param_groups]
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Return the optimizer state, including the Monte-Carlo generator's state.
@@ -294,7 +429,7 @@ class DampedNewton(Optimizer):
 
     def _computation_and_extensions(
         self, generator: Generator | None
-    ) -> tuple[_FiniteCurvatureComputation, list]:
+    ) -> tuple[StepComputation, list]:
         """The computation and its BackPACK extensions, reused while settings hold."""
         first = self.param_groups[0]
         warn_small_eigvals = min(g["warn_small_eigvals"] for g in self.param_groups)
@@ -311,7 +446,7 @@ class DampedNewton(Optimizer):
             id(generator),
         )
         if self._cached is None or self._cached[0] != key:
-            computation = _FiniteCurvatureComputation(
+            computation = StepComputation(
                 subsampling_grad=first["subsampling_grad"],
                 subsampling_ggn=first["subsampling_ggn"],
                 mc_samples_ggn=first["mc_samples"],
@@ -328,30 +463,35 @@ class DampedNewton(Optimizer):
         self,
         closure: Callable[[], Tensor],
         loss: Tensor,
-        results: list[NewtonStep | None],
+        results: list[GroupStep | None],
+        scales: list[Tensor | float],
     ) -> None:
         """Feed the reduction ratio to stateful damping policies (Levenberg-Marquardt).
 
-        ``ρ = (L(θ + s) − L(θ)) / q(s)`` with the quadratic model ``q`` of the steps
-        taken (``lr``-scaled, summed over groups); the loss after the step comes from
-        calling the closure again, outside the BackPACK context, on the same batch.
+        ``ρ = (L(θ + Δθ) − L(θ)) / q`` with the quadratic model ``q`` of the damped
+        Newton steps taken (``lr`` and trust-region scaled, summed over groups; the
+        complement's term included, momentum and weight decay not). The loss after
+        the step comes from calling the closure again, outside the BackPACK context,
+        on the same batch. A policy object shared by several groups is updated once.
         """
-        adaptive = [
-            group["damping"]
-            for group in self.param_groups
-            if hasattr(group["damping"], "update")
-        ]
+        adaptive = list(
+            {
+                id(group["damping"]): group["damping"]
+                for group in self.param_groups
+                if hasattr(group["damping"], "update")
+            }.values()
+        )
         if not adaptive:
             return
         ratio = math.nan
         if any(policy.ratio_needed() for policy in adaptive):
             predicted = sum(
-                quadratic_model_decrease(
-                    group["lr"] * result.coefficients,
-                    result.gamma_mean,
-                    result.lambda_mean,
+                predicted_change(
+                    group["lr"] * scale, result.slope, result.curvature
                 ).item()
-                for group, result in zip(self.param_groups, results, strict=True)
+                for group, result, scale in zip(
+                    self.param_groups, results, scales, strict=True
+                )
                 if result is not None
             )
             with torch.enable_grad():
@@ -372,9 +512,7 @@ class DampedNewton(Optimizer):
             self._generator = torch.Generator(device=device).manual_seed(self._seed)
         return self._generator
 
-    def _result(
-        self, computation: DirectionalDampedNewtonComputation, block: dict
-    ) -> NewtonStep | None:
+    def _result(self, computation: StepComputation, block: dict) -> GroupStep | None:
         if not any(p.requires_grad for p in block["params"]):
             return None
         try:
@@ -389,7 +527,7 @@ class DampedNewton(Optimizer):
             ) from error
 
     def _refuse_nonfinite(
-        self, loss: Tensor, results: list[NewtonStep | None], curvature_finite: bool
+        self, loss: Tensor, results: list[GroupStep | None], curvature_finite: bool
     ) -> bool:
         problem = None
         if not isinstance(loss, Tensor):
@@ -417,8 +555,8 @@ class DampedNewton(Optimizer):
         return True
 
     def _with_diagnostics(
-        self, extensions: list, hook: Callable, step: int
-    ) -> tuple[list, Callable]:
+        self, extensions: list, hook: Callable | None, step: int
+    ) -> tuple[list, Callable | None]:
         """Add the monitor's extensions and hook (first) to the step's backward pass.
 
         The monitor's individual gradients replace the structured ones of the step
@@ -441,7 +579,8 @@ class DampedNewton(Optimizer):
 
         def monitor_then_step(module: torch.nn.Module) -> None:
             monitor_hook(module)
-            hook(module)
+            if hook is not None:
+                hook(module)
             for param in module.parameters(recurse=False):
                 for savefield in savefields:
                     if hasattr(param, savefield):
@@ -456,17 +595,20 @@ class DampedNewton(Optimizer):
         return self.monitor.finish(step, params, loss)
 
     def _record(
-        self, results: list[NewtonStep | None], record: dict | None = None
+        self,
+        results: list[GroupStep | None],
+        scales: list[Tensor | float],
+        record: dict | None = None,
     ) -> None:
         self.state[GLOBAL]["step"] += 1
-        stats = self.state.setdefault(
-            GROUPS, [_empty_group_stats() for _ in self.param_groups]
-        )
-        for index, result in enumerate(results):
+        stats = self._group_stats()
+        for index, (result, scale) in enumerate(zip(results, scales, strict=True)):
             if result is None:
                 continue
             num_directions = result.evals.numel()
             stats[index].update(
+                trust_region_scale=torch.as_tensor(scale).detach(),
+                complement_curvature=result.complement_curvature,
                 num_directions=num_directions,
                 evals=result.evals.detach(),
                 gamma_mean=result.gamma_mean.detach(),
@@ -486,36 +628,6 @@ class DampedNewton(Optimizer):
                         "optimizer.state['groups'][i]['steps_without_direction']).",
                         stacklevel=STACKLEVEL_OF_CALLER,
                     )
-
-
-class _FiniteCurvatureComputation(DirectionalDampedNewtonComputation):
-    """Damped Newton computation that leaves out blocks with a non-finite GGN.
-
-    ``eigh`` fails on NaN or inf (e.g. after a NaN input or an overflow), and it runs
-    inside ``loss.backward()``. Skipping such blocks lets the closure return the loss,
-    so that the optimizer can refuse (or skip) the step with a clear message.
-
-    Attributes:
-        curvature_finite: Whether every block's Gram matrix was finite.
-    """
-
-    def __init__(self, **kwargs: Any):
-        """Forward the settings to :class:`DirectionalDampedNewtonComputation`.
-
-        Args:
-            **kwargs: Its keyword arguments.
-        """
-        super().__init__(**kwargs)
-        self.curvature_finite = True
-
-    def _finish(self, block: Block) -> NewtonStep | None:
-        try:
-            return super()._finish(block)
-        except (FloatingPointError, torch.linalg.LinAlgError):
-            # A non-finite Gram matrix (select_directions checks it), or the
-            # eigensolver failed on a finite but hopeless one.
-            self.curvature_finite = False
-            return None
 
 
 def _newton_record(index: int, stats: dict[str, Any]) -> dict[str, Any]:
@@ -572,3 +684,42 @@ def _validate_group(group: dict[str, Any]) -> None:
         raise ValueError(
             f"warn_small_eigvals must be >= 0, got {group['warn_small_eigvals']!r}."
         )
+    as_complement(group["complement"])
+    _validate_averaging(group["averaging"], group["damping"])
+    validate_kl_clip(group["kl_clip"])
+    momentum, nesterov, decay = (
+        group["momentum"],
+        group["nesterov"],
+        group["weight_decay"],
+    )
+    for name, value in (("momentum", momentum), ("weight_decay", decay)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{name} must be a number, got {value!r}.")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}.")
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"nesterov must be True or False, got {nesterov!r}.")
+    if nesterov and momentum == 0:
+        raise ValueError("nesterov=True needs momentum > 0.")
+    if not (math.isfinite(decay) and decay >= 0):
+        raise ValueError(f"weight_decay must be >= 0, got {decay!r}.")
+
+
+def _validate_averaging(averaging: Any, damping: Any) -> None:
+    if averaging is None:
+        return
+    if not isinstance(averaging, CurvatureAveraging):
+        raise TypeError(
+            "averaging must be None or a CurvatureAveraging(decay=..., rank=..., "
+            f"interval=...), got {type(averaging).__name__}."
+        )
+    if getattr(as_damping(damping), "uses_sample_statistics", True):
+        raise ValueError(
+            "averaging needs a damping policy that uses mean slopes only (a number, "
+            "ConstantDamping or LevenbergMarquardt): the averaged directions have no "
+            f"per-sample statistics, got {type(damping).__name__}."
+        )
+
+
+def _updates(factor: AveragedFactor | None) -> int:
+    return 0 if factor is None else factor.updates

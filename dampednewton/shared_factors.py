@@ -134,10 +134,22 @@ class SharedLinearFactor:
         """
         if self.output_gradients is not None:
             return self.gradient_products(shared).mean(0, keepdim=True)
+        return self.vector_products(gradient.unsqueeze(0))
+
+    def vector_products(self, vectors: Tensor) -> Tensor:
+        """Return ``xᵀ V_p = Σ_q b_cmqᵀ x x_mq`` for vectors ``[K, *shape]``.
+
+        Args:
+            vectors: ``K`` vectors shaped like the parameter.
+
+        Returns:
+            ``[K, C·N]`` products.
+        """
         out_features = self.backproped.shape[-1]
-        mapped = self.inputs @ gradient.reshape(out_features, -1).T  # [N, P, d_out]
-        products = torch.einsum("cmqo,mqo->cm", self.backproped, mapped)
-        return products.reshape(1, -1)
+        matrices = vectors.reshape(vectors.shape[0], out_features, -1)
+        mapped = torch.einsum("mqi,koi->kmqo", self.inputs, matrices)
+        products = torch.einsum("cmqo,kmqo->kcm", self.backproped, mapped)
+        return products.reshape(vectors.shape[0], -1)
 
     def apply(self, vectors: Tensor, shared: dict | None = None) -> Tensor:
         """Map Gram-space vectors: ``Σ_cn β_cn Σ_p b_cnp x_npᵀ`` as one product.

@@ -103,6 +103,20 @@ def test_both_routes_to_mean_gradient_products_agree(shapes, with_kernel):
 
 
 @pytest.mark.parametrize("shapes", SHAPES, ids=lambda s: s.id)
+def test_vector_products_equal_explicit_ones(shapes):
+    """``xᵀV`` for a batch of parameter-space vectors (the averaged ``BᵀV``)."""
+    tensors = _draw(shapes)
+    generator = torch.Generator().manual_seed(2)
+    for dense, factor in zip(
+        _explicit(*tensors), _structured(*tensors, with_kernel=False), strict=True
+    ):
+        vectors = torch.randn(3, *dense.shape, generator=generator, dtype=torch.float64)
+        expected = vectors.flatten(1) @ dense.matrix.T
+        assert_close(dense.vector_products(vectors), expected, name="dense xᵀV")
+        assert_close(factor.vector_products(vectors), expected, name="xᵀV")
+
+
+@pytest.mark.parametrize("shapes", SHAPES, ids=lambda s: s.id)
 def test_apply_equals_explicit_map_and_shares_work(shapes):
     tensors = _draw(shapes)
     generator = torch.Generator().manual_seed(1)
@@ -177,8 +191,14 @@ def test_shared_factor_equals_explicit_columns(shape):
             explicit.mean_gradient_products(mean_gradient),
             name="ḡᵀV",
         )
-    columns = backproped.shape[0] * backproped.shape[1]
     generator = torch.Generator().manual_seed(3)
+    vectors = torch.randn(4, *weight_shape, generator=generator, dtype=torch.float64)
+    assert_close(
+        without_gradients.vector_products(vectors),
+        vectors.flatten(1) @ explicit.matrix.T,
+        name="xᵀV",
+    )
+    columns = backproped.shape[0] * backproped.shape[1]
     vectors = torch.randn(columns, 3, generator=generator, dtype=torch.float64)
     assert_close(without_gradients.apply(vectors), explicit.apply(vectors), name="Vβ")
     assert_close(

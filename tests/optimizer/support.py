@@ -65,12 +65,14 @@ class ReferenceStep:
     """Brute-force float64 damped Newton step of one group and its ingredients.
 
     Attributes:
-        step: Step ``s = Σ_k −γ̄_k/(λ̄_k + δ_k) e_k`` over the group, ``[D]``.
+        step: Step ``s = Σ_k −γ̄_k/(λ̄_k + δ_k) e_k`` (and the complement term)
+            over the group, ``[D]``.
         evals: Selected GGN eigenvalues, ascending, ``[K]``.
         gamma_mean: Mean directional gradients (sign of ``eigh``'s eigenvectors).
         lambda_mean: Mean directional curvatures.
         damping: Damping per direction.
         spectrum: All GGN eigenvalues of the block, numerically zero ones set to 0.
+        complement_curvature: ``ρ`` of the complement step, if any.
     """
 
     step: Tensor
@@ -79,6 +81,7 @@ class ReferenceStep:
     lambda_mean: Tensor
     damping: Tensor
     spectrum: Tensor
+    complement_curvature: float | None = None
 
 
 def reference_step(
@@ -89,12 +92,14 @@ def reference_step(
     y: Tensor,
     criterion: Any,
     damping: Any,
+    complement: Any = None,
 ) -> ReferenceStep:
     """Damped Newton step of a group from the explicit float64 GGN.
 
     The criterion (``int k`` or a callable on ascending eigenvalues) is applied to
     the GGN spectrum with numerically zero eigenvalues set to 0; a number is a
-    constant damping, a callable gets ``(evals, None, gammas, lambdas)``.
+    constant damping, a callable gets ``(evals, None, gammas, lambdas)``. With a
+    complement policy, ``−(ḡ − E Eᵀ ḡ)/ρ`` is added, ``E`` the selected eigenvectors.
     """
     args = (model, loss_fn, list(params), X, y)
     G = reference.ggn(*args)
@@ -114,7 +119,15 @@ def reference_step(
     else:
         delta = torch.full((num_directions,), float(damping), dtype=G.dtype)
     step = reference.damped_newton_step(G, Gn, grads, num_directions, delta)
-    return ReferenceStep(step, evals, gammas.mean(0), lambdas.mean(0), delta, spectrum)
+    rho = None
+    if complement is not None:
+        rho = float(complement(lambdas.mean(0), delta))
+        evecs = reference.directional_derivatives(G, Gn, grads, num_directions)[3]
+        mean_gradient = grads.mean(0)
+        step = step - (mean_gradient - evecs @ (evecs.T @ mean_gradient)) / rho
+    return ReferenceStep(
+        step, evals, gammas.mean(0), lambdas.mean(0), delta, spectrum, rho
+    )
 
 
 def snapshot(optimizer: DampedNewton) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from backpack import extend
 from torch import nn
 from torch.func import functional_call
 
-from dampednewton import DampedNewton
+from dampednewton import CurvatureAveraging, DampedNewton, NoiseAwareDamping
 from tests.conftest import Case, build_case
 from tests.optimizer.support import (
     assert_parameters_equal,
@@ -58,18 +58,48 @@ CONSTRUCTION_CASES = [
         "repeated-subsampling", {"subsampling_ggn": [0, 0]}, ValueError, "repeats"
     ),
     BadConstruction("nonfinite-mode", {"nonfinite": "ignore"}, ValueError, "'skip'"),
+    BadConstruction("negative-momentum", {"momentum": -0.1}, ValueError, r"\[0, 1\)"),
+    BadConstruction("momentum-one", {"momentum": 1.0}, ValueError, r"\[0, 1\)"),
+    BadConstruction(
+        "nesterov-without-momentum", {"nesterov": True}, ValueError, "momentum > 0"
+    ),
+    BadConstruction(
+        "negative-weight-decay", {"weight_decay": -1e-4}, ValueError, ">= 0"
+    ),
+    BadConstruction("zero-kl-clip", {"kl_clip": 0.0}, ValueError, "kl_clip"),
+    BadConstruction("negative-complement", {"complement": -1.0}, ValueError, "> 0"),
+    BadConstruction("complement-string", {"complement": "auto"}, TypeError, "None"),
+    BadConstruction(
+        "averaging-decay-one",
+        {"averaging": {"decay": 1.0}},
+        TypeError,
+        "CurvatureAveraging",
+    ),
+    BadConstruction(
+        "averaging-with-sample-statistics",
+        {"averaging": CurvatureAveraging(), "damping": NoiseAwareDamping()},
+        ValueError,
+        "mean slopes only",
+    ),
+    BadConstruction(
+        "averaging-string-in-group",
+        {},
+        TypeError,
+        "CurvatureAveraging",
+        group={"averaging": "lazy"},
+    ),
     BadConstruction(
         "unknown-keyword",
-        {"momentum": 0.9},
+        {"betas": (0.9, 0.99)},
         TypeError,
-        "unexpected keyword argument 'momentum'",
+        "unexpected keyword argument 'betas'",
     ),
     BadConstruction(
         "unknown-group-key",
         {},
         ValueError,
-        r"Unknown hyperparameters \['momentum'\]",
-        group={"momentum": 0.9},
+        r"Unknown hyperparameters \['betas'\]",
+        group={"betas": (0.9, 0.99)},
     ),
     BadConstruction("group-negative-lr", {}, ValueError, "learning rate", {"lr": -1}),
 ]
@@ -85,6 +115,21 @@ def test_bad_construction(bad: BadConstruction):
     assert_parameters_equal(params, values)
 
 
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"decay": 1.0}, "decay < 1"),
+        ({"decay": -0.1}, "0 <= decay"),
+        ({"rank": 0}, "rank >= 1"),
+        ({"interval": 1.5}, "interval >= 1"),
+    ],
+    ids=str,
+)
+def test_bad_averaging_settings(settings: dict, match: str):
+    with pytest.raises(ValueError, match=match):
+        CurvatureAveraging(**settings)
+
+
 def test_groups_with_differing_shared_settings_are_refused():
     case = build_case(MLP_CE)
     first, second = (list(layer.parameters()) for layer in case.model[::2])
@@ -97,6 +142,7 @@ ADD_GROUP_CASES = {
     "negative-lr": ({"lr": -0.5}, ValueError, "Invalid learning rate"),
     "negative-damping": ({"damping": -0.1}, ValueError, ">= 0"),
     "criterion-k-0": ({"criterion": 0}, ValueError, "k >= 1"),
+    "momentum-above-one": ({"momentum": 1.5}, ValueError, "momentum"),
     "unknown-key": ({"betas": (0.9, 0.99)}, ValueError, "Unknown hyperparameters"),
     "other-mc-samples": ({"mc_samples": 0}, ValueError, "'mc_samples' must be"),
     "other-subsampling-ggn": (

@@ -42,7 +42,7 @@ def test_levenberg_marquardt_grows_damping_after_a_bad_step():
     case = build_case(PROBLEMS[0])
     policy = LevenbergMarquardt(value=1e-3)
     optimizer = DampedNewton(
-        case.model.parameters(), lr=1e3, damping=policy, criterion=2
+        case.model.parameters(), lr=1e3, damping=policy, criterion=2, complement=None
     )
     optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
     assert optimizer.state["global"]["reduction_ratio"] < 0.25

@@ -62,6 +62,7 @@ def test_scheduler_sets_group_lr_and_step_scales(schedule: Schedule):
         ],
         damping=DAMPING,
         criterion=NUM_DIRECTIONS,
+        complement=None,  # the reference is ViViT's step
     )
     scheduler = schedule.scheduler(optimizer)
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)

@@ -15,10 +15,12 @@ import torch
 from torch import Tensor
 
 from dampednewton import (
+    ConstantCurvature,
     ConstantDamping,
     DampedNewton,
     EigenvalueThreshold,
     RelativeThreshold,
+    SmallestCurvature,
     TopK,
 )
 from tests.assertions import assert_close
@@ -95,9 +97,17 @@ STEP_CASES = [
 ]
 
 
+COMPLEMENTS = {
+    "vivit": None,
+    "smallest": SmallestCurvature(),
+    "constant": ConstantCurvature(0.7),
+}
+
+
+@pytest.mark.parametrize("complement", COMPLEMENTS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("spec", STEP_CASES, ids=lambda spec: spec.id)
-def test_step_matches_reference(spec: StepCase, dtype: torch.dtype):
+def test_step_matches_reference(spec: StepCase, dtype: torch.dtype, complement: str):
     """Per group: ``Δθ = lr · s_ref``, and the logged state matches the reference.
 
     ``s_ref`` is computed in float64 from the explicit GGN at exactly the values the
@@ -105,8 +115,10 @@ def test_step_matches_reference(spec: StepCase, dtype: torch.dtype):
     the curvature is amplified by at most the condition number
     ``κ = max(1, λ_max / min_k(λ̄_k + δ_k))`` of the damped system on the selected
     directions, so errors are compared to ``ROUNDOFF_GROWTH · eps · κ`` relative to
-    the largest step entry.
+    the largest step entry. With a complement, ``−(ḡ − E Eᵀ ḡ)/ρ`` joins the step and
+    ``ρ`` the condition number's denominator.
     """
+    policy = COMPLEMENTS[complement]
     case = build_case(spec.problem, dtype)
     params = list(case.model.parameters())
     groups = [
@@ -115,6 +127,7 @@ def test_step_matches_reference(spec: StepCase, dtype: torch.dtype):
             "lr": setting.lr,
             "damping": setting.damping,
             "criterion": setting.criterion,
+            "complement": policy,
         }
         for indices, setting in spec.groups
     ]
@@ -141,8 +154,12 @@ def test_step_matches_reference(spec: StepCase, dtype: torch.dtype):
             y64,
             setting.criterion,
             setting.damping,
+            policy,
         )
-        kappa = max(1.0, (ref.spectrum.max() / (ref.lambda_mean + ref.damping).min()))
+        smallest = (ref.lambda_mean + ref.damping).min().item()
+        if ref.complement_curvature is not None:
+            smallest = min(smallest, ref.complement_curvature)
+        kappa = max(1.0, ref.spectrum.max().item() / smallest)
         tol = ROUNDOFF_GROWTH * _eps(dtype) * float(kappa)
         name = f"{spec.id} group {index} ({dtype})"
         expected = setting.lr * ref.step

@@ -1,0 +1,132 @@
+r"""Curvature averaged across steps as a rank-``r`` factor (pure tensor math).
+
+The averaged GGN ``Ḡ_t = β Ḡ_{t−1} + (1−β) V Vᵀ`` is kept as ``B Bᵀ`` with the
+``D×r`` factor ``B`` whose columns are ``√w_i u_i`` (``u_i`` orthonormal). Its update
+with a new batch's square root ``V`` factors as ``M Mᵀ`` with
+``M = [√β B, √(1−β) V]``, whose small Gram matrix is
+
+.. math::
+
+    M^\top M = \begin{pmatrix} \beta\,\mathrm{diag}(w) & \sqrt{\beta(1-\beta)}\,B^\top V
+    \\ \cdot^\top & (1-\beta)\,V^\top V \end{pmatrix}.
+
+Its top-``r`` eigenpairs ``(w', W)`` give ``B' = M W``: exact within ``span(M)``, and
+nothing of size ``D×D`` is formed. The bias-corrected average is
+``B Bᵀ / (1 − β^t)`` after ``t`` updates (as Adam's moments), so its eigenvalues are
+``w_i / (1 − β^t)`` along ``u_i = B_i / √w_i``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dampednewton.criteria import numerical_zero
+from dampednewton.linalg import symmetric_eigh
+
+
+@dataclass(frozen=True)
+class CurvatureAveraging:
+    """Average the GGN across steps as a rank-``rank`` factor.
+
+    Attributes:
+        decay: ``β`` in ``[0, 1)``: the weight of the past (``0``: this batch only).
+        rank: Columns ``r`` of the factor ``B`` (the criterion then picks among its
+            ``r`` eigen-directions).
+        interval: Refresh the factor every ``interval`` steps; the steps in between
+            reuse it and run the closure without BackPACK extensions.
+    """
+
+    decay: float = 0.95
+    rank: int = 50
+    interval: int = 1
+
+    def __post_init__(self) -> None:
+        """Validate the settings."""
+        if not isinstance(self.decay, int | float) or not 0 <= self.decay < 1:
+            raise ValueError(
+                f"CurvatureAveraging needs 0 <= decay < 1, got {self.decay!r}."
+            )
+        for name in ("rank", "interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"CurvatureAveraging needs an integer {name} >= 1, got {value!r}."
+                )
+
+    def refreshes(self, step: int, updates: int) -> bool:
+        """Whether step ``step`` (from 0) refreshes a factor of ``updates`` batches."""
+        return updates == 0 or step % self.interval == 0
+
+
+def averaged_gram(
+    basis_gram: Tensor, cross: Tensor, gram: Tensor, decay: float
+) -> Tensor:
+    """The Gram matrix ``MᵀM`` of ``M = [√β B, √(1−β) V]``.
+
+    Args:
+        basis_gram: ``BᵀB`` ``[r, r]`` (``diag(w)`` up to round-off: formed, not
+            assumed, so that round-off does not accumulate over updates).
+        cross: ``BᵀV`` ``[r, C·N]``.
+        gram: ``VᵀV`` ``[C·N, C·N]``.
+        decay: ``β``.
+
+    Returns:
+        ``[r + C·N, r + C·N]`` symmetric matrix.
+    """
+    mixed = math.sqrt(decay * (1 - decay)) * cross
+    top = torch.cat([decay * basis_gram, mixed], dim=1)
+    bottom = torch.cat([mixed.T, (1 - decay) * gram], dim=1)
+    return torch.cat([top, bottom], dim=0)
+
+
+def leading_eigenpairs(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """The ``rank`` largest numerically positive eigenpairs, ascending.
+
+    Args:
+        matrix: Symmetric PSD matrix ``[m, m]``.
+        rank: Maximum number of eigenpairs.
+
+    Returns:
+        Eigenvalues ``[r']`` and eigenvectors ``[m, r']`` with ``r' <= rank``.
+    """
+    evals, evecs = symmetric_eigh(matrix)
+    keep = evals > numerical_zero(evals)
+    # Positive eigenvalues are the last ones (ascending): keep a contiguous tail.
+    first = max(int(keep.logical_not().sum()), evals.numel() - rank)
+    return evals[first:], evecs[:, first:]
+
+
+def split_mixing(mixing: Tensor, rank: int, decay: float) -> tuple[Tensor, Tensor]:
+    """Split ``W`` into the multipliers of ``B`` and ``V`` in ``B' = M W``.
+
+    Args:
+        mixing: ``W`` ``[r + C·N, r']``.
+        rank: ``r``, the current number of columns of ``B``.
+        decay: ``β``.
+
+    Returns:
+        ``√β W_B`` ``[r, r']`` and ``√(1−β) W_V`` ``[C·N, r']``.
+    """
+    return math.sqrt(decay) * mixing[:rank], math.sqrt(1 - decay) * mixing[rank:]
+
+
+def bias_corrected(weights: Tensor, decay: float, updates: int) -> Tensor:
+    """Eigenvalues ``w / (1 − β^t)`` of the bias-corrected average.
+
+    Args:
+        weights: ``w`` ``[r]``.
+        decay: ``β``.
+        updates: ``t >= 1``.
+
+    Returns:
+        ``[r]`` eigenvalues.
+    """
+    return weights / (1 - decay**updates)
+
+
+# Policies live in param groups: let `torch.load(weights_only=True)` restore them.
+torch.serialization.add_safe_globals([CurvatureAveraging])

@@ -1,0 +1,294 @@
+"""One parameter group's update direction: ViViT's step, complement, averaging.
+
+:class:`StepComputation` extends the ViViT computation with what belongs to the
+optimizer: the complement step (:mod:`dampednewton.complement`) and the curvature
+averaged across steps (:mod:`dampednewton.averaging`). Each group's result is a
+:class:`GroupStep`: the direction ``s`` (before the learning rate) with its slope
+``ḡᵀs`` and curvature ``sᵀGs`` for the quadratic model (:mod:`dampednewton.model`),
+and, for averaged groups, the updated factor to commit once the step is accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dampednewton.averaging import (
+    CurvatureAveraging,
+    averaged_gram,
+    bias_corrected,
+    leading_eigenpairs,
+    split_mixing,
+)
+from dampednewton.complement import (
+    as_complement,
+    complement_coefficients,
+    orthogonal_energy,
+)
+from dampednewton.computations import DirectionalDampedNewtonComputation, NewtonStep
+from dampednewton.computations.base import Block
+from dampednewton.computations.directions import select_directions, to_parameter_space
+from dampednewton.criteria import as_criterion, selected_indices
+from dampednewton.damping import as_damping, checked_damping
+from dampednewton.directional import (
+    directional_curvatures,
+    directional_gradients,
+    gram_space_step,
+    newton_coefficients,
+)
+from dampednewton.finite import all_finite
+
+
+@dataclass
+class AveragedFactor:
+    """A group's averaged GGN ``B Bᵀ`` after ``updates`` updates (not bias-corrected).
+
+    Attributes:
+        basis: Per parameter of the group, ``B``'s columns ``[r, *p.shape]``.
+        weights: ``w = diag(BᵀB)`` ``[r]``, ascending.
+        updates: Number of batches averaged in (``t``).
+    """
+
+    basis: tuple[Tensor, ...]
+    weights: Tensor
+    updates: int
+
+
+@dataclass
+class GroupStep(NewtonStep):
+    """A group's direction ``s`` (field ``step``) and its quadratic model.
+
+    Attributes:
+        slope: ``ḡᵀs`` (scalar tensor).
+        curvature: ``sᵀGs`` under the step's GGN estimate (scalar tensor).
+        complement_curvature: ``ρ`` of the complement step, ``None`` without one.
+        factor: The updated averaged factor (averaged groups only).
+    """
+
+    slope: Tensor | None = None
+    curvature: Tensor | None = None
+    complement_curvature: Tensor | None = None
+    factor: AveragedFactor | None = None
+
+
+class StepComputation(DirectionalDampedNewtonComputation):
+    """The optimizer's computation: finishes every block after backward into a step.
+
+    Groups carry, besides ``params``, ``criterion`` and ``damping``: ``complement``
+    (policy or ``None``), ``averaging`` (:class:`CurvatureAveraging` or ``None``) and
+    ``factor`` (the group's :class:`AveragedFactor` so far, or ``None``). Blocks whose
+    GGN is not finite, or whose eigensolver fails, are left out and recorded in
+    :attr:`curvature_finite`, so that the closure can return its loss and the
+    optimizer refuse the step with a clear message.
+
+    Attributes:
+        curvature_finite: Whether every block's curvature was usable.
+    """
+
+    def __init__(self, **kwargs: Any):
+        """Forward the settings to :class:`DirectionalDampedNewtonComputation`.
+
+        Args:
+            **kwargs: Its keyword arguments.
+        """
+        super().__init__(**kwargs)
+        # Finish after backward: the complement and averaging read the full `.grad`.
+        self.defers_finish = True
+        self.curvature_finite = True
+
+    def _finish(self, block: Block) -> GroupStep | None:
+        try:
+            if block.group["averaging"] is None:
+                return self._newton_step(block)
+            return self._averaged_step(block)
+        except (FloatingPointError, torch.linalg.LinAlgError):
+            # A non-finite Gram matrix, or the eigensolver failed on a hopeless one.
+            self.curvature_finite = False
+            return None
+
+    def _newton_step(self, block: Block) -> GroupStep:
+        """ViViT's step from this batch's GGN, plus the complement if switched on."""
+        group = block.group
+        directions = select_directions(block, self._warn_small_eigvals)
+        evals, gram_evecs = directions.evals, directions.gram_evecs
+        products = self._gradient_products(block)
+        gammas = directional_gradients(products, gram_evecs, evals)
+        lambdas = directional_curvatures(
+            gram_evecs, evals, block.num_outputs, block.num_samples
+        )
+        damping = checked_damping(
+            as_damping(group["damping"])(evals, gram_evecs, gammas, lambdas),
+            evals.numel(),
+        ).to(evals)
+        gamma_mean, lambda_mean = gammas.mean(0), lambdas.mean(0)
+        coefficients = newton_coefficients(gamma_mean, lambda_mean, damping)
+        details = {
+            "evals": evals,
+            "gamma_mean": gamma_mean,
+            "lambda_mean": lambda_mean,
+            "damping": damping,
+            "coefficients": coefficients,
+        }
+        policy = as_complement(group["complement"])
+        rho = None if policy is None else policy(lambda_mean, damping)
+        if rho is None:
+            beta = gram_space_step(coefficients, gram_evecs, evals)
+            return GroupStep(
+                step=tuple(to_parameter_space(block, beta)),
+                slope=torch.sum(gamma_mean * coefficients),
+                curvature=torch.sum(lambda_mean * coefficients**2),
+                **details,
+            )
+        rho = rho.to(evals)
+        mean_products = self._mean_gradient_products(block, products)
+        in_directions = mean_products @ gram_evecs  # ũ_kᵀ Vᵀḡ = √λ_k ḡᵀe_k
+        projections = in_directions.squeeze(0) / evals.sqrt()
+        gradients = _gradients(group["params"])
+        energy = orthogonal_energy(_squared_norm(gradients), projections)
+        beta = gram_space_step(
+            complement_coefficients(coefficients, projections, rho), gram_evecs, evals
+        )
+        mapped = to_parameter_space(block, beta)
+        # Vᵀ s_⊥ = −(I − ŨŨᵀ) Vᵀḡ / ρ: the batch GGN's curvature in the complement.
+        residual = mean_products - in_directions @ gram_evecs.T
+        return GroupStep(
+            step=tuple(m - g / rho for m, g in zip(mapped, gradients, strict=True)),
+            slope=torch.sum(projections * coefficients) - energy / rho,
+            curvature=torch.sum(lambda_mean * coefficients**2)
+            + residual.square().sum() / rho**2,
+            complement_curvature=rho,
+            **details,
+        )
+
+    def _mean_gradient_products(self, block: Block, products: Tensor) -> Tensor:
+        """``ḡᵀV`` (``[1, C·N]``) for the whole batch's mean gradient ``ḡ``."""
+        if not self.needs_gradients or self._subsampling_grad is None:
+            return products.mean(0, keepdim=True)
+        shared: dict = {}
+        return sum(
+            block.factors[id(p)].mean_gradient_products(p.grad, shared)
+            for p in block.group["params"]
+            if id(p) in block.factors
+        )
+
+    def _averaged_step(self, block: Block) -> GroupStep:
+        """Average this batch's GGN into the group's factor, then step along it."""
+        group = block.group
+        averaging: CurvatureAveraging = group["averaging"]
+        if not all_finite(block.gram.diagonal()):
+            raise FloatingPointError("The GGN's Gram matrix is not finite.")
+        previous = group["factor"] or empty_factor(group["params"], block.gram)
+        rank = previous.weights.numel()
+        cross = block.gram.new_zeros(rank, block.gram.shape[0])
+        basis_gram = block.gram.new_zeros(rank, rank)
+        for param, basis in zip(group["params"], previous.basis, strict=True):
+            if id(param) in block.factors and rank:
+                cross += block.factors[id(param)].vector_products(basis)
+                columns = basis.flatten(1).to(basis_gram)
+                basis_gram += columns @ columns.T
+        small = averaged_gram(basis_gram, cross, block.gram, averaging.decay)
+        weights, mixing = leading_eigenpairs(small, averaging.rank)
+        of_basis, of_batch = split_mixing(mixing, rank, averaging.decay)
+        mapped = to_parameter_space(block, of_batch)
+        basis = tuple(
+            torch.tensordot(of_basis.T.to(old), old, dims=1) + new
+            for old, new in zip(previous.basis, mapped, strict=True)
+        )
+        factor = AveragedFactor(basis, weights, previous.updates + 1)
+        return averaged_step(group, factor)
+
+
+def empty_factor(params: Sequence[Tensor], like: Tensor) -> AveragedFactor:
+    """The factor of no batch: ``r = 0`` columns.
+
+    Args:
+        params: The group's parameters.
+        like: A tensor of the eigenvalues' dtype and device.
+
+    Returns:
+        An :class:`AveragedFactor` with ``updates = 0``.
+    """
+    basis = tuple(p.new_zeros(0, *p.shape) for p in params)
+    return AveragedFactor(basis, like.new_zeros(0), 0)
+
+
+def averaged_step(group: dict, factor: AveragedFactor) -> GroupStep:
+    """The damped Newton (and complement) step along an averaged factor's directions.
+
+    Directions ``u_i = B_i/√w_i`` with curvatures ``λ_i = w_i/(1 − β^t)`` (the
+    bias-corrected average), slopes ``γ̄_i = ḡᵀu_i`` from the parameters' ``.grad``.
+    Damping policies see ``gammas = γ̄[None]`` and ``lambdas = λ[None]`` and no Gram
+    eigenvectors (``[0, K]``). The quadratic model's curvature is the average's, which
+    is zero in the complement.
+
+    Args:
+        group: A group with ``params``, ``criterion``, ``damping``, ``complement``
+            and ``averaging``.
+        factor: The averaged factor (``updates >= 1``).
+
+    Returns:
+        The group's step, carrying ``factor``.
+    """
+    averaging: CurvatureAveraging = group["averaging"]
+    all_evals = bias_corrected(factor.weights, averaging.decay, factor.updates)
+    indices = selected_indices(as_criterion(group["criterion"]), all_evals)
+    evals = all_evals[indices]
+    norms = factor.weights[indices].sqrt()
+    columns = [basis[indices] for basis in factor.basis]
+    gradients = _gradients(group["params"])
+    projections = (
+        sum(
+            (c.flatten(1) @ g.flatten().to(c))
+            for c, g in zip(columns, gradients, strict=True)
+        )
+        / norms
+    )
+    damping = checked_damping(
+        as_damping(group["damping"])(
+            evals, evals.new_zeros(0, evals.numel()), projections[None], evals[None]
+        ),
+        evals.numel(),
+    ).to(evals)
+    coefficients = newton_coefficients(projections, evals, damping)
+    policy = as_complement(group["complement"])
+    rho = None if policy is None else policy(evals, damping)
+    slope = torch.sum(projections * coefficients)
+    if rho is None:
+        weights = coefficients / norms
+        step = tuple(torch.tensordot(weights.to(c), c, dims=1) for c in columns)
+    else:
+        rho = rho.to(evals)
+        weights = complement_coefficients(coefficients, projections, rho) / norms
+        step = tuple(
+            torch.tensordot(weights.to(c), c, dims=1) - g / rho
+            for c, g in zip(columns, gradients, strict=True)
+        )
+        slope = slope - orthogonal_energy(_squared_norm(gradients), projections) / rho
+    return GroupStep(
+        step=step,
+        evals=evals,
+        gamma_mean=projections,
+        lambda_mean=evals,
+        damping=damping,
+        coefficients=coefficients,
+        slope=slope,
+        curvature=torch.sum(evals * coefficients**2),
+        complement_curvature=rho,
+        factor=factor,
+    )
+
+
+def _gradients(params: Sequence[Tensor]) -> list[Tensor]:
+    """The parameters' ``.grad`` (zeros for frozen or unused parameters)."""
+    return [
+        torch.zeros_like(p) if p.grad is None or not p.requires_grad else p.grad
+        for p in params
+    ]
+
+
+def _squared_norm(tensors: Sequence[Tensor]) -> Tensor:
+    return sum(t.to(torch.float64).square().sum() for t in tensors)

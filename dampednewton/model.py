@@ -1,0 +1,78 @@
+r"""The quadratic model of a step and the trust-region scale derived from it.
+
+A group's step ``s`` (before the learning rate) is summarized by its slope ``ḡᵀs``
+and its curvature ``sᵀGs`` under the GGN estimate the step was built from, so that
+for a multiple ``a·s`` the model predicts ``q(a·s) = a·ḡᵀs + ½ a² sᵀGs``.
+
+The damped model the step minimizes has the curvature ``sᵀAs = −ḡᵀs`` (with ``A``
+the damped GGN, ``ρ`` on the complement). Bounding ``½ lr² sᵀAs`` by ``κ`` is K-FAC's
+norm constraint (its "KL clip": for the cross-entropy the GGN is the Fisher, and the
+bound limits the predicted change of the predictive distribution per step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def predicted_change(scale: float, slope: Tensor, curvature: Tensor) -> Tensor:
+    """``q(a·s) = a·ḡᵀs + ½ a²·sᵀGs`` for the multiple ``a`` of a step.
+
+    Args:
+        scale: ``a`` (learning rate times trust-region scale).
+        slope: ``ḡᵀs``.
+        curvature: ``sᵀGs``.
+
+    Returns:
+        The predicted loss change (negative for a descent step).
+    """
+    return scale * slope + 0.5 * scale**2 * curvature
+
+
+def trust_region_scale(
+    lr: float, slope: Tensor, kl_clip: float | None
+) -> Tensor | float:
+    """Largest ``ν ≤ 1`` with ``½ (lr·ν)² sᵀAs ≤ κ``, where ``sᵀAs = −ḡᵀs``.
+
+    Args:
+        lr: The learning rate.
+        slope: ``ḡᵀs`` of the (descent) step.
+        kl_clip: ``κ``; ``None`` switches the bound off.
+
+    Returns:
+        ``ν`` (a tensor, to avoid a device sync, or ``1.0``).
+    """
+    if kl_clip is None or lr == 0:
+        return 1.0
+    damped_curvature = (-slope).clamp_min(0)
+    bound = 2 * kl_clip / lr**2
+    return torch.where(
+        damped_curvature > bound,
+        (bound / damped_curvature).sqrt(),
+        torch.ones_like(damped_curvature),
+    )
+
+
+def validate_kl_clip(kl_clip: float | None) -> None:
+    """Check a trust-region radius: ``None`` or a finite number ``> 0``.
+
+    Args:
+        kl_clip: The radius ``κ``.
+
+    Raises:
+        ValueError: Otherwise.
+    """
+    if kl_clip is None:
+        return
+    if (
+        isinstance(kl_clip, bool)
+        or not isinstance(kl_clip, int | float)
+        or not math.isfinite(kl_clip)
+        or kl_clip <= 0
+    ):
+        raise ValueError(
+            f"kl_clip must be None (no trust region) or a number > 0, got {kl_clip!r}."
+        )

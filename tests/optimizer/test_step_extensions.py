@@ -1,0 +1,307 @@
+"""Complement, curvature averaging, trust region, momentum and weight decay.
+
+Each piece is compared in float64 with a brute-force reference: the explicit GGN (and
+its explicit moving average, truncated to rank ``r`` as the factor is), the parameter
+updates of a twin optimizer without the piece, and the quadratic model ``ḡᵀs +
+½ sᵀGs`` of Levenberg-Marquardt's reduction ratio.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from dampednewton import (
+    CurvatureAveraging,
+    DampedNewton,
+    LevenbergMarquardt,
+    SmallestCurvature,
+)
+from tests import reference
+from tests.assertions import assert_close
+from tests.conftest import build_case
+from tests.optimizer.support import (
+    NOISE_LEVEL,
+    assert_same_state,
+    copy_parameters,
+    flat,
+    make_closure,
+    snapshot,
+)
+from tests.problems import PROBLEMS
+
+PROBLEM = {problem.id: problem for problem in PROBLEMS}
+TOLERANCE = 1e-9
+"""Relative to the largest entry: float64 round-off, amplified over a few steps."""
+
+
+def truncated(matrix: Tensor, rank: int) -> Tensor:
+    """The best rank-``rank`` PSD approximation (numerically zero modes dropped)."""
+    evals, evecs = torch.linalg.eigh(matrix)
+    keep = evals > NOISE_LEVEL * evals.max()
+    evals, evecs = evals[keep][-rank:], evecs[:, keep][:, -rank:]
+    return evecs @ torch.diag(evals) @ evecs.T
+
+
+def averaged_reference_step(
+    average: Tensor, gradient: Tensor, k: int, damping: float
+) -> Tensor:
+    """Top-``k`` damped Newton step on ``average`` plus the complement (ρ smallest)."""
+    evals, evecs = torch.linalg.eigh(average)
+    keep = evals > NOISE_LEVEL * evals.max()
+    evals, evecs = evals[keep][-k:], evecs[:, keep][:, -k:]
+    slopes = evecs.T @ gradient
+    rho = evals.min() + damping
+    step = evecs @ (-slopes / (evals + damping))
+    return step - (gradient - evecs @ slopes) / rho
+
+
+@pytest.mark.parametrize(
+    ("problem_id", "rank", "interval", "mc_samples"),
+    [
+        ("mlp-ce", 3, 1, 0),
+        ("mlp-ce", 1000, 1, 0),
+        ("mlp-ce", 3, 2, 0),
+        ("cnn-ce", 4, 1, 0),
+        ("seq-ce", 5, 1, 0),
+        ("mlp-mse", 1000, 3, 0),
+    ],
+    ids=lambda value: str(value),
+)
+def test_averaged_curvature_matches_explicit_moving_average(
+    problem_id: str, rank: int, interval: int, mc_samples: int
+):
+    """Five steps: ``B Bᵀ/(1 − β^t)`` and the steps equal the dense recursion.
+
+    The reference keeps ``A_t = trunc_r(β A_{t−1} + (1 − β) G_t)`` of explicit GGNs at
+    the parameters of each refresh (exact: the factor update is exact in its
+    subspace), bias-corrects it, and steps along its top-``k`` eigenvectors.
+    """
+    decay, k, damping, lr = 0.7, 2, 0.3, 0.5
+    case = build_case(PROBLEM[problem_id])
+    params = list(case.model.parameters())
+    reference_params = list(case.reference_model.parameters())
+    averaging = CurvatureAveraging(decay=decay, rank=rank, interval=interval)
+    optimizer = DampedNewton(
+        params,
+        lr=lr,
+        damping=damping,
+        criterion=k,
+        averaging=averaging,
+        mc_samples=mc_samples,
+        warn_small_eigvals=0,
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    average, updates = None, 0
+    for step in range(5):
+        copy_parameters(case.reference_model, case.model)
+        args = (case.reference_model, case.reference_loss_fn, reference_params)
+        if step % interval == 0:
+            G = reference.ggn(*args, case.X, case.y)
+            average = (1 - decay) * G if average is None else decay * average
+            average = truncated(average + (0 if step == 0 else (1 - decay) * G), rank)
+            updates += 1
+        gradient = reference.per_sample_gradients(*args, case.X, case.y).mean(0)
+        corrected = average / (1 - decay**updates)
+        expected = lr * averaged_reference_step(corrected, gradient, k, damping)
+        before = flat(params)
+
+        optimizer.step(closure)
+
+        name = f"{problem_id} step {step}"
+        assert_close(
+            flat(params) - before,
+            expected,
+            rtol=0,
+            atol=TOLERANCE * expected.abs().max().item(),
+            name=f"{name}: parameter change",
+        )
+        basis = torch.cat(
+            [optimizer.state[p]["curvature_basis"].flatten(1) for p in params], dim=1
+        )
+        stats = optimizer.state["groups"][0]
+        assert stats["curvature_updates"] == updates
+        assert_close(
+            basis.T @ basis,
+            average,
+            rtol=0,
+            atol=TOLERANCE * average.abs().max().item(),
+            name=f"{name}: B Bᵀ vs the truncated moving average",
+        )
+
+
+def twin_steps(
+    problem_id: str, steps: int, **settings
+) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Per step: (update with ``settings``, plain step ``s`` at the same θ, ḡ)."""
+    case = build_case(PROBLEM[problem_id])
+    twin = build_case(PROBLEM[problem_id])
+    params, twin_params = list(case.model.parameters()), list(twin.model.parameters())
+    common = {"damping": 0.5, "criterion": 3, "warn_small_eigvals": 0}
+    optimizer = DampedNewton(params, **common, **settings)
+    plain = DampedNewton(twin_params, lr=1.0, **common)
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    twin_closure = make_closure(plain, twin.model, twin.loss_fn, twin.X, twin.y)
+    records = []
+    for _ in range(steps):
+        copy_parameters(twin.model, case.model)
+        before = flat(params)
+        plain.step(twin_closure)
+        gradient = flat([p.grad for p in twin_params])
+        step = flat(twin_params) - before
+        optimizer.step(closure)
+        records.append((flat(params) - before, step, gradient, before))
+    return records
+
+
+@pytest.mark.parametrize("nesterov", [False, True], ids=["heavy-ball", "nesterov"])
+def test_momentum_and_weight_decay_follow_their_rules(nesterov: bool):
+    """``m ← μm + s``, ``θ ← (1 − lr·wd)θ + lr·m`` (Nesterov: ``lr·(s + μm)``)."""
+    lr, mu, decay = 0.3, 0.8, 0.05
+    records = twin_steps(
+        "mlp-ce", 4, lr=lr, momentum=mu, nesterov=nesterov, weight_decay=decay
+    )
+    buffer = None
+    for index, (update, step, _, before) in enumerate(records):
+        buffer = step if buffer is None else mu * buffer + step
+        direction = step + mu * buffer if nesterov else buffer
+        expected = -lr * decay * before + lr * direction
+        assert_close(
+            update,
+            expected,
+            rtol=0,
+            atol=TOLERANCE * expected.abs().max().item(),
+            name=f"step {index}",
+        )
+
+
+@pytest.mark.parametrize("kl_clip", [1e-4, 1e-2, 10.0])
+def test_trust_region_bounds_the_damped_model(kl_clip: float):
+    """``ν = min(1, √(2κ / (lr² (−ḡᵀs))))`` scales the step; large κ changes nothing."""
+    lr = 0.7
+    records = twin_steps("cnn-ce", 3, lr=lr, kl_clip=kl_clip)
+    scales = []
+    for index, (update, step, gradient, _) in enumerate(records):
+        damped_curvature = -(gradient @ step)
+        assert damped_curvature > 0, "the step must be a descent direction"
+        scale = min(1.0, (2 * kl_clip / (lr**2 * damped_curvature)).sqrt().item())
+        scales.append(scale)
+        expected = lr * scale * step
+        assert_close(
+            update,
+            expected,
+            rtol=0,
+            atol=TOLERANCE * expected.abs().max().item(),
+            name=f"κ={kl_clip} step {index}",
+        )
+    if kl_clip == 10.0:
+        assert scales == [1.0] * 3
+    if kl_clip == 1e-4:
+        assert max(scales) < 1
+
+
+@pytest.mark.parametrize("complement", [None, SmallestCurvature()], ids=str)
+def test_reduction_ratio_uses_the_full_quadratic_model(complement):
+    """LM's ρ = (L(θ + lr·s) − L(θ)) / (lr·ḡᵀs + ½ lr²·sᵀGs), explicit G and ḡ."""
+    lr = 0.6
+    case = build_case(PROBLEM["mlp-ce"])
+    params = list(case.model.parameters())
+    optimizer = DampedNewton(
+        params,
+        lr=lr,
+        damping=LevenbergMarquardt(value=0.5),
+        criterion=3,
+        complement=complement,
+        warn_small_eigvals=0,
+    )
+    args = (case.reference_model, case.reference_loss_fn)
+    reference_params = list(case.reference_model.parameters())
+    copy_parameters(case.reference_model, case.model)
+    G = reference.ggn(*args, reference_params, case.X, case.y)
+    gradient = reference.per_sample_gradients(
+        *args, reference_params, case.X, case.y
+    ).mean(0)
+    before = flat(params)
+
+    loss = optimizer.step(
+        make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    )
+
+    update = flat(params) - before
+    copy_parameters(case.reference_model, case.model)
+    new_loss = case.reference_loss_fn(case.reference_model(case.X), case.y)
+    predicted = gradient @ update + 0.5 * update @ G @ update
+    expected = (new_loss - loss.detach()) / predicted
+    actual = optimizer.state["global"]["reduction_ratio"]
+    assert actual == pytest.approx(expected.item(), rel=1e-9)
+
+
+def test_shared_levenberg_marquardt_policy_adapts_once_per_step():
+    """One policy object in several groups (torch's default) is updated once a step."""
+    case = build_case(PROBLEM["mlp-ce"])
+    policy = LevenbergMarquardt(value=1.0, decrease=0.5, increase=2.0)
+    groups = [{"params": [p]} for p in case.model.parameters()]
+    optimizer = DampedNewton(groups, damping=policy, criterion=2, warn_small_eigvals=0)
+    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
+    assert policy.updates == 1
+    assert policy.value in (0.5, 1.0, 2.0)
+
+
+def test_averaged_momentum_state_round_trips(tmp_path):
+    """Factor, weights and momentum survive torch.save/load: lock-step afterwards."""
+    settings = {
+        "damping": 0.5,
+        "criterion": 2,
+        "averaging": CurvatureAveraging(decay=0.9, rank=4, interval=2),
+        "momentum": 0.9,
+        "nesterov": True,
+        "weight_decay": 0.01,
+        "kl_clip": 0.1,
+        "mc_samples": 1,
+        "seed": 3,
+        "warn_small_eigvals": 0,
+    }
+    case = build_case(PROBLEM["mlp-ce"])
+    optimizer = DampedNewton(case.model.parameters(), **settings)
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    for _ in range(3):
+        optimizer.step(closure)
+    path = tmp_path / "state.pt"
+    torch.save(optimizer.state_dict(), path)
+
+    twin = build_case(PROBLEM["mlp-ce"])
+    copy_parameters(twin.model, case.model)
+    resumed = DampedNewton(twin.model.parameters(), **settings)
+    resumed.load_state_dict(torch.load(path, weights_only=True))
+    twin_closure = make_closure(resumed, twin.model, twin.loss_fn, twin.X, twin.y)
+    for _ in range(3):
+        optimizer.step(closure)
+        resumed.step(twin_closure)
+        assert torch.equal(flat(case.model.parameters()), flat(twin.model.parameters()))
+    assert resumed.state["groups"][0]["curvature_updates"] == 3
+
+
+def test_refused_step_keeps_factor_and_momentum():
+    """A NaN loss on an averaged, momentum step leaves every state entry unchanged."""
+    case = build_case(PROBLEM["mlp-ce"])
+    optimizer = DampedNewton(
+        case.model.parameters(),
+        damping=0.5,
+        criterion=2,
+        averaging=CurvatureAveraging(rank=3),
+        momentum=0.5,
+        warn_small_eigvals=0,
+    )
+    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
+    saved = snapshot(optimizer)
+    values = [p.detach().clone() for p in case.model.parameters()]
+    bad_inputs = case.X.clone()
+    bad_inputs[0] = torch.nan
+    with pytest.raises(FloatingPointError, match="parameters unchanged"):
+        optimizer.step(
+            make_closure(optimizer, case.model, case.loss_fn, bad_inputs, case.y)
+        )
+    for param, value in zip(case.model.parameters(), values, strict=True):
+        assert torch.equal(param, value)
+    assert_same_state(snapshot(optimizer), saved)
