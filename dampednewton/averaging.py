@@ -41,7 +41,7 @@ class CurvatureAveraging:
     """
 
     decay: float = 0.95
-    rank: int = 50
+    rank: int = 20
     interval: int = 1
 
     def __post_init__(self) -> None:

@@ -65,12 +65,15 @@ class GroupStep(NewtonStep):
     Attributes:
         slope: ``ḡᵀs`` (scalar tensor).
         curvature: ``sᵀGs`` under the step's GGN estimate (scalar tensor).
+        batch_curvature: ``sᵀĜs`` under this batch's GGN ``Ĝ = VVᵀ`` where it was
+            computed (``None`` on steps that reuse an averaged factor).
         complement_curvature: ``ρ`` of the complement step, ``None`` without one.
         factor: The updated averaged factor (averaged groups only).
     """
 
     slope: Tensor | None = None
     curvature: Tensor | None = None
+    batch_curvature: Tensor | None = None
     complement_curvature: Tensor | None = None
     factor: AveragedFactor | None = None
 
@@ -140,7 +143,8 @@ class StepComputation(DirectionalDampedNewtonComputation):
             return GroupStep(
                 step=tuple(to_parameter_space(block, beta)),
                 slope=torch.sum(gamma_mean * coefficients),
-                curvature=torch.sum(lambda_mean * coefficients**2),
+                curvature=(curvature := torch.sum(lambda_mean * coefficients**2)),
+                batch_curvature=curvature,
                 **details,
             )
         rho = rho.to(evals)
@@ -158,8 +162,11 @@ class StepComputation(DirectionalDampedNewtonComputation):
         return GroupStep(
             step=tuple(m - g / rho for m, g in zip(mapped, gradients, strict=True)),
             slope=torch.sum(projections * coefficients) - energy / rho,
-            curvature=torch.sum(lambda_mean * coefficients**2)
-            + residual.square().sum() / rho**2,
+            curvature=(
+                curvature := torch.sum(lambda_mean * coefficients**2)
+                + residual.square().sum() / rho**2
+            ),
+            batch_curvature=curvature,
             complement_curvature=rho,
             **details,
         )
@@ -199,7 +206,15 @@ class StepComputation(DirectionalDampedNewtonComputation):
             for old, new in zip(previous.basis, mapped, strict=True)
         )
         factor = AveragedFactor(basis, weights, previous.updates + 1)
-        return averaged_step(group, factor)
+        mean_products = self._mean_gradient_products(
+            block, self._gradient_products(block)
+        )
+        return averaged_step(
+            group,
+            factor,
+            batch_products=cross.T @ of_basis + block.gram @ of_batch,
+            mean_products=mean_products.squeeze(0),
+        )
 
 
 def empty_factor(params: Sequence[Tensor], like: Tensor) -> AveragedFactor:
@@ -216,19 +231,27 @@ def empty_factor(params: Sequence[Tensor], like: Tensor) -> AveragedFactor:
     return AveragedFactor(basis, like.new_zeros(0), 0)
 
 
-def averaged_step(group: dict, factor: AveragedFactor) -> GroupStep:
+def averaged_step(
+    group: dict,
+    factor: AveragedFactor,
+    batch_products: Tensor | None = None,
+    mean_products: Tensor | None = None,
+) -> GroupStep:
     """The damped Newton (and complement) step along an averaged factor's directions.
 
     Directions ``u_i = B_i/√w_i`` with curvatures ``λ_i = w_i/(1 − β^t)`` (the
     bias-corrected average), slopes ``γ̄_i = ḡᵀu_i`` from the parameters' ``.grad``.
     Damping policies see ``gammas = γ̄[None]`` and ``lambdas = λ[None]`` and no Gram
     eigenvectors (``[0, K]``). The quadratic model's curvature is the average's, which
-    is zero in the complement.
+    is zero in the complement. On a refresh, this batch's ``VᵀB`` and ``Vᵀḡ`` give the
+    curvature ``sᵀVVᵀs`` of the batch's GGN along the step as well.
 
     Args:
         group: A group with ``params``, ``criterion``, ``damping``, ``complement``
             and ``averaging``.
         factor: The averaged factor (``updates >= 1``).
+        batch_products: ``VᵀB`` ``[C·N, r]`` of this batch's square root, if any.
+        mean_products: ``Vᵀḡ`` ``[C·N]`` (with ``batch_products``).
 
     Returns:
         The group's step, carrying ``factor``.
@@ -257,9 +280,12 @@ def averaged_step(group: dict, factor: AveragedFactor) -> GroupStep:
     policy = as_complement(group["complement"])
     rho = None if policy is None else policy(evals, damping)
     slope = torch.sum(projections * coefficients)
+    batch_curvature = None
     if rho is None:
         weights = coefficients / norms
         step = tuple(torch.tensordot(weights.to(c), c, dims=1) for c in columns)
+        if batch_products is not None:
+            batch_curvature = (batch_products[:, indices] @ weights).square().sum()
     else:
         rho = rho.to(evals)
         weights = complement_coefficients(coefficients, projections, rho) / norms
@@ -268,6 +294,9 @@ def averaged_step(group: dict, factor: AveragedFactor) -> GroupStep:
             for c, g in zip(columns, gradients, strict=True)
         )
         slope = slope - orthogonal_energy(_squared_norm(gradients), projections) / rho
+        if batch_products is not None:
+            mapped = batch_products[:, indices] @ weights - mean_products / rho
+            batch_curvature = mapped.square().sum()
     return GroupStep(
         step=step,
         evals=evals,
@@ -277,6 +306,7 @@ def averaged_step(group: dict, factor: AveragedFactor) -> GroupStep:
         coefficients=coefficients,
         slope=slope,
         curvature=torch.sum(evals * coefficients**2),
+        batch_curvature=batch_curvature,
         complement_curvature=rho,
         factor=factor,
     )

@@ -7,7 +7,8 @@ for a multiple ``a·s`` the model predicts ``q(a·s) = a·ḡᵀs + ½ a² sᵀG
 The damped model the step minimizes has the curvature ``sᵀAs = −ḡᵀs`` (with ``A``
 the damped GGN, ``ρ`` on the complement). Bounding ``½ lr² sᵀAs`` by ``κ`` is K-FAC's
 norm constraint (its "KL clip": for the cross-entropy the GGN is the Fisher, and the
-bound limits the predicted change of the predictive distribution per step).
+bound limits the predicted change of the predictive distribution per step). The
+bound also applies to this batch's GGN curvature ``sᵀĜs`` where it is known.
 """
 
 from __future__ import annotations
@@ -33,13 +34,18 @@ def predicted_change(scale: float, slope: Tensor, curvature: Tensor) -> Tensor:
 
 
 def trust_region_scale(
-    lr: float, slope: Tensor, kl_clip: float | None
+    lr: float, slope: Tensor, batch_curvature: Tensor | None, kl_clip: float | None
 ) -> Tensor | float:
-    """Largest ``ν ≤ 1`` with ``½ (lr·ν)² sᵀAs ≤ κ``, where ``sᵀAs = −ḡᵀs``.
+    """Largest ``ν ≤ 1`` with ``½ (lr·ν)² · max(sᵀAs, sᵀĜs) ≤ κ``.
+
+    ``sᵀAs = −ḡᵀs`` is the damped model's own curvature along the step, ``sᵀĜs``
+    that of this batch's GGN (where known): a model built from old or few directions
+    can miss curvature that the current batch sees, and the bound must hold for both.
 
     Args:
         lr: The learning rate.
         slope: ``ḡᵀs`` of the (descent) step.
+        batch_curvature: ``sᵀĜs``, or ``None``.
         kl_clip: ``κ``; ``None`` switches the bound off.
 
     Returns:
@@ -47,12 +53,12 @@ def trust_region_scale(
     """
     if kl_clip is None or lr == 0:
         return 1.0
-    damped_curvature = (-slope).clamp_min(0)
+    curvature = (-slope).clamp_min(0)
+    if batch_curvature is not None:
+        curvature = torch.maximum(curvature, batch_curvature.to(curvature))
     bound = 2 * kl_clip / lr**2
     return torch.where(
-        damped_curvature > bound,
-        (bound / damped_curvature).sqrt(),
-        torch.ones_like(damped_curvature),
+        curvature > bound, (bound / curvature).sqrt(), torch.ones_like(curvature)
     )
 
 

@@ -74,15 +74,15 @@ class DampedNewton(Optimizer):
 
     .. math::
 
-        \nu = \min\Big(1, \sqrt{\frac{2\kappa}{\mathrm{lr}^2\,(-\bar g^\top s)}}
-            \Big), \quad
+        \nu = \min\Big(1, \sqrt{\frac{2\kappa}{\mathrm{lr}^2
+            \max(-\bar g^\top s,\; s^\top \hat G s)}}\Big), \quad
         m \leftarrow \mu m + \nu s, \quad
         \theta \leftarrow (1 - \mathrm{lr}\cdot\mathrm{wd})\,\theta
             + \mathrm{lr}\cdot m
 
     (Nesterov: ``θ += lr·(νs + μm)``): ``ν`` is a trust region on the damped quadratic
-    model (K-FAC's norm constraint, ``κ = kl_clip``), ``μ`` the momentum and ``wd`` a
-    decoupled weight decay.
+    model and this batch's GGN ``Ĝ`` (K-FAC's norm constraint, ``κ = kl_clip``), ``μ``
+    the momentum and ``wd`` a decoupled weight decay.
 
     With ``averaging=CurvatureAveraging(decay=β, rank=r)`` a group's directions are
     those of the GGN averaged across steps, ``Ḡ_t = β Ḡ_{t−1} + (1 − β) V Vᵀ``, kept
@@ -127,16 +127,16 @@ class DampedNewton(Optimizer):
         self,
         params: Iterable[Tensor] | Iterable[dict],
         lr: float = 1.0,
-        damping: float | Damping = 1e-2,
-        criterion: int | Criterion = 10,
+        damping: float | Damping = 0.1,
+        criterion: int | Criterion = 20,
         *,
         complement: float | ComplementPolicy | None = SmallestCurvature(),  # noqa: B008
-        averaging: CurvatureAveraging | None = None,
-        kl_clip: float | None = None,
+        averaging: CurvatureAveraging | None = CurvatureAveraging(),  # noqa: B008
+        kl_clip: float | None = 1.0,
         momentum: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
-        mc_samples: int = 0,
+        mc_samples: int = 1,
         subsampling_ggn: Sequence[int] | None = None,
         subsampling_grad: Sequence[int] | None = None,
         warn_small_eigvals: float = 1e-4,
@@ -352,7 +352,9 @@ class DampedNewton(Optimizer):
                     scales.append(1.0)
                     continue
                 lr, mu = group["lr"], group["momentum"]
-                scale = trust_region_scale(lr, result.slope, group["kl_clip"])
+                scale = trust_region_scale(
+                    lr, result.slope, result.batch_curvature, group["kl_clip"]
+                )
                 scales.append(scale)
                 for param, direction in zip(group["params"], result.step, strict=True):
                     if not param.requires_grad:

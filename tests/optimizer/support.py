@@ -14,6 +14,12 @@ from dampednewton import DampedNewton
 from tests import reference
 from tests.problems import initialize
 
+VIVIT_STEP = {"complement": None, "averaging": None, "kl_clip": None}
+"""ViViT's step from this batch's GGN, unclipped: the package's defaults switch on the
+complement, curvature averaging and a trust region."""
+EXACT_VIVIT_STEP = {**VIVIT_STEP, "mc_samples": 0}
+"""ViViT's step from this batch's exact GGN (the default is Monte-Carlo)."""
+
 NOISE_LEVEL = 1e-10
 """Reference GGN eigenvalues below ``NOISE_LEVEL · λ_max`` are numerically zero."""
 

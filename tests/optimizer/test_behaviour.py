@@ -12,7 +12,11 @@ import torch
 import dampednewton.optimizer
 from dampednewton import DampedNewton, EigenvalueThreshold
 from tests.conftest import build_case
-from tests.optimizer.support import assert_parameters_equal, make_closure
+from tests.optimizer.support import (
+    EXACT_VIVIT_STEP,
+    assert_parameters_equal,
+    make_closure,
+)
 from tests.problems import PROBLEMS
 
 MLP_CE = PROBLEMS[0]
@@ -25,6 +29,7 @@ def test_group_without_direction_does_not_move_and_warns_once():
         [{"params": first}, {"params": second, "criterion": EigenvalueThreshold(1e6)}],
         damping=1.0,
         criterion=2,
+        **EXACT_VIVIT_STEP,
     )
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     frozen = [p.detach().clone() for p in second]
@@ -52,7 +57,7 @@ def test_group_without_direction_does_not_move_and_warns_once():
 def test_group_added_later_is_stepped_and_logged():
     case = build_case(MLP_CE)
     first, second = (list(layer.parameters()) for layer in case.model[::2])
-    optimizer = DampedNewton(first, damping=1.0, criterion=2)
+    optimizer = DampedNewton(first, damping=1.0, criterion=2, **EXACT_VIVIT_STEP)
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     optimizer.step(closure)
     optimizer.add_param_group({"params": second, "lr": 0.5, "criterion": 3})
@@ -70,7 +75,9 @@ def test_shared_settings_compare_by_value():
     """Sub-sampling indices as a tuple or a list are the same setting."""
     case = build_case(MLP_CE)
     first, second = (list(layer.parameters()) for layer in case.model[::2])
-    optimizer = DampedNewton(first, criterion=2, subsampling_ggn=[0, 2])
+    optimizer = DampedNewton(
+        first, criterion=2, subsampling_ggn=[0, 2], **EXACT_VIVIT_STEP
+    )
     optimizer.add_param_group({"params": second, "subsampling_ggn": (0, 2)})
     optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
     assert optimizer.state["global"]["step"] == 1
@@ -81,7 +88,9 @@ def test_step_enables_grad_itself():
     params = []
     for grad_mode in (torch.enable_grad, torch.no_grad):
         case = build_case(MLP_CE)
-        optimizer = DampedNewton(case.model.parameters(), damping=1.0, criterion=2)
+        optimizer = DampedNewton(
+            case.model.parameters(), damping=1.0, criterion=2, **EXACT_VIVIT_STEP
+        )
         closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
         with grad_mode():
             optimizer.step(closure)

@@ -15,7 +15,7 @@ from dampednewton import (
     NoiseAwareDamping,
 )
 from tests.conftest import build_case
-from tests.optimizer.support import make_closure
+from tests.optimizer.support import EXACT_VIVIT_STEP, make_closure
 from tests.problems import LINEAR_MSE, PROBLEMS
 
 
@@ -28,6 +28,7 @@ def test_levenberg_marquardt_on_a_quadratic_sees_ratio_one():
         lr=0.5,
         damping=policy,
         criterion=EigenvalueThreshold(1e-10),
+        **EXACT_VIVIT_STEP,
     )
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     for step in range(3):
@@ -42,7 +43,7 @@ def test_levenberg_marquardt_grows_damping_after_a_bad_step():
     case = build_case(PROBLEMS[0])
     policy = LevenbergMarquardt(value=1e-3)
     optimizer = DampedNewton(
-        case.model.parameters(), lr=1e3, damping=policy, criterion=2, complement=None
+        case.model.parameters(), lr=1e3, damping=policy, criterion=2, **EXACT_VIVIT_STEP
     )
     optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
     assert optimizer.state["global"]["reduction_ratio"] < 0.25
@@ -56,6 +57,7 @@ def test_levenberg_marquardt_interval_skips_the_extra_evaluation():
         case.model.parameters(),
         damping=LevenbergMarquardt(value=0.1, interval=3),
         criterion=EigenvalueThreshold(1e-10),
+        **EXACT_VIVIT_STEP,
     )
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
 
@@ -75,12 +77,16 @@ def test_levenberg_marquardt_interval_skips_the_extra_evaluation():
 )
 def test_policy_state_round_trips_through_state_dict(policy):
     case = build_case(PROBLEMS[0])
-    optimizer = DampedNewton(case.model.parameters(), damping=policy, criterion=2)
+    optimizer = DampedNewton(
+        case.model.parameters(), damping=policy, criterion=2, **EXACT_VIVIT_STEP
+    )
     optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
     buffer = io.BytesIO()
     torch.save(optimizer.state_dict(), buffer)
     buffer.seek(0)
-    other = DampedNewton(case.model.parameters(), damping=0.0, criterion=2)
+    other = DampedNewton(
+        case.model.parameters(), damping=0.0, criterion=2, **EXACT_VIVIT_STEP
+    )
     other.load_state_dict(torch.load(buffer))
     assert other.param_groups[0]["damping"] == optimizer.param_groups[0]["damping"]
     assert other.param_groups[0]["damping"] is not optimizer.param_groups[0]["damping"]

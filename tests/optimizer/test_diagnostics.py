@@ -17,7 +17,7 @@ from dampednewton.diagnostics import (
     NoiseScale,
 )
 from tests.conftest import build_case
-from tests.optimizer.support import make_closure
+from tests.optimizer.support import EXACT_VIVIT_STEP, make_closure
 from tests.problems import PROBLEMS
 
 NUM_STEPS = 3
@@ -55,9 +55,15 @@ def test_attached_diagnostics_match_standalone_and_keep_the_step(problem, dampin
     attached, plain = build_case(problem), build_case(problem)
     monitor, standalone = make_monitor(attached.model), make_monitor(plain.model)
     opt_attached = DampedNewton(
-        attached.model.parameters(), damping=damping, criterion=3, monitor=monitor
+        attached.model.parameters(),
+        damping=damping,
+        criterion=3,
+        monitor=monitor,
+        **EXACT_VIVIT_STEP,
     )
-    opt_plain = DampedNewton(plain.model.parameters(), damping=damping, criterion=3)
+    opt_plain = DampedNewton(
+        plain.model.parameters(), damping=damping, criterion=3, **EXACT_VIVIT_STEP
+    )
     for step in range(NUM_STEPS):
         # standalone diagnostics at the same parameters, with a plain backward pass
         opt_plain.zero_grad()
@@ -100,6 +106,7 @@ def test_histograms_need_full_batch_gradients():
         criterion=2,
         subsampling_grad=[0, 1],
         monitor=make_monitor(case.model),
+        **EXACT_VIVIT_STEP,
     )
     with pytest.raises(ValueError, match="subsampling_grad=None"):
         optimizer.step(

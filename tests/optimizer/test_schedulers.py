@@ -14,6 +14,7 @@ from dampednewton import DampedNewton
 from tests.assertions import assert_close
 from tests.conftest import build_case
 from tests.optimizer.support import (
+    EXACT_VIVIT_STEP,
     copy_parameters,
     flat,
     layer_groups,
@@ -62,7 +63,7 @@ def test_scheduler_sets_group_lr_and_step_scales(schedule: Schedule):
         ],
         damping=DAMPING,
         criterion=NUM_DIRECTIONS,
-        complement=None,  # the reference is ViViT's step
+        **EXACT_VIVIT_STEP,
     )
     scheduler = schedule.scheduler(optimizer)
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)

@@ -16,6 +16,7 @@ from dampednewton import (
 )
 from tests.conftest import Case, build_case
 from tests.optimizer.support import (
+    VIVIT_STEP,
     assert_parameters_equal,
     assert_same_state,
     make_closure,
@@ -42,7 +43,7 @@ def make_optimizer(case: Case, mc_samples: int, seed: int) -> DampedNewton:
         {"params": [last.bias], "criterion": EigenvalueThreshold(1e-6)},
     ]
     return DampedNewton(
-        groups, damping=1.0, criterion=2, mc_samples=mc_samples, seed=seed
+        groups, damping=1.0, criterion=2, mc_samples=mc_samples, seed=seed, **VIVIT_STEP
     )
 
 

@@ -32,6 +32,8 @@ from tests.optimizer.support import (
 from tests.problems import PROBLEMS
 
 PROBLEM = {problem.id: problem for problem in PROBLEMS}
+BATCH_GGN = {"mc_samples": 0, "averaging": None, "kl_clip": None}
+"""This batch's exact GGN, no trust region (the defaults average a Monte-Carlo GGN)."""
 TOLERANCE = 1e-9
 """Relative to the largest entry: float64 round-off, amplified over a few steps."""
 
@@ -58,25 +60,29 @@ def averaged_reference_step(
 
 
 @pytest.mark.parametrize(
-    ("problem_id", "rank", "interval", "mc_samples"),
+    ("problem_id", "rank", "interval", "kl_clip"),
     [
-        ("mlp-ce", 3, 1, 0),
-        ("mlp-ce", 1000, 1, 0),
-        ("mlp-ce", 3, 2, 0),
-        ("cnn-ce", 4, 1, 0),
-        ("seq-ce", 5, 1, 0),
-        ("mlp-mse", 1000, 3, 0),
+        ("mlp-ce", 3, 1, None),
+        ("mlp-ce", 1000, 1, None),
+        ("mlp-ce", 3, 2, None),
+        ("mlp-ce", 3, 1, 1e-3),
+        ("cnn-ce", 4, 1, None),
+        ("cnn-ce", 4, 2, 1e-3),
+        ("seq-ce", 5, 1, None),
+        ("mlp-mse", 1000, 3, None),
     ],
     ids=lambda value: str(value),
 )
 def test_averaged_curvature_matches_explicit_moving_average(
-    problem_id: str, rank: int, interval: int, mc_samples: int
+    problem_id: str, rank: int, interval: int, kl_clip: float | None
 ):
     """Five steps: ``B Bᵀ/(1 − β^t)`` and the steps equal the dense recursion.
 
     The reference keeps ``A_t = trunc_r(β A_{t−1} + (1 − β) G_t)`` of explicit GGNs at
     the parameters of each refresh (exact: the factor update is exact in its
-    subspace), bias-corrects it, and steps along its top-``k`` eigenvectors.
+    subspace), bias-corrects it, and steps along its top-``k`` eigenvectors. With a
+    trust region, ``ν`` bounds ``max(−ḡᵀs, sᵀG_t s)`` on refreshes (this batch's GGN
+    is known) and ``−ḡᵀs`` in between.
     """
     decay, k, damping, lr = 0.7, 2, 0.3, 0.5
     case = build_case(PROBLEM[problem_id])
@@ -89,7 +95,8 @@ def test_averaged_curvature_matches_explicit_moving_average(
         damping=damping,
         criterion=k,
         averaging=averaging,
-        mc_samples=mc_samples,
+        mc_samples=0,
+        kl_clip=kl_clip,
         warn_small_eigvals=0,
     )
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
@@ -104,7 +111,16 @@ def test_averaged_curvature_matches_explicit_moving_average(
             updates += 1
         gradient = reference.per_sample_gradients(*args, case.X, case.y).mean(0)
         corrected = average / (1 - decay**updates)
-        expected = lr * averaged_reference_step(corrected, gradient, k, damping)
+        step_direction = averaged_reference_step(corrected, gradient, k, damping)
+        scale = 1.0
+        if kl_clip is not None:
+            curvature = -(gradient @ step_direction)
+            if step % interval == 0:
+                curvature = max(curvature, step_direction @ G @ step_direction)
+            scale = min(1.0, (2 * kl_clip / (lr**2 * curvature)).sqrt().item())
+            if step == 0:
+                assert scale < 1, "the trust region must be active in this case"
+        expected = lr * scale * step_direction
         before = flat(params)
 
         optimizer.step(closure)
@@ -133,25 +149,39 @@ def test_averaged_curvature_matches_explicit_moving_average(
 
 def twin_steps(
     problem_id: str, steps: int, **settings
-) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """Per step: (update with ``settings``, plain step ``s`` at the same θ, ḡ)."""
+) -> list[tuple[Tensor, Tensor, Tensor, Tensor, Tensor]]:
+    """Per step: update with ``settings``; plain step, ḡ, θ and G at the same θ."""
     case = build_case(PROBLEM[problem_id])
     twin = build_case(PROBLEM[problem_id])
     params, twin_params = list(case.model.parameters()), list(twin.model.parameters())
-    common = {"damping": 0.5, "criterion": 3, "warn_small_eigvals": 0}
+    common = {
+        "damping": 0.5,
+        "criterion": 3,
+        "warn_small_eigvals": 0,
+        "mc_samples": 0,
+        "averaging": None,
+    }
     optimizer = DampedNewton(params, **common, **settings)
-    plain = DampedNewton(twin_params, lr=1.0, **common)
+    plain = DampedNewton(twin_params, lr=1.0, kl_clip=None, **common)
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     twin_closure = make_closure(plain, twin.model, twin.loss_fn, twin.X, twin.y)
     records = []
     for _ in range(steps):
         copy_parameters(twin.model, case.model)
+        copy_parameters(twin.reference_model, case.model)
+        G = reference.ggn(
+            twin.reference_model,
+            twin.reference_loss_fn,
+            list(twin.reference_model.parameters()),
+            twin.X,
+            twin.y,
+        )
         before = flat(params)
         plain.step(twin_closure)
         gradient = flat([p.grad for p in twin_params])
         step = flat(twin_params) - before
         optimizer.step(closure)
-        records.append((flat(params) - before, step, gradient, before))
+        records.append((flat(params) - before, step, gradient, before, G))
     return records
 
 
@@ -160,10 +190,16 @@ def test_momentum_and_weight_decay_follow_their_rules(nesterov: bool):
     """``m ← μm + s``, ``θ ← (1 − lr·wd)θ + lr·m`` (Nesterov: ``lr·(s + μm)``)."""
     lr, mu, decay = 0.3, 0.8, 0.05
     records = twin_steps(
-        "mlp-ce", 4, lr=lr, momentum=mu, nesterov=nesterov, weight_decay=decay
+        "mlp-ce",
+        4,
+        lr=lr,
+        momentum=mu,
+        nesterov=nesterov,
+        weight_decay=decay,
+        kl_clip=None,
     )
     buffer = None
-    for index, (update, step, _, before) in enumerate(records):
+    for index, (update, step, _, before, _) in enumerate(records):
         buffer = step if buffer is None else mu * buffer + step
         direction = step + mu * buffer if nesterov else buffer
         expected = -lr * decay * before + lr * direction
@@ -178,14 +214,15 @@ def test_momentum_and_weight_decay_follow_their_rules(nesterov: bool):
 
 @pytest.mark.parametrize("kl_clip", [1e-4, 1e-2, 10.0])
 def test_trust_region_bounds_the_damped_model(kl_clip: float):
-    """``ν = min(1, √(2κ / (lr² (−ḡᵀs))))`` scales the step; large κ changes nothing."""
+    """``ν = min(1, √(2κ / (lr² max(−ḡᵀs, sᵀGs))))`` scales the step (explicit G)."""
     lr = 0.7
     records = twin_steps("cnn-ce", 3, lr=lr, kl_clip=kl_clip)
     scales = []
-    for index, (update, step, gradient, _) in enumerate(records):
+    for index, (update, step, gradient, _, G) in enumerate(records):
         damped_curvature = -(gradient @ step)
         assert damped_curvature > 0, "the step must be a descent direction"
-        scale = min(1.0, (2 * kl_clip / (lr**2 * damped_curvature)).sqrt().item())
+        curvature = torch.maximum(damped_curvature, step @ G @ step)
+        scale = min(1.0, (2 * kl_clip / (lr**2 * curvature)).sqrt().item())
         scales.append(scale)
         expected = lr * scale * step
         assert_close(
@@ -214,6 +251,7 @@ def test_reduction_ratio_uses_the_full_quadratic_model(complement):
         criterion=3,
         complement=complement,
         warn_small_eigvals=0,
+        **BATCH_GGN,
     )
     args = (case.reference_model, case.reference_loss_fn)
     reference_params = list(case.reference_model.parameters())
@@ -242,7 +280,9 @@ def test_shared_levenberg_marquardt_policy_adapts_once_per_step():
     case = build_case(PROBLEM["mlp-ce"])
     policy = LevenbergMarquardt(value=1.0, decrease=0.5, increase=2.0)
     groups = [{"params": [p]} for p in case.model.parameters()]
-    optimizer = DampedNewton(groups, damping=policy, criterion=2, warn_small_eigvals=0)
+    optimizer = DampedNewton(
+        groups, damping=policy, criterion=2, warn_small_eigvals=0, **BATCH_GGN
+    )
     optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
     assert policy.updates == 1
     assert policy.value in (0.5, 1.0, 2.0)
@@ -290,6 +330,7 @@ def test_refused_step_keeps_factor_and_momentum():
         damping=0.5,
         criterion=2,
         averaging=CurvatureAveraging(rank=3),
+        mc_samples=0,
         momentum=0.5,
         warn_small_eigvals=0,
     )

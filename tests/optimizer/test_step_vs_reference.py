@@ -131,7 +131,9 @@ def test_step_matches_reference(spec: StepCase, dtype: torch.dtype, complement: 
         }
         for indices, setting in spec.groups
     ]
-    optimizer = DampedNewton(groups, warn_small_eigvals=0)
+    optimizer = DampedNewton(
+        groups, warn_small_eigvals=0, mc_samples=0, averaging=None, kl_clip=None
+    )
     model64 = case.reference_model.to(torch.float64)
     X64 = case.X.to(torch.float64)
     y64 = case.y.to(torch.float64) if case.y.is_floating_point() else case.y

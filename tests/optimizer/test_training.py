@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from dampednewton import DampedNewton, EigenvalueThreshold
 from tests.assertions import assert_close
 from tests.conftest import build_case
-from tests.optimizer.support import flat, make_closure, seeded
+from tests.optimizer.support import EXACT_VIVIT_STEP, flat, make_closure, seeded
 from tests.problems import LINEAR_MSE, Problem
 
 NUM_STEPS = 24
@@ -38,7 +38,9 @@ def test_training_reduces_loss_by_a_large_factor():
     )
     loss_fn = extend(nn.CrossEntropyLoss())
     X, y = separable_blobs(generator)
-    optimizer = DampedNewton(model.parameters(), damping=1.0, criterion=4)
+    optimizer = DampedNewton(
+        model.parameters(), damping=1.0, criterion=4, **EXACT_VIVIT_STEP
+    )
     closure = make_closure(optimizer, model, loss_fn, X, y)
 
     losses = [optimizer.step(closure).item() for _ in range(NUM_STEPS)]
@@ -103,6 +105,7 @@ def test_newton_solves_quadratic_in_one_step(problem: Problem, damping: float):
         damping=damping,
         criterion=EigenvalueThreshold(1e-8),
         warn_small_eigvals=0,
+        **EXACT_VIVIT_STEP,
     )
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     # |error| ≤ ‖error‖₂ ≤ round-off + (δ/λ_min)·‖Newton step‖₂
