@@ -2,8 +2,10 @@
 
 For each model, GGN variant (exact, MC-1) and batch size, prints in one process the
 median wall time of an SGD step (forward, backward, update), of ``DampedNewton.step``
-(the fast, structured path) and of the materialized path (BackPACK's dense square
-roots and individual gradients, as in ViViT), and their ratios to SGD. With
+with ViViT's step (the fast, structured path; top-10, constant damping), of the
+materialized path (BackPACK's dense square roots and individual gradients, as in
+ViViT), and of ``DampedNewton`` with the package's defaults (MC-1 GGN averaged across
+steps, top-20, complement, trust region), and their ratios to SGD. With
 ``--memory``, each variant also runs in a fresh process that reports its peak memory
 (growth of the resident-set peak during the steps on CPU,
 ``torch.cuda.max_memory_allocated`` on GPU).
@@ -125,14 +127,17 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
 
         return step
     model, loss_fn = extend(model), extend(loss_fn)
-    if kind == "fast":
-        optimizer = DampedNewton(
-            model.parameters(),
-            lr=1e-3,
-            damping=1e-2,
-            criterion=DIRECTIONS,
-            mc_samples=mc_samples,
-        )
+    if kind in ("fast", "default"):
+        vivit = {
+            "damping": 1e-2,
+            "criterion": DIRECTIONS,
+            "mc_samples": mc_samples,
+            "complement": None,
+            "averaging": None,
+            "kl_clip": None,
+        }
+        settings = {"seed": 0} if kind == "default" else vivit
+        optimizer = DampedNewton(model.parameters(), lr=1e-3, **settings)
 
         def closure() -> torch.Tensor:
             optimizer.zero_grad()
@@ -225,13 +230,14 @@ def main() -> None:
     print(f"device {device}, {torch.get_num_threads()} threads, top-{DIRECTIONS}")
     header = f"{'model':10} {'N':>4} {'GGN':>5} {'SGD ms':>8} {'fast ms':>8} "
     header += f"{'fast/SGD':>9} {'dense ms':>9} {'dense/SGD':>10}"
+    header += f" {'default ms':>11} {'default/SGD':>12}"
     if args.memory:
         header += f" {'SGD MiB':>8} {'fast MiB':>9} {'dense MiB':>10}"
     print(header)
     for model_name in args.models:
         for batch_size in args.batch_sizes:
             for ggn in args.ggn:
-                variants = ["sgd", f"fast:{ggn}"]
+                variants = ["sgd", f"fast:{ggn}", "default"]
                 variants += [] if args.skip_materialized else [f"dense:{ggn}"]
                 times = round_robin_medians(
                     {v: make_step(v, model_name, batch_size, device) for v in variants},
@@ -241,15 +247,18 @@ def main() -> None:
                 sgd = times["sgd"]
                 fast = times[f"fast:{ggn}"]
                 dense = times.get(f"dense:{ggn}", float("nan"))
+                default = times["default"]
                 line = (
                     f"{model_name:10} {batch_size:>4} {ggn:>5} {sgd * 1e3:8.2f} "
                     f"{fast * 1e3:8.1f} {fast / sgd:8.1f}× "
-                    f"{dense * 1e3:9.1f} {dense / sgd:9.1f}×"
+                    f"{dense * 1e3:9.1f} {dense / sgd:9.1f}× "
+                    f"{default * 1e3:11.1f} {default / sgd:11.1f}×"
                 )
                 if args.memory:
+                    measured = [v for v in variants if v != "default"]
                     memory = [
                         peak_memory_mib(v, model_name, batch_size, device.type)
-                        for v in variants
+                        for v in measured
                     ]
                     memory += [float("nan")] * (3 - len(memory))
                     line += f" {memory[0]:8.0f} {memory[1]:9.0f} {memory[2]:10.0f}"

@@ -24,8 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dampednewton.criteria import numerical_zero
+from dampednewton.criteria import Criterion, TopK, numerical_zero
 from dampednewton.linalg import symmetric_eigh
+
+DEFAULT_RANK = 20
+"""Rank of the averaged factor for criteria other than top-k."""
 
 
 @dataclass(frozen=True)
@@ -35,13 +38,14 @@ class CurvatureAveraging:
     Attributes:
         decay: ``β`` in ``[0, 1)``: the weight of the past (``0``: this batch only).
         rank: Columns ``r`` of the factor ``B`` (the criterion then picks among its
-            ``r`` eigen-directions).
+            ``r`` eigen-directions); ``None``: the ``k`` of a :class:`TopK` criterion,
+            else 20.
         interval: Refresh the factor every ``interval`` steps; the steps in between
             reuse it and run the closure without BackPACK extensions.
     """
 
     decay: float = 0.95
-    rank: int = 20
+    rank: int | None = None
     interval: int = 1
 
     def __post_init__(self) -> None:
@@ -52,10 +56,25 @@ class CurvatureAveraging:
             )
         for name in ("rank", "interval"):
             value = getattr(self, name)
+            if name == "rank" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"CurvatureAveraging needs an integer {name} >= 1, got {value!r}."
                 )
+
+    def rank_for(self, criterion: Criterion) -> int:
+        """The factor's rank: ``rank``, or the ``k`` of a top-``k`` criterion.
+
+        Args:
+            criterion: The group's criterion.
+
+        Returns:
+            The number of columns to keep.
+        """
+        if self.rank is not None:
+            return self.rank
+        return criterion.k if isinstance(criterion, TopK) else DEFAULT_RANK
 
     def refreshes(self, step: int, updates: int) -> bool:
         """Whether step ``step`` (from 0) refreshes a factor of ``updates`` batches."""

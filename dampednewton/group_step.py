@@ -198,7 +198,8 @@ class StepComputation(DirectionalDampedNewtonComputation):
                 columns = basis.flatten(1).to(basis_gram)
                 basis_gram += columns @ columns.T
         small = averaged_gram(basis_gram, cross, block.gram, averaging.decay)
-        weights, mixing = leading_eigenpairs(small, averaging.rank)
+        rank_kept = averaging.rank_for(as_criterion(group["criterion"]))
+        weights, mixing = leading_eigenpairs(small, rank_kept)
         of_basis, of_batch = split_mixing(mixing, rank, averaging.decay)
         mapped = to_parameter_space(block, of_batch)
         basis = tuple(

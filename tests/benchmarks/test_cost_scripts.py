@@ -26,10 +26,11 @@ def test_step_cost_prints_one_row_per_variant_with_ratios():
     rows = [line.split() for line in output.splitlines() if line.startswith("mlp ")]
     assert [row[2] for row in rows] == ["mc1", "exact"]
     for row in rows:
-        sgd, fast, fast_ratio, dense, dense_ratio = (
-            float(value.rstrip("×")) for value in row[3:8]
+        sgd, fast, fast_ratio, dense, dense_ratio, default, default_ratio = (
+            float(value.rstrip("×")) for value in row[3:10]
         )
-        assert min(sgd, fast, dense) > 0
+        assert min(sgd, fast, dense, default) > 0
+        assert abs(default_ratio - default / sgd) <= 0.05 * default_ratio + 0.1
         # Printed times are rounded (SGD to 0.01 ms): ratios agree to a few percent.
         assert abs(fast_ratio - fast / sgd) <= 0.05 * fast_ratio + 0.1
         assert abs(dense_ratio - dense / sgd) <= 0.05 * dense_ratio + 0.1
@@ -42,5 +43,5 @@ def test_step_cost_memory_runs_each_variant_in_a_fresh_process():
         *("--repeats", "1", "--threads", "1", "--memory", "--skip-materialized"),
     )
     (row,) = [line.split() for line in output.splitlines() if line.startswith("mlp ")]
-    sgd_mib, fast_mib = float(row[8]), float(row[9])
+    sgd_mib, fast_mib = float(row[10]), float(row[11])
     assert sgd_mib >= 0 and fast_mib >= 0
