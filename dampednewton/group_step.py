@@ -203,7 +203,7 @@ class StepComputation(DirectionalDampedNewtonComputation):
         of_basis, of_batch = split_mixing(mixing, rank, averaging.decay)
         mapped = to_parameter_space(block, of_batch)
         basis = tuple(
-            torch.tensordot(of_basis.T.to(old), old, dims=1) + new
+            new.flatten(1).addmm_(of_basis.T.to(old), old.flatten(1)).view_as(new)
             for old, new in zip(previous.basis, mapped, strict=True)
         )
         factor = AveragedFactor(basis, weights, previous.updates + 1)
@@ -262,7 +262,7 @@ def averaged_step(
     indices = selected_indices(as_criterion(group["criterion"]), all_evals)
     evals = all_evals[indices]
     norms = factor.weights[indices].sqrt()
-    columns = [basis[indices] for basis in factor.basis]
+    columns = [_select_rows(basis, indices) for basis in factor.basis]
     gradients = _gradients(group["params"])
     projections = (
         sum(
@@ -311,6 +311,18 @@ def averaged_step(
         complement_curvature=rho,
         factor=factor,
     )
+
+
+def _select_rows(tensor: Tensor, indices: Tensor) -> Tensor:
+    """``tensor[indices]``, as a view when the indices are a contiguous range."""
+    if indices.numel() == 0:
+        return tensor[:0]
+    first, last = int(indices[0]), int(indices[-1])
+    if last - first + 1 == indices.numel() and bool(
+        (indices.diff() == 1).all() if indices.numel() > 1 else True
+    ):
+        return tensor[first : last + 1]
+    return tensor[indices]
 
 
 def _gradients(params: Sequence[Tensor]) -> list[Tensor]:
