@@ -7,7 +7,6 @@ eigenvector is ``e_k = V ũ_k / √λ_k``.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 
@@ -77,19 +76,3 @@ def gram_space_step(coefficients: Tensor, gram_evecs: Tensor, evals: Tensor) -> 
         ``[C·N]`` vector.
     """
     return gram_evecs @ (coefficients / evals.sqrt())
-
-
-def quadratic_model_decrease(
-    coefficients: Tensor, gamma_mean: Tensor, lambda_mean: Tensor
-) -> Tensor:
-    """Predicted loss change ``q(s) = Σ_k (γ̄_k c_k + ½ λ̄_k c_k²)`` of a step.
-
-    Args:
-        coefficients: Step lengths ``c_k`` along the (orthonormal) directions ``[K]``.
-        gamma_mean: Mean directional gradients ``[K]``.
-        lambda_mean: Mean directional curvatures ``[K]``.
-
-    Returns:
-        Scalar tensor (negative for a descent step).
-    """
-    return torch.sum(gamma_mean * coefficients + 0.5 * lambda_mean * coefficients**2)
