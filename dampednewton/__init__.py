@@ -15,6 +15,7 @@ from dampednewton.damping import (
     GSNRDamping,
     LevenbergMarquardt,
     NoiseAwareDamping,
+    RelativeDamping,
 )
 from dampednewton.optimizer import DampedNewton
 
@@ -32,6 +33,7 @@ __all__ = [
     "LevenbergMarquardt",
     "NewtonStep",
     "NoiseAwareDamping",
+    "RelativeDamping",
     "RelativeThreshold",
     "SmallestCurvature",
     "TopK",

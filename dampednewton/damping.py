@@ -55,6 +55,36 @@ class ConstantDamping:
         return torch.full_like(evals, self.value)
 
 
+@dataclass
+class RelativeDamping:
+    """Damping relative to the curvature scale: ``δ_k = fraction · max_j λ_j``.
+
+    The selected eigenvalues scale with the loss and the model (inputs, width), so a
+    fraction of the largest transfers between problems where a constant does not.
+
+    Attributes:
+        fraction: Non-negative factor of the largest selected eigenvalue.
+    """
+
+    uses_sample_statistics: ClassVar[bool] = False
+    fraction: float
+
+    def __post_init__(self) -> None:
+        """Validate the fraction."""
+        if not math.isfinite(self.fraction) or self.fraction < 0:
+            raise ValueError(
+                f"RelativeDamping needs a finite fraction >= 0, got {self.fraction!r}."
+            )
+
+    def __call__(
+        self, evals: Tensor, gram_evecs: Tensor, gammas: Tensor, lambdas: Tensor
+    ) -> Tensor:
+        """Return ``fraction · max(evals)`` for every direction."""
+        if evals.numel() == 0:
+            return evals.clone()
+        return (self.fraction * evals.max()).expand_as(evals).clone()
+
+
 def _standard_error(samples: Tensor) -> Tensor:
     """Standard error of the mean of each column (0 for a single sample)."""
     if samples.shape[0] < 2:
@@ -281,5 +311,11 @@ def checked_damping(damping: Tensor, num_directions: int) -> Tensor:
 
 # Policies live in param groups: let `torch.load(weights_only=True)` restore them.
 torch.serialization.add_safe_globals(
-    [ConstantDamping, NoiseAwareDamping, GSNRDamping, LevenbergMarquardt]
+    [
+        ConstantDamping,
+        RelativeDamping,
+        NoiseAwareDamping,
+        GSNRDamping,
+        LevenbergMarquardt,
+    ]
 )

@@ -14,6 +14,7 @@ from dampednewton import (
     GSNRDamping,
     LevenbergMarquardt,
     NoiseAwareDamping,
+    RelativeDamping,
 )
 from dampednewton.damping import as_damping, checked_damping
 from dampednewton.directional import newton_coefficients
@@ -129,6 +130,7 @@ def test_levenberg_marquardt_bounds_and_interval():
     "policy",
     [
         ConstantDamping(0.1),
+        RelativeDamping(0.05),
         NoiseAwareDamping(1e-3, 2.0),
         GSNRDamping(1e-2),
         LevenbergMarquardt(value=0.3, updates=7),
@@ -148,6 +150,7 @@ def test_policies_round_trip(policy):
     [
         (lambda: ConstantDamping(-1.0), ValueError),
         (lambda: ConstantDamping(float("nan")), ValueError),
+        (lambda: RelativeDamping(-0.1), ValueError),
         (lambda: NoiseAwareDamping(z=-1.0), ValueError),
         (lambda: GSNRDamping(base=-1.0), ValueError),
         (lambda: LevenbergMarquardt(decrease=1.5), ValueError),
@@ -158,6 +161,7 @@ def test_policies_round_trip(policy):
     ids=[
         "negative",
         "nan",
+        "negative-fraction",
         "negative-z",
         "negative-base",
         "decrease>1",
@@ -169,6 +173,17 @@ def test_policies_round_trip(policy):
 def test_invalid_settings(make, error):
     with pytest.raises(error):
         make()
+
+
+def test_relative_damping_is_a_fraction_of_the_largest_eigenvalue():
+    evals, _, gammas, lambdas = directional_samples(0, noise=0.1)
+    damping = RelativeDamping(0.2)(evals, None, gammas, lambdas)
+    assert_close(damping, torch.full_like(evals, 0.2 * evals.max().item()))
+    # Scale-free: scaling the curvature scales the damping, so c_k scales by 1/scale.
+    scaled = RelativeDamping(0.2)(10 * evals, None, gammas, 10 * lambdas)
+    assert_close(scaled, 10 * damping)
+    empty = torch.zeros(0, dtype=torch.float64)
+    assert RelativeDamping(0.2)(empty, None, gammas[:, :0], lambdas[:, :0]).numel() == 0
 
 
 def test_checked_damping_rejects_bad_policy_output():
