@@ -1,7 +1,11 @@
 """Directionally damped Newton steps from the GGN's low-rank structure, on BackPACK."""
 
 from dampednewton.averaging import CurvatureAveraging
-from dampednewton.complement import ConstantCurvature, SmallestCurvature
+from dampednewton.complement import (
+    ConstantCurvature,
+    MeasuredCurvature,
+    SmallestCurvature,
+)
 from dampednewton.computations import (
     DirectionalDampedNewtonComputation,
     DirectionalDerivativesComputation,
@@ -31,6 +35,7 @@ __all__ = [
     "EigvalshComputation",
     "GSNRDamping",
     "LevenbergMarquardt",
+    "MeasuredCurvature",
     "NewtonStep",
     "NoiseAwareDamping",
     "RelativeDamping",

@@ -12,9 +12,19 @@ damped inverse of the low-rank GGN, as in Nyström PCG and SketchySGD):
 
 With ``p_k = ḡᵀe_k`` the step is ``Σ_k (c_k + p_k/ρ) e_k − ḡ/ρ``: one map of the
 directions plus a multiple of the gradient. ``ρ`` comes from a policy:
-:class:`SmallestCurvature` (the default: the smallest kept ``λ̄_k + δ_k``, so that the
-complement is never stepped along more boldly than the flattest kept direction) or
-:class:`ConstantCurvature`; ``None`` switches the complement off (ViViT's step).
+:class:`SmallestCurvature` (the smallest kept ``λ̄_k + δ_k``, so that the complement is
+never stepped along more boldly than the flattest kept direction),
+:class:`MeasuredCurvature` (that, or the batch GGN's curvature along the complement
+``g_⊥ = ḡ − Σ_k p_k e_k`` if larger) or :class:`ConstantCurvature`; ``None`` switches
+the complement off (ViViT's step).
+
+The low-rank model assumes the GGN is flatter outside the kept directions than along
+the flattest kept one. With few directions, or directions averaged over past batches,
+that fails: ``g_⊥`` can have more curvature under this batch's GGN ``Ĝ = VVᵀ`` than
+``λ̄_min``, and ``−g_⊥/(λ̄_min + δ)`` overshoots. The Rayleigh quotient
+``q_⊥ = g_⊥ᵀĜg_⊥ / ‖g_⊥‖² = ‖Vᵀg_⊥‖² / ‖g_⊥‖²`` costs one contraction with ``V`` that
+the step computes anyway, and ``ρ = max(λ̄_j, q_⊥) + δ_j`` (``j`` the flattest kept
+direction) makes the complement step the damped Newton step along ``g_⊥`` itself.
 """
 
 from __future__ import annotations
@@ -28,9 +38,16 @@ from torch import Tensor
 
 
 class ComplementPolicy(Protocol):
-    """Maps the kept directions' curvatures and dampings to ``ρ`` (or ``None``)."""
+    """Maps the kept directions' curvatures and dampings to ``ρ`` (or ``None``).
 
-    def __call__(self, lambda_mean: Tensor, damping: Tensor) -> Tensor | None:
+    ``measured`` is ``q_⊥``, the batch GGN's curvature along the gradient's part
+    outside the directions, where the step has this batch's GGN (``None`` on steps
+    that reuse an averaged factor).
+    """
+
+    def __call__(
+        self, lambda_mean: Tensor, damping: Tensor, measured: Tensor | None = None
+    ) -> Tensor | None:
         """Return ``ρ > 0`` as a scalar tensor, or ``None`` for no complement step."""
 
 
@@ -41,13 +58,40 @@ class SmallestCurvature:
     Without a kept direction there is no curvature to borrow and no complement step.
     """
 
-    def __call__(self, lambda_mean: Tensor, damping: Tensor) -> Tensor | None:
+    def __call__(
+        self, lambda_mean: Tensor, damping: Tensor, measured: Tensor | None = None
+    ) -> Tensor | None:
         """Return the smallest damped curvature, or ``None`` without directions."""
         damped = lambda_mean + damping
         kept = damped[torch.isfinite(damped)]
         if kept.numel() == 0:
             return None
         return kept.min()
+
+
+@dataclass(frozen=True)
+class MeasuredCurvature:
+    """``ρ = max(λ̄_j, q_⊥) + δ_j``, ``j = argmin_k (λ̄_k + δ_k)`` over kept directions.
+
+    ``q_⊥`` is this batch's GGN curvature along the gradient's complement (see the
+    module docstring). Where it is not measured (steps that reuse an averaged factor)
+    this is :class:`SmallestCurvature`. Without a kept direction there is no
+    complement step.
+    """
+
+    def __call__(
+        self, lambda_mean: Tensor, damping: Tensor, measured: Tensor | None = None
+    ) -> Tensor | None:
+        """Return ``ρ``, or ``None`` without directions."""
+        damped = lambda_mean + damping
+        finite = torch.isfinite(damped)
+        if not bool(finite.any()):
+            return None
+        flattest = torch.where(finite, damped, torch.inf).argmin()
+        curvature = lambda_mean[flattest]
+        if measured is not None:
+            curvature = torch.maximum(curvature, measured.to(curvature))
+        return curvature + damping[flattest]
 
 
 @dataclass(frozen=True)
@@ -73,7 +117,9 @@ class ConstantCurvature:
                 f"{self.value!r} (use complement=None to switch the complement off)."
             )
 
-    def __call__(self, lambda_mean: Tensor, damping: Tensor) -> Tensor:
+    def __call__(
+        self, lambda_mean: Tensor, damping: Tensor, measured: Tensor | None = None
+    ) -> Tensor:
         """Return ``ρ`` as a tensor."""
         return torch.tensor(float(self.value), dtype=lambda_mean.dtype)
 
@@ -118,6 +164,22 @@ def orthogonal_energy(gradient_sq_norm: Tensor, projections: Tensor) -> Tensor:
     return (gradient_sq_norm - projections.square().sum()).clamp_min(0)
 
 
+def complement_rayleigh_quotient(residual: Tensor, energy: Tensor) -> Tensor:
+    """``q_⊥ = ‖Vᵀg_⊥‖² / ‖g_⊥‖²``: the batch GGN's curvature along ``g_⊥`` (or 0).
+
+    Args:
+        residual: ``Vᵀg_⊥`` (any shape).
+        energy: ``‖g_⊥‖²`` (scalar).
+
+    Returns:
+        The Rayleigh quotient (scalar).
+    """
+    numerator = residual.square().sum()
+    return torch.where(
+        energy > 0, numerator / energy.clamp_min(torch.finfo(energy.dtype).tiny), 0.0
+    )
+
+
 def complement_coefficients(
     coefficients: Tensor, projections: Tensor, curvature: Tensor
 ) -> Tensor:
@@ -135,4 +197,6 @@ def complement_coefficients(
 
 
 # Policies live in param groups: let `torch.load(weights_only=True)` restore them.
-torch.serialization.add_safe_globals([SmallestCurvature, ConstantCurvature])
+torch.serialization.add_safe_globals(
+    [SmallestCurvature, MeasuredCurvature, ConstantCurvature]
+)

@@ -27,6 +27,7 @@ from dampednewton.averaging import (
 from dampednewton.complement import (
     as_complement,
     complement_coefficients,
+    complement_rayleigh_quotient,
     orthogonal_energy,
 )
 from dampednewton.computations import DirectionalDampedNewtonComputation, NewtonStep
@@ -137,7 +138,17 @@ class StepComputation(DirectionalDampedNewtonComputation):
             "coefficients": coefficients,
         }
         policy = as_complement(group["complement"])
-        rho = None if policy is None else policy(lambda_mean, damping)
+        rho = None
+        if policy is not None:
+            mean_products = self._mean_gradient_products(block, products)
+            in_directions = mean_products @ gram_evecs  # ũ_kᵀ Vᵀḡ = √λ_k ḡᵀe_k
+            projections = in_directions.squeeze(0) / evals.sqrt()
+            gradients = _gradients(group["params"])
+            energy = orthogonal_energy(_squared_norm(gradients), projections)
+            # Vᵀg_⊥ = (I − ŨŨᵀ) Vᵀḡ: the batch GGN's curvature in the complement.
+            residual = mean_products - in_directions @ gram_evecs.T
+            measured = complement_rayleigh_quotient(residual, energy)
+            rho = policy(lambda_mean, damping, measured)
         if rho is None:
             beta = gram_space_step(coefficients, gram_evecs, evals)
             return GroupStep(
@@ -148,17 +159,10 @@ class StepComputation(DirectionalDampedNewtonComputation):
                 **details,
             )
         rho = rho.to(evals)
-        mean_products = self._mean_gradient_products(block, products)
-        in_directions = mean_products @ gram_evecs  # ũ_kᵀ Vᵀḡ = √λ_k ḡᵀe_k
-        projections = in_directions.squeeze(0) / evals.sqrt()
-        gradients = _gradients(group["params"])
-        energy = orthogonal_energy(_squared_norm(gradients), projections)
         beta = gram_space_step(
             complement_coefficients(coefficients, projections, rho), gram_evecs, evals
         )
         mapped = to_parameter_space(block, beta)
-        # Vᵀ s_⊥ = −(I − ŨŨᵀ) Vᵀḡ / ρ: the batch GGN's curvature in the complement.
-        residual = mean_products - in_directions @ gram_evecs.T
         return GroupStep(
             step=tuple(m - g / rho for m, g in zip(mapped, gradients, strict=True)),
             slope=torch.sum(projections * coefficients) - energy / rho,
@@ -279,7 +283,13 @@ def averaged_step(
     ).to(evals)
     coefficients = newton_coefficients(projections, evals, damping)
     policy = as_complement(group["complement"])
-    rho = None if policy is None else policy(evals, damping)
+    energy = orthogonal_energy(_squared_norm(gradients), projections)
+    measured = None
+    if policy is not None and batch_products is not None:
+        # Vᵀg_⊥ = Vᵀḡ − Σ_i p_i Vᵀu_i: the batch GGN's curvature in the complement.
+        residual = mean_products - batch_products[:, indices] @ (projections / norms)
+        measured = complement_rayleigh_quotient(residual, energy)
+    rho = None if policy is None else policy(evals, damping, measured)
     slope = torch.sum(projections * coefficients)
     batch_curvature = None
     if rho is None:
@@ -294,7 +304,7 @@ def averaged_step(
             torch.tensordot(weights.to(c), c, dims=1) - g / rho
             for c, g in zip(columns, gradients, strict=True)
         )
-        slope = slope - orthogonal_energy(_squared_norm(gradients), projections) / rho
+        slope = slope - energy / rho
         if batch_products is not None:
             mapped = batch_products[:, indices] @ weights - mean_products / rho
             batch_curvature = mapped.square().sum()

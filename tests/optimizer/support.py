@@ -105,7 +105,8 @@ def reference_step(
     The criterion (``int k`` or a callable on ascending eigenvalues) is applied to
     the GGN spectrum with numerically zero eigenvalues set to 0; a number is a
     constant damping, a callable gets ``(evals, None, gammas, lambdas)``. With a
-    complement policy, ``−(ḡ − E Eᵀ ḡ)/ρ`` is added, ``E`` the selected eigenvectors.
+    complement policy, ``−(ḡ − E Eᵀ ḡ)/ρ`` is added, ``E`` the selected eigenvectors;
+    the policy sees the GGN's Rayleigh quotient along ``g_⊥ = ḡ − E Eᵀ ḡ``.
     """
     args = (model, loss_fn, list(params), X, y)
     G = reference.ggn(*args)
@@ -127,10 +128,12 @@ def reference_step(
     step = reference.damped_newton_step(G, Gn, grads, num_directions, delta)
     rho = None
     if complement is not None:
-        rho = float(complement(lambdas.mean(0), delta))
         evecs = reference.directional_derivatives(G, Gn, grads, num_directions)[3]
         mean_gradient = grads.mean(0)
-        step = step - (mean_gradient - evecs @ (evecs.T @ mean_gradient)) / rho
+        orthogonal = mean_gradient - evecs @ (evecs.T @ mean_gradient)
+        measured = (orthogonal @ G @ orthogonal) / (orthogonal @ orthogonal)
+        rho = float(complement(lambdas.mean(0), delta, measured))
+        step = step - orthogonal / rho
     return ReferenceStep(
         step, evals, gammas.mean(0), lambdas.mean(0), delta, spectrum, rho
     )

@@ -19,6 +19,7 @@ from dampednewton import (
     ConstantDamping,
     DampedNewton,
     EigenvalueThreshold,
+    MeasuredCurvature,
     RelativeThreshold,
     SmallestCurvature,
     TopK,
@@ -101,6 +102,7 @@ COMPLEMENTS = {
     "vivit": None,
     "smallest": SmallestCurvature(),
     "constant": ConstantCurvature(0.7),
+    "measured": MeasuredCurvature(),
 }
 
 
