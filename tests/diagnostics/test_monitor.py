@@ -293,6 +293,73 @@ def test_network_histogram_range_follows_previous_step(case):
             np.testing.assert_array_equal(current[f"{label}/{edges_key}"], expected)
 
 
+def test_cockpit_semantics_match_numpy_with_clipping(case, policy):
+    """Clamped into the edge bins; the network range is this step's hull.
+
+    Two steps with SGD in between: at each, the per-parameter and network
+    histograms equal ``numpy.histogram``/``numpy.histogram2d`` of the values clipped
+    (in numpy) into the per-parameter range and into the hull of this step's
+    per-parameter ranges.
+    """
+    bins, bins_2d = 11, (6, 5)
+    parameter_range = PercentileRange(10.0, 90.0, 0.0)
+    monitor = DiagnosticsMonitor(
+        [
+            GradientHistogram(bins=bins, range_policy=policy, semantics="cockpit"),
+            GradientParameterHistogram(
+                bins=bins_2d,
+                gradient_range=policy,
+                parameter_range=parameter_range,
+                semantics="cockpit",
+            ),
+        ],
+        case.model.named_parameters(),
+    )
+    optimizer = torch.optim.SGD(case.model.parameters(), lr=0.5)
+    for step in range(2):
+        individual = backpack_individual_gradients(case)
+        record = run_monitored_step(case, monitor, step)
+        gradient_ranges, parameter_ranges, pairs = [], [], []
+        for name, param in case.model.named_parameters():
+            values = individual[name].numpy()
+            param_values = np.broadcast_to(param.detach().numpy(), values.shape)
+            grad_range = policy.compute(individual[name])
+            param_range = parameter_range.compute(param.detach())
+            gradient_ranges.append(grad_range)
+            parameter_ranges.append(param_range)
+            pairs.append((values.ravel(), param_values.ravel()))
+            counts, edges = np.histogram(
+                np.clip(values, *grad_range), bins=bins, range=grad_range
+            )
+            np.testing.assert_array_equal(record[f"grad_hist/counts/{name}"], counts)
+            np.testing.assert_array_equal(record[f"grad_hist/edges/{name}"], edges)
+            counts_2d, _, _ = np.histogram2d(
+                np.clip(values.ravel(), *grad_range),
+                np.clip(param_values.ravel(), *param_range),
+                bins=bins_2d,
+                range=(grad_range, param_range),
+            )
+            np.testing.assert_array_equal(
+                record[f"grad_param_hist/counts/{name}"], counts_2d
+            )
+        hull, param_hull = range_hull(gradient_ranges), range_hull(parameter_ranges)
+        everything = np.concatenate([x for x, _ in pairs])
+        counts, edges = np.histogram(np.clip(everything, *hull), bins=bins, range=hull)
+        np.testing.assert_array_equal(record["grad_hist/counts"], counts)
+        np.testing.assert_array_equal(record["grad_hist/edges"], edges)
+        assert record["grad_hist/counts"].sum() == everything.size
+        counts_2d, x_edges, y_edges = np.histogram2d(
+            np.clip(everything, *hull),
+            np.clip(np.concatenate([y for _, y in pairs]), *param_hull),
+            bins=bins_2d,
+            range=(hull, param_hull),
+        )
+        np.testing.assert_array_equal(record["grad_param_hist/counts"], counts_2d)
+        np.testing.assert_array_equal(record["grad_param_hist/x_edges"], x_edges)
+        np.testing.assert_array_equal(record["grad_param_hist/y_edges"], y_edges)
+        optimizer.step()
+
+
 def test_network_histogram_is_sum_of_layers_with_a_fixed_range(case):
     fixed = FixedRange(-0.4, 0.4)
     monitor = DiagnosticsMonitor(
