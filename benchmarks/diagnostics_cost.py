@@ -2,8 +2,8 @@
 
 Problem: MLP 784-128-128-10 (ReLU), cross-entropy, N = 128 random inputs and labels
 (float32). A step is ``zero_grad`` + forward + backward + ``optimizer.step()``;
-with diagnostics the backward runs inside ``monitor.backward_context(step)`` and
-``monitor.finish(...)`` (record to CPU, appended to the log) is part of the step.
+with diagnostics the backward runs inside ``monitor.backward_context(step, loss)``,
+which finishes the record on exit (record to CPU, appended to the log).
 The baseline is SGD on the plain, non-extended model. Variants are timed in
 alternating blocks of consecutive steps (robust to a shared machine's changing
 load); the script prints the median and the minimum per variant and their ratios
@@ -86,9 +86,8 @@ def step_function(
     def monitored_step(index: int) -> None:
         optimizer.zero_grad()
         loss = loss_fn(model(X), y)
-        with monitor.backward_context(index):
+        with monitor.backward_context(index, loss):
             loss.backward()
-        monitor.finish(index, model.parameters(), loss)
         optimizer.step()
 
     return monitored_step

@@ -3,8 +3,10 @@
 A criterion receives a block's Gram eigenvalues in ascending order and returns the
 indices of the selected ones (ViViT's convention). The built-in policies only select
 numerically positive eigenvalues, above the round-off level ``n·ε·λ_max`` of a
-symmetric eigensolver on an ``n×n`` Gram matrix: dividing by ``√λ`` is meaningless
-for eigenvalues that are zero up to round-off.
+symmetric eigensolver on an ``n×n`` Gram matrix: the directions of eigenvalues that are
+zero up to round-off are round-off themselves. Callables may select those too (ViViT's
+keep-all ``lambda evals: list(range(evals.numel()))``): the computations then warn,
+and steps give such directions a zero coefficient.
 """
 
 from __future__ import annotations
@@ -144,11 +146,11 @@ def selected_indices(criterion: Criterion, evals: Tensor) -> Tensor:
 
     Raises:
         IndexError: If an index is out of range.
-        ValueError: If an index repeats or selects an eigenvalue ``<= 0``.
+        ValueError: If an index repeats.
     """
     answer = criterion(evals)
     if isinstance(criterion, TopK | EigenvalueThreshold | RelativeThreshold):
-        # Sorted, unique, in range and positive by construction.
+        # Sorted, unique and in range by construction.
         return torch.as_tensor(answer, dtype=torch.int64, device=evals.device)
     indices = torch.as_tensor(list(answer), dtype=torch.int64)
     num_evals = evals.numel()
@@ -160,16 +162,7 @@ def selected_indices(criterion: Criterion, evals: Tensor) -> Tensor:
     indices = torch.remainder(indices, max(num_evals, 1)).sort().values
     if indices.unique().numel() != indices.numel():
         raise ValueError(f"The criterion repeated indices: {indices.tolist()}.")
-    indices = indices.to(evals.device)
-    chosen = evals[indices]
-    if (chosen <= 0).any():
-        bad = chosen[chosen <= 0].tolist()
-        raise ValueError(
-            f"The criterion selected eigenvalues <= 0 ({bad}): their eigenvectors are "
-            "undefined (division by √λ). Select only positive eigenvalues, e.g. with "
-            "TopK, EigenvalueThreshold or RelativeThreshold."
-        )
-    return indices
+    return indices.to(evals.device)
 
 
 # Policies live in param groups: let `torch.load(weights_only=True)` restore them.

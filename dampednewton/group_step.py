@@ -39,6 +39,7 @@ from dampednewton.directional import (
     directional_curvatures,
     directional_gradients,
     gram_space_step,
+    inverse_lengths,
     newton_coefficients,
 )
 from dampednewton.finite import all_finite
@@ -115,21 +116,29 @@ class StepComputation(DirectionalDampedNewtonComputation):
             return None
 
     def _newton_step(self, block: Block) -> GroupStep:
-        """ViViT's step from this batch's GGN, plus the complement if switched on."""
+        """ViViT's step from this batch's GGN, plus the complement if switched on.
+
+        Directions whose eigenvalue is not numerically positive get a zero
+        coefficient and stay out of the complement's curvature and projections, so
+        the step equals the one restricted to the positive eigenvalues.
+        """
         group = block.group
         directions = select_directions(block, self._warn_small_eigvals)
         evals, gram_evecs = directions.evals, directions.gram_evecs
+        positive, lengths = directions.positive, directions.lengths
         products = self._gradient_products(block)
-        gammas = directional_gradients(products, gram_evecs, evals)
+        gammas = directional_gradients(products, gram_evecs, lengths)
         lambdas = directional_curvatures(
-            gram_evecs, evals, block.num_outputs, block.num_samples
+            directions.gram_images, lengths, block.num_outputs, block.num_samples
         )
         damping = checked_damping(
             as_damping(group["damping"])(evals, gram_evecs, gammas, lambdas),
             evals.numel(),
         ).to(evals)
         gamma_mean, lambda_mean = gammas.mean(0), lambdas.mean(0)
-        coefficients = newton_coefficients(gamma_mean, lambda_mean, damping)
+        coefficients = newton_coefficients(gamma_mean, lambda_mean, damping).where(
+            positive, 0.0
+        )
         details = {
             "evals": evals,
             "gamma_mean": gamma_mean,
@@ -141,16 +150,17 @@ class StepComputation(DirectionalDampedNewtonComputation):
         rho = None
         if policy is not None:
             mean_products = self._mean_gradient_products(block, products)
-            in_directions = mean_products @ gram_evecs  # ũ_kᵀ Vᵀḡ = √λ_k ḡᵀe_k
-            projections = in_directions.squeeze(0) / evals.sqrt()
+            # ũ_kᵀ Vᵀḡ = ‖V ũ_k‖ ḡᵀe_k, for the directions the step keeps.
+            in_directions = (mean_products @ gram_evecs).where(positive, 0.0)
+            projections = in_directions.squeeze(0) * inverse_lengths(lengths)
             gradients = _gradients(group["params"])
             energy = orthogonal_energy(_squared_norm(gradients), projections)
             # Vᵀg_⊥ = (I − ŨŨᵀ) Vᵀḡ: the batch GGN's curvature in the complement.
             residual = mean_products - in_directions @ gram_evecs.T
             measured = complement_rayleigh_quotient(residual, energy)
-            rho = policy(lambda_mean, damping, measured)
+            rho = policy(lambda_mean[positive], damping[positive], measured)
         if rho is None:
-            beta = gram_space_step(coefficients, gram_evecs, evals)
+            beta = gram_space_step(coefficients, gram_evecs, lengths)
             return GroupStep(
                 step=tuple(to_parameter_space(block, beta)),
                 slope=torch.sum(gamma_mean * coefficients),
@@ -160,7 +170,7 @@ class StepComputation(DirectionalDampedNewtonComputation):
             )
         rho = rho.to(evals)
         beta = gram_space_step(
-            complement_coefficients(coefficients, projections, rho), gram_evecs, evals
+            complement_coefficients(coefficients, projections, rho), gram_evecs, lengths
         )
         mapped = to_parameter_space(block, beta)
         return GroupStep(

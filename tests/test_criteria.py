@@ -75,9 +75,8 @@ def test_invalid_criteria(make, error):
         ([6], IndexError, "only 6 eigenvalues"),
         ([-7], IndexError, "only 6 eigenvalues"),
         ([5, 5], ValueError, "repeated"),
-        ([0], ValueError, "<= 0"),
     ],
-    ids=["too-large", "too-negative", "repeated", "non-positive"],
+    ids=["too-large", "too-negative", "repeated"],
 )
 def test_selected_indices_refuses(indices, error, match):
     with pytest.raises(error, match=match):
@@ -97,3 +96,9 @@ def test_criteria_round_trip(criterion):
     torch.save({"criterion": criterion}, buffer)
     buffer.seek(0)
     assert torch.load(buffer)["criterion"] == criterion
+
+
+def test_selected_indices_accepts_non_positive_eigenvalues():
+    """ViViT's keep-all criterion: the computations warn about these, not refuse."""
+    keep_all = lambda evals: list(range(evals.numel()))  # noqa: E731
+    assert selected_indices(keep_all, EVALS).tolist() == list(range(6))

@@ -26,7 +26,8 @@ class NewtonStep:
         gamma_mean: Mean directional gradients ``γ̄_k`` ``[K]``.
         lambda_mean: Mean directional curvatures ``λ̄_k`` ``[K]``.
         damping: Directional damping ``δ_k`` ``[K]``.
-        coefficients: Step lengths ``c_k = −γ̄_k / (λ̄_k + δ_k)`` ``[K]``.
+        coefficients: Step lengths ``c_k = −γ̄_k / (λ̄_k + δ_k)`` ``[K]`` (``0`` for
+            eigenvalues that are not numerically positive).
     """
 
     step: tuple[Tensor, ...]
@@ -47,9 +48,13 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
 
         s = \sum_k \frac{-\bar\gamma_k}{\bar\lambda_k + \delta_k} e_k = V \beta,
 
-    formed in Gram space (``β = Σ_k c_k ũ_k/√λ_k``) and mapped by one product. Groups
-    need ``'params'``, ``'criterion'`` (callable or int ``k``) and ``'damping'``
-    (callable ``(evals, gram_evecs, gammas, lambdas) -> δ`` or a number).
+    formed in Gram space (``β = Σ_k c_k ũ_k/‖V ũ_k‖``) and mapped by one product.
+    Groups need ``'params'``, ``'criterion'`` (callable or int ``k``) and
+    ``'damping'`` (callable ``(evals, gram_evecs, gammas, lambdas) -> δ`` or a
+    number). Directions whose eigenvalue is zero up to round-off or negative
+    (``λ_k <= n·ε·λ_max``, selected e.g. by ViViT's keep-all criterion) get the
+    coefficient ``c_k = 0`` with a warning: the step is the one restricted to the
+    positive eigenvalues, and never NaN.
 
     The loss must use ``reduction='mean'``.
     """
@@ -118,8 +123,10 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
             policy(evals, gram_evecs, gammas, lambdas), evals.numel()
         ).to(evals)
         gamma_mean, lambda_mean = gammas.mean(0), lambdas.mean(0)
-        coefficients = newton_coefficients(gamma_mean, lambda_mean, damping)
-        beta = gram_space_step(coefficients, gram_evecs, evals)
+        coefficients = newton_coefficients(gamma_mean, lambda_mean, damping).where(
+            directions.positive, 0.0
+        )
+        beta = gram_space_step(coefficients, gram_evecs, directions.lengths)
         return NewtonStep(
             step=tuple(to_parameter_space(block, beta)),
             evals=evals,

@@ -17,6 +17,10 @@ class DirectionalDerivativesComputation(GGNComputation):
     ``γ_nk = ∇ℓ_nᵀ e_k`` is the slope of sample ``n``'s loss ``ℓ_n`` (not ``ℓ_n/N``),
     ``λ_nk = e_kᵀ G_n e_k`` its GGN curvature; the mean of ``λ_nk`` over the GGN
     samples is the eigenvalue ``λ_k``. Groups need ``'params'`` and ``'criterion'``.
+    The directions are :class:`EighComputation`'s unit eigenvectors
+    ``e_k = V ũ_k / ‖V ũ_k‖``, also for eigenvalues that are zero up to round-off or
+    negative (which warns, as in ViViT); where ``V ũ_k`` vanishes exactly, the
+    derivatives are zero.
 
     The loss must use ``reduction='mean'``.
     """
@@ -67,11 +71,11 @@ class DirectionalDerivativesComputation(GGNComputation):
     ) -> tuple[Tensor, Tensor]:
         """Per-sample slopes ``γ`` and curvatures ``λ`` along the directions."""
         gammas = directional_gradients(
-            self._gradient_products(block), directions.gram_evecs, directions.evals
+            self._gradient_products(block), directions.gram_evecs, directions.lengths
         )
         lambdas = directional_curvatures(
-            directions.gram_evecs,
-            directions.evals,
+            directions.gram_images,
+            directions.lengths,
             block.num_outputs,
             block.num_samples,
         )

@@ -9,7 +9,13 @@ import torch
 from torch import Tensor
 
 from dampednewton.computations.base import Block
-from dampednewton.criteria import TopK, as_criterion, selected_indices
+from dampednewton.criteria import (
+    TopK,
+    as_criterion,
+    numerical_zero,
+    selected_indices,
+)
+from dampednewton.directional import direction_lengths
 from dampednewton.finite import all_finite
 from dampednewton.linalg import symmetric_eigh, top_eigh
 
@@ -22,13 +28,25 @@ PARTIAL_MAX_FRACTION = 1 / 16
 class Directions:
     """Selected Gram-space eigenpairs of a GGN block.
 
+    The parameter-space direction of ``ũ_k`` is ``e_k = V ũ_k / ‖V ũ_k‖``, normalised
+    by its actual length (as ViViT does) rather than by ``√λ_k``: the two agree for
+    numerically positive ``λ_k``, and only the first is defined for the others.
+
     Attributes:
         evals: Selected eigenvalues ``[K]``, ascending.
-        gram_evecs: Matching Gram eigenvectors ``[C·N, K]``.
+        gram_evecs: Matching Gram eigenvectors ``ũ_k`` ``[C·N, K]``.
+        gram_images: ``Ĝ ũ_k`` ``[C·N, K]``.
+        lengths: ``‖V ũ_k‖ = √(ũ_kᵀ Ĝ ũ_k)`` ``[K]`` (``0`` where ``V ũ_k``
+            vanishes numerically).
+        positive: ``[K]`` mask of the numerically positive eigenvalues (above the
+            round-off level ``n·ε·λ_max``); steps give the others a zero coefficient.
     """
 
     evals: Tensor
     gram_evecs: Tensor
+    gram_images: Tensor
+    lengths: Tensor
+    positive: Tensor
 
 
 def select_directions(block: Block, warn_small_eigvals: float) -> Directions:
@@ -36,6 +54,9 @@ def select_directions(block: Block, warn_small_eigvals: float) -> Directions:
 
     A :class:`TopK` criterion on a large Gram matrix uses the partial eigensolver
     :func:`top_eigh` (falling back to the full ``eigh`` if it does not converge).
+    Criteria may select eigenvalues that are zero up to round-off or negative (ViViT's
+    keep-all criterion ``lambda evals: list(range(evals.numel()))`` does): that warns,
+    and such directions are marked in :attr:`Directions.positive`.
 
     Args:
         block: A block whose parameters were all reduced.
@@ -57,16 +78,36 @@ def select_directions(block: Block, warn_small_eigvals: float) -> Directions:
     evals, evecs = _eigenpairs(block.gram, criterion)
     indices = selected_indices(criterion, evals)
     chosen = evals[indices]
-    if warn_small_eigvals > 0 and (chosen.abs() < warn_small_eigvals).any():
-        # A constant text, so that Python's default filter reports it once per place.
+    positive = chosen > numerical_zero(evals)
+    # Constant texts, so that Python's default filter reports each once per place.
+    if not positive.all():
+        warnings.warn(
+            "The criterion selected GGN eigenvalues that are zero up to round-off or "
+            "negative (λ <= n·ε·λ_max): their eigenvectors are round-off normalised "
+            "to unit length, not curvature directions, and damped Newton steps give "
+            "them a zero coefficient. Select only positive eigenvalues (TopK, "
+            "EigenvalueThreshold or RelativeThreshold) to avoid this.",
+            stacklevel=2,
+        )
+    small = chosen[positive].abs() < warn_small_eigvals
+    if warn_small_eigvals > 0 and small.any():
         warnings.warn(
             f"Selected GGN eigenvalues are below warn_small_eigvals="
-            f"{warn_small_eigvals}: directions divide by √λ and may be inaccurate. "
+            f"{warn_small_eigvals}: their directions are normalised from V ũ of "
+            "length ≈ √λ and may be inaccurate. "
             "Select fewer directions (e.g. EigenvalueThreshold) or set "
             "warn_small_eigvals=0 to silence this.",
             stacklevel=2,
         )
-    return Directions(evals=chosen, gram_evecs=evecs[:, indices])
+    gram_evecs = evecs[:, indices]
+    gram_images = block.gram @ gram_evecs
+    return Directions(
+        evals=chosen,
+        gram_evecs=gram_evecs,
+        gram_images=gram_images,
+        lengths=direction_lengths(gram_evecs, gram_images),
+        positive=positive,
+    )
 
 
 def _eigenpairs(gram: Tensor, criterion) -> tuple[Tensor, Tensor]:

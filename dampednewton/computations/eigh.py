@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Generator, Tensor
 
 from dampednewton.computations.base import Block, GGNComputation
@@ -16,7 +17,12 @@ class EighComputation(GGNComputation):
     Each group needs ``'params'`` (one GGN block) and ``'criterion'`` (ascending
     eigenvalues → indices, or an int ``k`` for the ``k`` largest positive ones). The
     eigenvector of a selected eigenvalue ``λ_k`` with Gram eigenvector ``ũ_k`` is
-    ``e_k = V ũ_k / √λ_k``.
+    ``e_k = V ũ_k / ‖V ũ_k‖``, normalised by its actual norm in parameter space as in
+    ViViT (not by ``√λ_k``, whose round-off spoils the norm for small ``λ_k``).
+    Criteria may select eigenvalues that are zero up to round-off or negative, such as
+    ViViT's keep-all ``lambda evals: list(range(evals.numel()))``: that warns, and
+    their eigenvectors are normalised round-off (the zero vector where ``V ũ_k``
+    vanishes exactly).
 
     The loss must use ``reduction='mean'``.
     """
@@ -58,8 +64,9 @@ class EighComputation(GGNComputation):
 
     def _finish(self, block: Block) -> tuple[Tensor, list[Tensor]]:
         directions = select_directions(block, self._warn_small_eigvals)
-        scaled = directions.gram_evecs / directions.evals.sqrt()
-        return directions.evals, to_parameter_space(block, scaled)
+        return directions.evals, unit_columns(
+            to_parameter_space(block, directions.gram_evecs)
+        )
 
     def get_result(self, group: dict) -> tuple[Tensor, list[Tensor]]:
         """Return the selected eigenvalues and eigenvectors of a block.
@@ -75,3 +82,19 @@ class EighComputation(GGNComputation):
             KeyError: If there is no result for the group.
         """
         return super().get_result(group)
+
+
+def unit_columns(vectors: list[Tensor]) -> list[Tensor]:
+    """Normalise ``K`` stacked vectors in parameter format to unit norm.
+
+    Args:
+        vectors: Per parameter, a tensor ``[K, *p.shape]``; vector ``k`` is
+            ``[v[k] for v in vectors]``.
+
+    Returns:
+        The vectors divided by their norms (zero vectors stay zero).
+    """
+    squared_norms = sum(v.flatten(start_dim=1).square().sum(1) for v in vectors)
+    norms = squared_norms.sqrt()
+    scale = torch.where(norms > 0, norms.reciprocal(), 0.0)
+    return [v * scale.view(-1, *([1] * (v.dim() - 1))) for v in vectors]

@@ -5,7 +5,8 @@
   :class:`GradientParameterHistogram`, :class:`CurvatureTrace`, each with a
   schedule (:class:`EveryKSteps`, :class:`DecadeSchedule`,
   :class:`LogSpacedSchedule`) and, for histograms, a bin-range policy
-  (:class:`FixedRange`, :class:`MaxAbsRange`, :class:`PercentileRange`).
+  (:class:`FixedRange`, :class:`MaxAbsRange`, :class:`PercentileRange`) and
+  :data:`HistogramSemantics` (this package's or Cockpit's).
 * How: :class:`DiagnosticsMonitor` (BackPACK extensions, extension hook, per-step
   record), :class:`DiagnosticsLog` (JSON/NPZ storage).
 * Math as pure functions: :mod:`~dampednewton.diagnostics.gsnr`,
@@ -33,6 +34,7 @@ from dampednewton.diagnostics.specs import (
     CurvatureTrace,
     GradientHistogram,
     GradientParameterHistogram,
+    HistogramSemantics,
     NoiseScale,
 )
 
@@ -46,6 +48,7 @@ __all__ = [
     "FixedRange",
     "GradientHistogram",
     "GradientParameterHistogram",
+    "HistogramSemantics",
     "LogSpacedSchedule",
     "MaxAbsRange",
     "MissingQuantityError",

@@ -7,17 +7,23 @@ Binning follows ``numpy.histogram``: the edges are ``numpy.linspace(low, high,
 bins + 1)`` (cast to the data's dtype), bin ``i`` holds ``edges[i] ≤ x <
 edges[i + 1]`` and the last bin also holds ``x = high``.
 
-Out-of-range values are **not** put into the edge bins: they are counted
-separately as ``below`` (``x < low``, including ``−inf``) and ``above`` (``x >
-high``, including ``+inf``), and NaNs as ``nan``. Hence the bin counts equal
-``numpy.histogram`` of the same data with the same range, and
-``counts.sum() + below + above + nan`` is the number of elements.
+By default (``out_of_range="count"``) out-of-range values are **not** put into the
+edge bins: they are counted separately as ``below`` (``x < low``, including
+``−inf``) and ``above`` (``x > high``, including ``+inf``), and NaNs as ``nan``.
+Hence the bin counts equal ``numpy.histogram`` of the same data with the same range,
+and ``counts.sum() + below + above + nan`` is the number of elements.
+
+With ``out_of_range="clamp"`` (Cockpit's histograms) out-of-range values are clamped
+into the edge bins, so the counts equal ``numpy.histogram`` of
+``numpy.clip(x, low, high)``; ``below`` and ``above`` still say how many were
+clamped, and ``counts.sum() + nan`` is the number of elements. In two dimensions
+each coordinate is clamped into its range.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import numpy as np
 import torch
@@ -26,6 +32,25 @@ from torch import Tensor
 DEFAULT_CHUNK_SIZE = 2**22
 """Elements binned at once; bounds the temporary memory of large inputs."""
 
+OutOfRange = Literal["count", "clamp"]
+"""Out-of-range values: ``"count"`` them separately, or ``"clamp"`` them into the
+edge bins."""
+
+
+def check_out_of_range(out_of_range: str) -> None:
+    """Validate an :data:`OutOfRange` value.
+
+    Args:
+        out_of_range: The value to check.
+
+    Raises:
+        ValueError: If it is not one of :data:`OutOfRange`.
+    """
+    if out_of_range not in get_args(OutOfRange):
+        raise ValueError(
+            f"out_of_range must be one of {get_args(OutOfRange)}, got {out_of_range!r}."
+        )
+
 
 class Histogram1d(NamedTuple):
     """Counts of a one-dimensional histogram.
@@ -33,8 +58,10 @@ class Histogram1d(NamedTuple):
     Attributes:
         counts: Counts per bin, int64 of shape ``[bins]``.
         edges: Bin edges, shape ``[bins + 1]``, dtype of the data.
-        below: Number of values ``< low`` (0-dim int64).
-        above: Number of values ``> high`` (0-dim int64).
+        below: Number of values ``< low`` (0-dim int64); clamped into the first bin
+            with ``out_of_range="clamp"``.
+        above: Number of values ``> high`` (0-dim int64); clamped into the last bin
+            with ``out_of_range="clamp"``.
         nan: Number of NaNs (0-dim int64).
     """
 
@@ -55,7 +82,8 @@ class Histogram2d(NamedTuple):
         y_edges: Bin edges along ``y``, shape ``[y_bins + 1]``.
         margins: int64 ``[3, 3]``: pairs without NaN by the region of ``x`` (row)
             and of ``y`` (column), each ``0`` below, ``1`` inside, ``2`` above the
-            range; ``margins[1, 1] == counts.sum()``.
+            range; ``margins[1, 1] == counts.sum()`` unless out-of-range pairs were
+            clamped into the edge bins.
         nan: Number of pairs with a NaN in ``x`` or ``y`` (0-dim int64).
     """
 
@@ -120,6 +148,25 @@ def _bin_codes(values: Tensor, edges: Tensor) -> Tensor:
     return codes
 
 
+def _clamped(table: Tensor, bins: int, dim: int) -> Tensor:
+    """Inner bins of ``table`` along ``dim`` with the below/above codes folded in.
+
+    Args:
+        table: Counts by code along ``dim`` (``0`` below, ``1..bins``, ``bins + 1``
+            above, NaN codes excluded).
+        bins: Number of inner bins.
+        dim: Dimension of the codes.
+
+    Returns:
+        ``bins`` entries along ``dim``: the first bin also holds the values below,
+        the last bin those above.
+    """
+    inner = table.narrow(dim, 1, bins).clone()
+    inner.narrow(dim, 0, 1).add_(table.narrow(dim, 0, 1))
+    inner.narrow(dim, bins - 1, 1).add_(table.narrow(dim, bins + 1, 1))
+    return inner
+
+
 def _collapse(table: Tensor, bins: int, dim: int) -> Tensor:
     """Sum the codes of ``table`` along ``dim`` into below, inside, above."""
     return torch.stack(
@@ -143,6 +190,7 @@ def histogram1d(
     high: float,
     bins: int,
     *,
+    out_of_range: OutOfRange = "count",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> Histogram1d:
     """Histogram of all elements of ``values`` on ``[low, high]``.
@@ -152,6 +200,8 @@ def histogram1d(
         low: Lower end of the range.
         high: Upper end of the range.
         bins: Number of bins.
+        out_of_range: ``"count"`` out-of-range values separately, or ``"clamp"``
+            them into the edge bins.
         chunk_size: Number of elements binned at once.
 
     Returns:
@@ -159,16 +209,22 @@ def histogram1d(
 
     Raises:
         TypeError: If ``values`` is not floating-point.
-        ValueError: If the range or ``bins`` is invalid, or ``chunk_size < 1``.
+        ValueError: If the range, ``bins`` or ``out_of_range`` is invalid, or
+            ``chunk_size < 1``.
     """
     _check_floating("values", values)
     _check_chunk_size(chunk_size)
+    check_out_of_range(out_of_range)
     edges = uniform_bin_edges(low, high, bins, like=values)
     totals = torch.zeros(bins + 3, dtype=torch.int64, device=values.device)
     for chunk in values.detach().reshape(-1).split(chunk_size):
         totals += torch.bincount(_bin_codes(chunk, edges), minlength=bins + 3)
+    if out_of_range == "clamp":
+        counts = _clamped(totals[: bins + 2], bins, 0)
+    else:
+        counts = totals[1 : bins + 1]
     return Histogram1d(
-        counts=totals[1 : bins + 1],
+        counts=counts,
         edges=edges,
         below=totals[0],
         above=totals[bins + 1],
@@ -183,6 +239,7 @@ def histogram2d(
     y_range: tuple[float, float],
     bins: tuple[int, int],
     *,
+    out_of_range: OutOfRange = "count",
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> Histogram2d:
     """Histogram of the pairs ``(x[i], y[i])`` after broadcasting ``x`` and ``y``.
@@ -196,6 +253,9 @@ def histogram2d(
         x_range: ``(low, high)`` along ``x``.
         y_range: ``(low, high)`` along ``y``.
         bins: Number of bins along ``x`` and ``y``.
+        out_of_range: ``"count"`` pairs outside the ranges only in ``margins``, or
+            ``"clamp"`` each coordinate into its edge bins (``margins`` still tell
+            where the pairs were).
         chunk_size: Approximate number of pairs binned at once.
 
     Returns:
@@ -203,12 +263,13 @@ def histogram2d(
 
     Raises:
         TypeError: If ``x`` or ``y`` is not floating-point.
-        ValueError: If a range or ``bins`` is invalid, the shapes do not broadcast,
-            or ``chunk_size < 1``.
+        ValueError: If a range, ``bins`` or ``out_of_range`` is invalid, the shapes
+            do not broadcast, or ``chunk_size < 1``.
     """
     _check_floating("x", x)
     _check_floating("y", y)
     _check_chunk_size(chunk_size)
+    check_out_of_range(out_of_range)
     if len(bins) != 2:
         raise ValueError(f"bins must be a pair (x_bins, y_bins), got {bins!r}.")
     x_bins, y_bins = bins
@@ -236,8 +297,12 @@ def histogram2d(
         table += torch.bincount(code, minlength=x_codes * y_codes_count)
     table = table.reshape(x_codes, y_codes_count)
     without_nan = table[: x_bins + 2, : y_bins + 2]
+    if out_of_range == "clamp":
+        counts = _clamped(_clamped(without_nan, x_bins, 0), y_bins, 1)
+    else:
+        counts = table[1 : x_bins + 1, 1 : y_bins + 1]
     return Histogram2d(
-        counts=table[1 : x_bins + 1, 1 : y_bins + 1],
+        counts=counts,
         x_edges=x_edges,
         y_edges=y_edges,
         margins=_collapse(_collapse(without_nan, x_bins, 0), y_bins, 1),

@@ -67,6 +67,15 @@ class DiagnosticsLog:
         """
         self._records.append(_check_record(record))
 
+    def replace(self, index: int, record: Mapping) -> None:
+        """Replace the record at position ``index``.
+
+        Args:
+            index: Position of the record to replace.
+            record: The new record (checked as in :meth:`append`).
+        """
+        self._records[index] = _check_record(record)
+
     def __len__(self) -> int:
         """Return the number of records."""
         return len(self._records)

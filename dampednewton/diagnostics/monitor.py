@@ -12,12 +12,17 @@
    pieces and ``p.grad``, moves it to the CPU and appends it to the log.
 
 With any ``torch.optim`` optimizer use :meth:`~DiagnosticsMonitor.backward_context`,
-which enters ``backpack`` with both and frees the quantities layer by layer::
+which enters ``backpack`` with both, frees the quantities layer by layer and finishes
+the record when it exits (``p.grad`` is complete then, and not yet changed by the
+optimizer)::
 
-    with monitor.backward_context(step):
+    loss = loss_fn(model(X), y)
+    with monitor.backward_context(step, loss):
         loss.backward()
-    monitor.finish(step, model.parameters(), loss)
-    optimizer.step()
+    optimizer.step()  # monitor.log[-1] is the record of `step`
+
+Calling :meth:`~DiagnosticsMonitor.finish` after the context is optional: it
+re-assembles the record of that step for the parameters (and loss) it is given.
 
 The model and the loss function must be extended with ``backpack.extend``, the
 loss must use ``reduction="mean"``, and gradients must be zeroed before backward
@@ -58,6 +63,20 @@ class _PendingStep:
     reducers: list[Reducer]
     batch_sizes: set[int] = field(default_factory=set)
     seen: set[int] = field(default_factory=set)
+    # Per module, in the order backward reached them (the model's order reversed).
+    reached: list[list[Tensor]] = field(default_factory=list)
+
+    def reached_parameters(self) -> list[Tensor]:
+        """The parameters with BackPACK quantities, modules in the model's order."""
+        return [param for params in reversed(self.reached) for param in params]
+
+
+@dataclass
+class _FinishedStep:
+    """A step finished when its backward context exited, and its log position."""
+
+    pending: _PendingStep
+    index: int
 
 
 class DiagnosticsMonitor:
@@ -116,6 +135,7 @@ class DiagnosticsMonitor:
         self._names = {id(p): name for name, p in (named_parameters or ())}
         self.log = DiagnosticsLog() if log is None else log
         self._pending: _PendingStep | None = None
+        self._finished: _FinishedStep | None = None
 
     def is_active(self, step: int) -> bool:
         """Return whether any diagnostic is scheduled at ``step``.
@@ -163,39 +183,49 @@ class DiagnosticsMonitor:
         for reducer in pending.reducers:
             reducer.begin()
         self._pending = pending
+        self._finished = None
 
         def hook(module: nn.Module) -> None:
             if not pending.reducers:
                 return
+            reached = []
             for param in module.parameters(recurse=False):
                 batch_size = _batch_size(module, param)
                 if batch_size is None:
                     continue
                 pending.batch_sizes.add(batch_size)
                 pending.seen.add(id(param))
+                reached.append(param)
                 for reducer in pending.reducers:
                     reducer.reduce(param, batch_size)
+            pending.reached.append(reached)
 
         return hook
 
     @contextmanager
-    def backward_context(self, step: int) -> Iterator[None]:
-        """Context for ``loss.backward()`` that computes the diagnostics of ``step``.
+    def backward_context(
+        self, step: int, loss: Tensor | float | None = None
+    ) -> Iterator[None]:
+        """Context for ``loss.backward()`` that computes and logs the step's record.
 
         Enters ``backpack(*extensions(step), extension_hook=...)`` with the
         monitor's hook followed by one that deletes the requested BackPACK
-        attributes, so per-sample tensors are freed layer by layer. Call
-        :meth:`finish` afterwards. At unscheduled steps it does nothing.
+        attributes, so per-sample tensors are freed layer by layer. When the
+        backward pass inside succeeded, the record is finished as by
+        ``finish(step, loss=loss)``: it covers the parameters the backward pass
+        reached, and is ``monitor.log[-1]``. At unscheduled steps it does nothing.
 
         Args:
             step: Optimization step.
+            loss: Mini-batch loss, stored as ``"loss"`` if given.
 
         Yields:
             Nothing; run the backward pass inside.
 
         Raises:
             RuntimeError: If BackPACK finds no back-propagated curvature because the
-                loss function is not extended.
+                loss function is not extended, or the record cannot be finished
+                (see :meth:`finish`).
         """
         hook = self.module_hook(step)
         extensions = self.extensions(step)
@@ -221,15 +251,25 @@ class DiagnosticsMonitor:
                 "BackPACK found no back-propagated curvature: extend the loss "
                 "function too, e.g. loss_fn = backpack.extend(nn.CrossEntropyLoss())."
             ) from error
+        self.finish(step, loss=loss)
 
     def finish(
-        self, step: int, params: Iterable[Tensor], loss: Tensor | float | None = None
+        self,
+        step: int,
+        params: Iterable[Tensor] | None = None,
+        loss: Tensor | float | None = None,
     ) -> Record:
         """Assemble, log and return the record of ``step``.
 
+        :meth:`backward_context` calls this when it exits. Called again for that
+        step (before the next monitored backward pass, with ``p.grad`` unchanged),
+        it re-assembles the record for the given parameters and loss and replaces
+        it in the log.
+
         Args:
             step: The step whose backward pass was monitored.
-            params: Parameters to report (those without ``grad`` are skipped).
+            params: Parameters to report (those without ``grad`` are skipped);
+                ``None``: those the backward pass reached, in the model's order.
             loss: Mini-batch loss, stored as ``"loss"`` if given.
 
         Returns:
@@ -244,6 +284,10 @@ class DiagnosticsMonitor:
                 consistent across layers.
         """
         pending, self._pending = self._pending, None
+        finished, self._finished = self._finished, None
+        replaced = None
+        if pending is None and finished is not None and finished.pending.step == step:
+            pending, replaced = finished.pending, finished.index
         if pending is None or pending.step != step:
             if not self.is_active(step):
                 return {}
@@ -262,6 +306,8 @@ class DiagnosticsMonitor:
                 "the diagnostics need one mini-batch per backward pass."
             )
         (batch_size,) = pending.batch_sizes
+        if params is None:
+            params = pending.reached_parameters()
         named = [
             (self._names.get(id(p), f"param_{i}"), p)
             for i, p in enumerate(params)
@@ -279,8 +325,13 @@ class DiagnosticsMonitor:
                     for key, value in reducer.assemble(named, batch_size).items()
                 }
             )
-        self.log.append(record)
-        return self.log[-1]
+        if replaced is None:
+            self.log.append(record)
+            replaced = len(self.log) - 1
+        else:
+            self.log.replace(replaced, record)
+        self._finished = _FinishedStep(pending, replaced)
+        return self.log[replaced]
 
 
 def _batch_size(module: nn.Module, param: Tensor) -> int | None:

@@ -6,7 +6,9 @@ to parameter-sized tensors) so the per-sample tensors can be freed layer by laye
 it never deletes BackPACK's attributes. After backward, :meth:`assemble` builds
 the record entries (tensors, still on the device) from those pieces and
 ``p.grad``. Reducers hold the state of one step at a time (:meth:`begin`), plus,
-for histograms, the network range carried to the next tracked step.
+for histograms, the network range carried to the next tracked step. Histograms with
+Cockpit's semantics keep the individual gradients until :meth:`assemble`, which bins
+them in the network range of the same step.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dampednewton.diagnostics.gsnr import (
     plain_noise_scale,
     unbiased_noise_scale,
 )
-from dampednewton.diagnostics.histogram import histogram1d, histogram2d
+from dampednewton.diagnostics.histogram import OutOfRange, histogram1d, histogram2d
 from dampednewton.diagnostics.specs import (
     GSNR,
     CurvatureTrace,
@@ -43,6 +45,9 @@ from dampednewton.diagnostics.trace import (
 
 NamedParams = Sequence[tuple[str, Tensor]]
 Entries = dict[str, Tensor]
+
+_OUT_OF_RANGE: dict[str, OutOfRange] = {"dampednewton": "count", "cockpit": "clamp"}
+"""How each histogram semantics bins out-of-range values."""
 
 
 class MissingQuantityError(RuntimeError):
@@ -230,6 +235,10 @@ class GradientHistogramReducer(_IndividualGradientReducer):
     def reduce(self, param: Tensor, batch_size: int) -> None:
         """Bin ``N·grad_batch`` with the parameter's own and the network range.
 
+        With Cockpit's semantics the network range is only known once every layer
+        was reached: the individual gradients are kept and binned in
+        :meth:`assemble`.
+
         Args:
             param: Parameter whose module's backward just ran.
             batch_size: Number of samples ``N``.
@@ -237,10 +246,12 @@ class GradientHistogramReducer(_IndividualGradientReducer):
         individual = self._individual_gradients(param, batch_size)
         if individual is None:
             return
-        bins = self.spec.bins
+        bins, out_of_range = self.spec.bins, _OUT_OF_RANGE[self.spec.semantics]
         own_range = self.spec.range_policy.compute(individual)
-        own = histogram1d(individual, *own_range, bins)
-        if own_range != self.network_range:
+        own = histogram1d(individual, *own_range, bins, out_of_range=out_of_range)
+        if self.spec.semantics == "cockpit":
+            network = individual.detach()
+        elif own_range != self.network_range:
             network = histogram1d(individual, *self.network_range, bins)
         else:
             network = own
@@ -266,9 +277,19 @@ class GradientHistogramReducer(_IndividualGradientReducer):
             entries.update(_histogram1d_entries(label, own, f"/{name}"))
             ranges.append(own_range)
             network.append(in_network)
+        self.network_range = range_hull(ranges)
+        if self.spec.semantics == "cockpit":
+            network = [
+                histogram1d(
+                    individual,
+                    *self.network_range,
+                    self.spec.bins,
+                    out_of_range="clamp",
+                )
+                for individual in network
+            ]
         total = _summed(network, ("counts", "below", "above", "nan"))
         entries.update(_histogram1d_entries(label, total, ""))
-        self.network_range = range_hull(ranges)
         return entries
 
 
@@ -323,9 +344,14 @@ class GradientParameterHistogramReducer(_IndividualGradientReducer):
             self.spec.gradient_range.compute(individual),
             self.spec.parameter_range.compute(values),
         )
-        bins = self.spec.bins
-        own = histogram2d(individual, values, *own_ranges, bins)
-        if own_ranges != self.network_ranges:
+        bins, out_of_range = self.spec.bins, _OUT_OF_RANGE[self.spec.semantics]
+        own = histogram2d(
+            individual, values, *own_ranges, bins, out_of_range=out_of_range
+        )
+        if self.spec.semantics == "cockpit":
+            # Binned in assemble; the values as they are now, before any update.
+            network = (individual.detach(), values.clone())
+        elif own_ranges != self.network_ranges:
             network = histogram2d(individual, values, *self.network_ranges, bins)
         else:
             network = own
@@ -352,12 +378,23 @@ class GradientParameterHistogramReducer(_IndividualGradientReducer):
             gradient_ranges.append(gradient_range)
             parameter_ranges.append(parameter_range)
             network.append(in_network)
-        total = _summed(network, ("counts", "margins", "nan"))
-        entries.update(_histogram2d_entries(label, total, ""))
         self.network_ranges = (
             range_hull(gradient_ranges),
             range_hull(parameter_ranges),
         )
+        if self.spec.semantics == "cockpit":
+            network = [
+                histogram2d(
+                    individual,
+                    values,
+                    *self.network_ranges,
+                    self.spec.bins,
+                    out_of_range="clamp",
+                )
+                for individual, values in network
+            ]
+        total = _summed(network, ("counts", "margins", "nan"))
+        entries.update(_histogram2d_entries(label, total, ""))
         return entries
 
 

@@ -9,6 +9,7 @@ the parameter called ``name``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from dampednewton.diagnostics.bin_adaptation import (
     FALLBACK_RANGE,
@@ -17,6 +18,26 @@ from dampednewton.diagnostics.bin_adaptation import (
 )
 from dampednewton.diagnostics.schedules import EveryKSteps, Schedule
 from dampednewton.diagnostics.trace import check_curvature
+
+HistogramSemantics = Literal["dampednewton", "cockpit"]
+"""How histograms treat out-of-range values and choose the network range.
+
+* ``"dampednewton"`` (the default): out-of-range values are counted separately
+  (``below``/``above``, ``margins``); the network histogram is filled while the layers
+  stream by, in the hull of the per-parameter ranges of the previous tracked step.
+* ``"cockpit"`` (Cockpit's ``GradHist1d``/``GradHist2d``): out-of-range values are
+  clamped into the edge bins; the network histogram uses the hull of this step's
+  per-parameter ranges, so the layers' individual gradients are kept until the record
+  is assembled (memory ``N·D``).
+"""
+
+
+def _check_semantics(semantics: str) -> None:
+    if semantics not in get_args(HistogramSemantics):
+        raise ValueError(
+            f"semantics must be one of {get_args(HistogramSemantics)}, got "
+            f"{semantics!r}."
+        )
 
 
 def _check_label(label: str) -> None:
@@ -117,10 +138,13 @@ class GradientHistogram:
 
     One histogram per parameter, with its range from ``range_policy`` applied to
     that parameter's current individual gradients, and one for the whole network.
-    The network histogram is filled while the layers stream by, so its range is
-    the hull of the per-parameter ranges of the previous tracked step
-    (``initial_range`` at the first one). Out-of-range values and NaNs are
-    counted separately (see :mod:`dampednewton.diagnostics.histogram`).
+    With ``semantics="dampednewton"`` the network histogram is filled while the
+    layers stream by, so its range is the hull of the per-parameter ranges of the
+    previous tracked step (``initial_range`` at the first one), and out-of-range
+    values are counted separately (see :mod:`dampednewton.diagnostics.histogram`).
+    With ``semantics="cockpit"`` out-of-range values are clamped into the edge bins
+    and the network range is the hull of this step's per-parameter ranges
+    (:data:`HistogramSemantics`). NaNs are counted separately in both.
 
     Record keys (``{label}/…``, per parameter with ``/{name}``): ``counts``,
     ``edges``, ``below``, ``above``, ``nan``.
@@ -129,8 +153,10 @@ class GradientHistogram:
         schedule: When to compute.
         bins: Number of bins.
         range_policy: How the range follows the data.
-        initial_range: Range of the network histogram at the first tracked step.
+        initial_range: Range of the network histogram at the first tracked step
+            (``"dampednewton"`` semantics).
         label: Key prefix.
+        semantics: ``"dampednewton"`` or ``"cockpit"`` (:data:`HistogramSemantics`).
     """
 
     schedule: Schedule = field(default_factory=EveryKSteps)
@@ -138,12 +164,14 @@ class GradientHistogram:
     range_policy: RangePolicy = field(default_factory=MaxAbsRange)
     initial_range: tuple[float, float] = FALLBACK_RANGE
     label: str = "grad_hist"
+    semantics: HistogramSemantics = "dampednewton"
 
     def __post_init__(self) -> None:
         """Validate the fields.
 
         Raises:
-            ValueError: If ``bins`` or ``initial_range`` or the label is invalid.
+            ValueError: If ``bins``, ``initial_range``, the label or ``semantics`` is
+                invalid.
             TypeError: If ``range_policy`` has no ``compute`` method.
         """
         _check_schedule(self.schedule)
@@ -153,6 +181,7 @@ class GradientHistogram:
             self, "initial_range", _check_range("initial_range", self.initial_range)
         )
         _check_label(self.label)
+        _check_semantics(self.semantics)
 
 
 @dataclass(frozen=True)
@@ -160,8 +189,9 @@ class GradientParameterHistogram:
     """2D histogram of (individual gradient element, parameter value) pairs.
 
     Each element of ``∇ℓ_n`` is paired with the value of its parameter entry, so a
-    parameter of ``D`` entries contributes ``N·D`` pairs. Ranges work as in
-    :class:`GradientHistogram`, separately for both axes.
+    parameter of ``D`` entries contributes ``N·D`` pairs. Ranges and ``semantics``
+    work as in :class:`GradientHistogram`, separately for both axes (Cockpit's
+    clamps each coordinate into its edge bins).
 
     Record keys (``{label}/…``, per parameter with ``/{name}``): ``counts``
     (``[gradient bins, parameter bins]``), ``x_edges`` (gradients), ``y_edges``
@@ -177,6 +207,7 @@ class GradientParameterHistogram:
         initial_parameter_range: Parameter range of the network histogram at the
             first tracked step.
         label: Key prefix.
+        semantics: ``"dampednewton"`` or ``"cockpit"`` (:data:`HistogramSemantics`).
     """
 
     schedule: Schedule = field(default_factory=EveryKSteps)
@@ -186,12 +217,14 @@ class GradientParameterHistogram:
     initial_gradient_range: tuple[float, float] = FALLBACK_RANGE
     initial_parameter_range: tuple[float, float] = FALLBACK_RANGE
     label: str = "grad_param_hist"
+    semantics: HistogramSemantics = "dampednewton"
 
     def __post_init__(self) -> None:
         """Validate the fields.
 
         Raises:
-            ValueError: If ``bins``, an initial range or the label is invalid.
+            ValueError: If ``bins``, an initial range, the label or ``semantics`` is
+                invalid.
             TypeError: If a range policy has no ``compute`` method.
         """
         _check_schedule(self.schedule)
@@ -206,6 +239,7 @@ class GradientParameterHistogram:
         for name in ("initial_gradient_range", "initial_parameter_range"):
             object.__setattr__(self, name, _check_range(name, getattr(self, name)))
         _check_label(self.label)
+        _check_semantics(self.semantics)
 
 
 @dataclass(frozen=True)

@@ -137,16 +137,6 @@ def test_criterion_out_of_range():
         backward(EighComputation(), case.model, case.loss_fn, case.X, case.y, [group])
 
 
-def test_criterion_selecting_nonpositive_eigenvalue():
-    # Zero inputs and no bias: V = 0, so every Gram eigenvalue is exactly zero.
-    model = extend(nn.Linear(3, 2, bias=False))
-    loss_fn = extend(nn.CrossEntropyLoss())
-    group = {"params": list(model.parameters()), "criterion": lambda evals: [0]}
-    X, y = torch.zeros(4, 3), torch.tensor([0, 1, 0, 1])
-    with pytest.raises(ValueError, match="<= 0"):
-        backward(EighComputation(), model, loss_fn, X, y, [group])
-
-
 def test_frozen_parameter_in_group():
     """A parameter without gradient is outside the GGN block: its step is zero."""
     case = build_case(MLP_CE)

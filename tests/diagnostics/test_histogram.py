@@ -88,6 +88,31 @@ def test_histogram1d_matches_numpy(data_1d, chunk_size):
     assert total.item() == values.size, "counts must add up to the number of elements"
 
 
+@pytest.mark.parametrize("chunk_size", [3, 2**22], ids=["chunked", "one-chunk"])
+def test_histogram1d_clamp_matches_numpy_of_clipped_values(data_1d, chunk_size):
+    """Cockpit's semantics: out-of-range values (and ±inf) land in the edge bins."""
+    hist = histogram1d(
+        torch.from_numpy(data_1d.values),
+        data_1d.low,
+        data_1d.high,
+        data_1d.bins,
+        out_of_range="clamp",
+        chunk_size=chunk_size,
+    )
+    values = data_1d.values
+    nan = np.isnan(values)
+    clipped = np.clip(values[~nan], data_1d.low, data_1d.high)
+    expected, expected_edges = np.histogram(
+        clipped, bins=data_1d.bins, range=(data_1d.low, data_1d.high)
+    )
+    np.testing.assert_array_equal(hist.counts.numpy(), expected, err_msg="counts")
+    np.testing.assert_array_equal(hist.edges.numpy(), expected_edges, err_msg="edges")
+    clamped = (values[~nan] < data_1d.low).sum(), (values[~nan] > data_1d.high).sum()
+    assert (hist.below.item(), hist.above.item()) == clamped
+    assert hist.nan.item() == nan.sum()
+    assert (hist.counts.sum() + hist.nan).item() == values.size
+
+
 def test_histogram1d_accepts_any_shape():
     values = torch.linspace(-1, 1, 24, dtype=torch.float64).reshape(2, 3, 4)
     flat = histogram1d(values.reshape(-1), -1.0, 1.0, 5)
@@ -179,6 +204,42 @@ def test_histogram2d_matches_numpy(data_2d, chunk_size):
     assert hist.margins.sum().item() + hist.nan.item() == x.size
 
 
+@pytest.mark.parametrize("chunk_size", [7, 2**22], ids=["chunked", "one-chunk"])
+def test_histogram2d_clamp_matches_numpy_of_clipped_pairs(data_2d, chunk_size):
+    """Cockpit's semantics: each coordinate is clamped into its range."""
+    hist = histogram2d(
+        torch.from_numpy(data_2d.x),
+        torch.from_numpy(data_2d.y),
+        data_2d.x_range,
+        data_2d.y_range,
+        data_2d.bins,
+        out_of_range="clamp",
+        chunk_size=chunk_size,
+    )
+    counted = histogram2d(
+        torch.from_numpy(data_2d.x),
+        torch.from_numpy(data_2d.y),
+        data_2d.x_range,
+        data_2d.y_range,
+        data_2d.bins,
+    )
+    x, y = np.broadcast_arrays(data_2d.x, data_2d.y)
+    x, y = x.ravel(), y.ravel()
+    nan = np.isnan(x) | np.isnan(y)
+    expected, x_edges, y_edges = np.histogram2d(
+        np.clip(x[~nan], *data_2d.x_range),
+        np.clip(y[~nan], *data_2d.y_range),
+        bins=data_2d.bins,
+        range=(data_2d.x_range, data_2d.y_range),
+    )
+    np.testing.assert_array_equal(hist.counts.numpy(), expected, err_msg="counts")
+    np.testing.assert_array_equal(hist.x_edges.numpy(), x_edges, err_msg="x_edges")
+    np.testing.assert_array_equal(hist.y_edges.numpy(), y_edges, err_msg="y_edges")
+    assert torch.equal(hist.margins, counted.margins), "margins: where pairs were"
+    assert hist.nan.item() == int(nan.sum())
+    assert (hist.counts.sum() + hist.nan).item() == x.size
+
+
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
@@ -194,6 +255,16 @@ def test_histogram2d_matches_numpy(data_2d, chunk_size):
             "broadcast",
         ),
         (lambda v: histogram2d(v, v, (0, 1), (0, 1), (2,)), ValueError, "pair"),
+        (
+            lambda v: histogram1d(v, 0.0, 1.0, 3, out_of_range="clip"),
+            ValueError,
+            "out_of_range",
+        ),
+        (
+            lambda v: histogram2d(v, v, (0, 1), (0, 1), (2, 2), out_of_range="drop"),
+            ValueError,
+            "out_of_range",
+        ),
     ],
     ids=[
         "empty-range",
@@ -204,6 +275,8 @@ def test_histogram2d_matches_numpy(data_2d, chunk_size):
         "zero-chunk",
         "no-broadcast",
         "bins-not-pair",
+        "unknown-out-of-range",
+        "unknown-out-of-range-2d",
     ],
 )
 def test_bad_input_raises(call, error, message):

@@ -293,6 +293,73 @@ def test_network_histogram_range_follows_previous_step(case):
             np.testing.assert_array_equal(current[f"{label}/{edges_key}"], expected)
 
 
+def test_cockpit_semantics_match_numpy_with_clipping(case, policy):
+    """Clamped into the edge bins; the network range is this step's hull.
+
+    Two steps with SGD in between: at each, the per-parameter and network
+    histograms equal ``numpy.histogram``/``numpy.histogram2d`` of the values clipped
+    (in numpy) into the per-parameter range and into the hull of this step's
+    per-parameter ranges.
+    """
+    bins, bins_2d = 11, (6, 5)
+    parameter_range = PercentileRange(10.0, 90.0, 0.0)
+    monitor = DiagnosticsMonitor(
+        [
+            GradientHistogram(bins=bins, range_policy=policy, semantics="cockpit"),
+            GradientParameterHistogram(
+                bins=bins_2d,
+                gradient_range=policy,
+                parameter_range=parameter_range,
+                semantics="cockpit",
+            ),
+        ],
+        case.model.named_parameters(),
+    )
+    optimizer = torch.optim.SGD(case.model.parameters(), lr=0.5)
+    for step in range(2):
+        individual = backpack_individual_gradients(case)
+        record = run_monitored_step(case, monitor, step)
+        gradient_ranges, parameter_ranges, pairs = [], [], []
+        for name, param in case.model.named_parameters():
+            values = individual[name].numpy()
+            param_values = np.broadcast_to(param.detach().numpy(), values.shape)
+            grad_range = policy.compute(individual[name])
+            param_range = parameter_range.compute(param.detach())
+            gradient_ranges.append(grad_range)
+            parameter_ranges.append(param_range)
+            pairs.append((values.ravel(), param_values.ravel()))
+            counts, edges = np.histogram(
+                np.clip(values, *grad_range), bins=bins, range=grad_range
+            )
+            np.testing.assert_array_equal(record[f"grad_hist/counts/{name}"], counts)
+            np.testing.assert_array_equal(record[f"grad_hist/edges/{name}"], edges)
+            counts_2d, _, _ = np.histogram2d(
+                np.clip(values.ravel(), *grad_range),
+                np.clip(param_values.ravel(), *param_range),
+                bins=bins_2d,
+                range=(grad_range, param_range),
+            )
+            np.testing.assert_array_equal(
+                record[f"grad_param_hist/counts/{name}"], counts_2d
+            )
+        hull, param_hull = range_hull(gradient_ranges), range_hull(parameter_ranges)
+        everything = np.concatenate([x for x, _ in pairs])
+        counts, edges = np.histogram(np.clip(everything, *hull), bins=bins, range=hull)
+        np.testing.assert_array_equal(record["grad_hist/counts"], counts)
+        np.testing.assert_array_equal(record["grad_hist/edges"], edges)
+        assert record["grad_hist/counts"].sum() == everything.size
+        counts_2d, x_edges, y_edges = np.histogram2d(
+            np.clip(everything, *hull),
+            np.clip(np.concatenate([y for _, y in pairs]), *param_hull),
+            bins=bins_2d,
+            range=(hull, param_hull),
+        )
+        np.testing.assert_array_equal(record["grad_param_hist/counts"], counts_2d)
+        np.testing.assert_array_equal(record["grad_param_hist/x_edges"], x_edges)
+        np.testing.assert_array_equal(record["grad_param_hist/y_edges"], y_edges)
+        optimizer.step()
+
+
 def test_network_histogram_is_sum_of_layers_with_a_fixed_range(case):
     fixed = FixedRange(-0.4, 0.4)
     monitor = DiagnosticsMonitor(
@@ -381,6 +448,84 @@ def test_context_helper_with_sgd_equals_standalone_functions():
         case.model.parameters(), reference_case.model.parameters(), strict=True
     ):
         assert torch.equal(param, twin), "the monitor must not change the training"
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda params: torch.optim.SGD(params, lr=0.2, momentum=0.9),
+        lambda params: torch.optim.Adam(params, lr=1e-2),
+    ],
+    ids=["SGD", "Adam"],
+)
+def test_backward_context_alone_logs_records_with_any_optimizer(make_optimizer):
+    """No second call: the context finishes the record; it equals brute force.
+
+    The record is finished when the context exits, before the optimizer changes
+    ``p.grad`` or the parameters.
+    """
+    case = build_case(PROBLEMS[0])
+    monitor = DiagnosticsMonitor(
+        [GSNR(epsilon=EPSILON), GradientHistogram(range_policy=FixedRange(-1, 1))],
+        case.model.named_parameters(),
+    )
+    optimizer = make_optimizer(case.model.parameters())
+    reference_params = case.reference_params(list(case.model.parameters()))
+    expected_gsnr, expected_counts, losses = [], [], []
+    for step in range(3):
+        with torch.no_grad():
+            for param, twin in zip(
+                case.model.parameters(), reference_params, strict=True
+            ):
+                twin.copy_(param)
+        per_sample = reference.per_sample_gradients(
+            case.reference_model,
+            case.reference_loss_fn,
+            reference_params,
+            case.X,
+            case.y,
+        )
+        mean, variance = per_sample.mean(0), per_sample.var(0, correction=0)
+        expected_gsnr.append((mean**2 / (variance + EPSILON)).mean().item())
+        expected_counts.append(np.histogram(per_sample.numpy(), 64, (-1, 1))[0])
+        optimizer.zero_grad()
+        loss = case.loss_fn(case.model(case.X), case.y)
+        losses.append(loss.item())
+        with monitor.backward_context(step, loss):
+            loss.backward()
+        optimizer.step()
+    steps, values = monitor.log.series("gsnr/mean")
+    assert steps.tolist() == [0, 1, 2]
+    assert_close(
+        torch.from_numpy(values),
+        torch.tensor(expected_gsnr, dtype=torch.float64),
+        rtol=RTOL,
+        name="gsnr",
+    )
+    assert monitor.log.series("loss")[1].tolist() == losses
+    for record, counts in zip(monitor.log, expected_counts, strict=True):
+        np.testing.assert_array_equal(record["grad_hist/counts"], counts)
+        names = [name for name, _ in case.model.named_parameters()]
+        assert [k.split("/")[-1] for k in record if "gsnr/mean/" in k] == names
+
+
+def test_finish_after_the_context_replaces_its_record():
+    """The two-call pattern still works: finish re-assembles for its parameters."""
+    case = build_case(PROBLEMS[0])
+    monitor = DiagnosticsMonitor([CurvatureTrace()])
+    case.model.zero_grad()
+    loss = case.loss_fn(case.model(case.X), case.y)
+    with monitor.backward_context(0):
+        loss.backward()
+    automatic = dict(monitor.log[-1])
+    assert "loss" not in automatic
+    assert sorted(k for k in automatic if k.startswith("diag_ggn_exact/trace/")) == [
+        f"diag_ggn_exact/trace/param_{i}" for i in range(4)
+    ]
+    record = monitor.finish(0, case.model.parameters(), loss)
+    assert len(monitor.log) == 1 and monitor.log[-1] is record
+    assert record["loss"] == loss.item()
+    assert {k: v for k, v in record.items() if k != "loss"} == automatic
 
 
 # --- Plumbing -------------------------------------------------------------------------

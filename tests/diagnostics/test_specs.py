@@ -22,6 +22,7 @@ SPECS = [
     NoiseScale(schedule=LogSpacedSchedule(100, num=5)),
     GradientHistogram(bins=30, range_policy=PercentileRange(), initial_range=(-2, 2)),
     GradientParameterHistogram(bins=[8, 9], parameter_range=PercentileRange()),
+    GradientHistogram(semantics="cockpit"),
     CurvatureTrace(curvature="diag_ggn_mc", mc_samples=4),
 ]
 
@@ -37,6 +38,8 @@ def test_defaults_and_normalization():
     assert GradientParameterHistogram(bins=[8, 9]).bins == (8, 9)
     assert GradientHistogram(initial_range=(-2, 2)).initial_range == (-2.0, 2.0)
     assert GSNR().schedule(0) and GSNR().schedule(17)
+    assert GradientHistogram().semantics == "dampednewton"
+    assert GradientParameterHistogram().semantics == "dampednewton"
 
 
 @pytest.mark.parametrize(
@@ -58,6 +61,12 @@ def test_defaults_and_normalization():
         ),
         (lambda: CurvatureTrace(curvature="kfac"), ValueError, "Unknown curvature"),
         (lambda: CurvatureTrace(mc_samples=0), ValueError, "mc_samples"),
+        (lambda: GradientHistogram(semantics="numpy"), ValueError, "semantics"),
+        (
+            lambda: GradientParameterHistogram(semantics="Cockpit"),
+            ValueError,
+            "semantics",
+        ),
     ],
     ids=[
         "negative-epsilon",
@@ -72,6 +81,8 @@ def test_defaults_and_normalization():
         "parameter-range-not-policy",
         "unknown-curvature",
         "zero-mc-samples",
+        "unknown-semantics",
+        "unknown-semantics-2d",
     ],
 )
 def test_bad_specs_raise(make, error, message):
