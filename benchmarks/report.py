@@ -369,6 +369,9 @@ def latest_sweep(root: Path = Path("multirun")) -> Path:
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point.
 
+    Exits with status 2 and a one-line message (no traceback) when the directory
+    does not exist or holds no results.
+
     Args:
         argv: Arguments (default: ``sys.argv[1:]``).
     """
@@ -380,7 +383,17 @@ def main(argv: list[str] | None = None) -> None:
         help="Hydra sweep directory (default: the newest under multirun/)",
     )
     args = parser.parse_args(argv)
-    print_locations(write_report(args.sweep_dir or latest_sweep()))
+    if args.sweep_dir is not None and not args.sweep_dir.is_dir():
+        parser.error(
+            f"{args.sweep_dir} is not a directory: pass a sweep directory "
+            "(multirun/<date>/<time>, printed at the end of a multirun), or nothing "
+            "for the newest one under multirun/."
+        )
+    try:
+        paths = write_report(args.sweep_dir or latest_sweep())
+    except FileNotFoundError as error:  # no results: say so, without a traceback
+        parser.error(str(error))
+    print_locations(paths)
 
 
 if __name__ == "__main__":

@@ -93,3 +93,22 @@ def test_report_script_regenerates(sweep, capsys):
     report_main([str(sweep_dir)])
     assert csv_file.is_file()
     assert "Report folder:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("missing", ["no_such_dir", "empty_dir"])
+def test_report_script_without_results_says_so_and_exits_2(tmp_path, missing):
+    sweep_dir = tmp_path / missing
+    if missing == "empty_dir":
+        sweep_dir.mkdir()
+    process = subprocess.run(
+        [sys.executable, "benchmarks/report.py", str(sweep_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert process.returncode == 2
+    assert "Traceback" not in process.stderr
+    expected = "is not a directory" if missing == "no_such_dir" else "No result.json"
+    assert "report.py: error:" in process.stderr
+    assert expected in process.stderr
