@@ -8,6 +8,7 @@ job of a multirun.
 from __future__ import annotations
 
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,9 @@ def summary_line(summary: dict[str, Any]) -> str:
     if status == "skipped":
         return f"{head}: skipped (grid_point beyond this optimizer's grid)"
     if status == "failed":
-        return f"{head}: FAILED {summary['error']}"
+        return (
+            f"{head}: FAILED {summary['error']} (traceback: {summary['result_file']})"
+        )
     if status == "diverged":
         return (
             f"{head}: DIVERGED ({summary['divergence']}) after "
@@ -129,22 +132,84 @@ class SweepProgress(Callback):
             self._bar = None
 
 
+def failed_result_files(sweep_dir: Path) -> list[str]:
+    """``result.json`` paths of the jobs of a sweep that failed (raised).
+
+    Args:
+        sweep_dir: The sweep directory.
+
+    Returns:
+        The paths, in job order; diverged runs are results, not failures.
+    """
+    from benchmarks.aggregate import load_results
+    from benchmarks.job import RESULT_FILE
+
+    return [
+        str(Path(r["job_dir"], RESULT_FILE).resolve())
+        for r in load_results(sweep_dir)
+        if r["status"] == "failed"
+    ]
+
+
 class SweepReport(Callback):
     """Extend grids at their edges, then report into ``<sweep dir>/report``.
 
     The extension (:mod:`benchmarks.extension`, at most ``grid_extension.rounds``
     rounds) runs its jobs in this process, into new numbered job directories.
+    The process exits with status 1 when a job failed (its exception is in its
+    ``result.json``), after the report; a diverged run is a result, not a failure.
     """
 
+    def on_run_end(
+        self, config: DictConfig, job_return: JobReturn, **kwargs: Any
+    ) -> None:
+        """Say where a single run's ``result.json`` is; exit 1 if the job failed.
+
+        The failure itself, with the same path, is the job's summary line
+        (:class:`SweepProgress`).
+        """
+        if job_return.status != JobStatus.COMPLETED:
+            return  # Hydra reports the exception and exits 1 itself
+        summary = job_return.return_value
+        if summary["status"] == "failed":
+            raise SystemExit(1)
+        print(f"Result: {summary['result_file']}", flush=True)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        """Run the grid extension, then write and print the sweep's report."""
+        """Run the grid extension, write and print the report; exit 1 on failures.
+
+        A failure of the extension or the report also exits 1 (Hydra would turn
+        it into a warning), after its traceback and the failed jobs' paths.
+        """
         from benchmarks.extension import extend_sweep
         from benchmarks.report import print_locations, write_report
 
         sweep_dir = Path(config.hydra.sweep.dir)
-        extend_sweep(
-            sweep_dir,
-            config.grid_extension.rounds,
-            log=lambda line: print(line, file=sys.stderr, flush=True),
-        )
-        print_locations(write_report(sweep_dir))
+        report_failed = False
+        try:
+            extend_sweep(
+                sweep_dir,
+                config.grid_extension.rounds,
+                log=lambda line: print(line, file=sys.stderr, flush=True),
+            )
+            print_locations(write_report(sweep_dir))
+        except Exception:
+            traceback.print_exc()
+            print(
+                f"The report failed (traceback above); the jobs' results are in "
+                f"{sweep_dir.resolve()}.",
+                file=sys.stderr,
+                flush=True,
+            )
+            report_failed = True
+        failed = failed_result_files(sweep_dir)
+        if failed:
+            print(
+                f"{len(failed)} job(s) failed; their errors and tracebacks:",
+                *failed,
+                sep="\n  ",
+                file=sys.stderr,
+                flush=True,
+            )
+        if failed or report_failed:
+            raise SystemExit(1)

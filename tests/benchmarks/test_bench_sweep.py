@@ -1,4 +1,4 @@
-"""A tiny multirun through the real command line: results, progress, report files."""
+"""Tiny runs through the real command line: results, progress, report, exit status."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     process = subprocess.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=300
     )
-    assert process.returncode == 0, process.stderr[-3000:]
+    assert process.returncode == 1, "a failed job fails the sweep\n" + process.stderr
     return sweep_dir, process
 
 
@@ -65,6 +65,53 @@ def test_progress_lines_per_job(sweep):
         assert f"[{k}/{NUM_JOBS}] digits_logreg" in process.stderr
     assert "FAILED ValueError: Invalid learning rate" in process.stderr
     assert "final test accuracy" in process.stderr
+
+
+def test_failed_jobs_are_listed_after_the_report(sweep):
+    sweep_dir, process = sweep
+    assert "Report folder:" in process.stdout, "the report is written all the same"
+    failed = sorted(
+        str(path.resolve())
+        for path in sweep_dir.glob("*/result.json")
+        if json.loads(path.read_text())["status"] == "failed"
+    )
+    assert len(failed) == len(OPTIMIZERS)
+    listing = process.stderr.split(f"{len(failed)} job(s) failed", 1)[1]
+    assert sorted(listing.split()[-len(failed) :]) == failed
+    for path in failed:  # the progress line of the job names its result too
+        assert f"(traceback: {path})" in process.stderr
+
+
+def _single_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        "benchmarks/run.py",
+        f"hydra.run.dir={tmp_path}",
+        "problem=digits_logreg",
+        "problem.steps=2",
+        "problem.eval_every=1",
+        "device=cpu",
+        *overrides,
+    ]
+    return subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_failed_single_run_exits_1_and_names_its_result(tmp_path):
+    process = _single_run(tmp_path, "optimizer.lr=-1")
+    assert process.returncode == 1
+    result_file = tmp_path / "result.json"
+    assert json.loads(result_file.read_text())["status"] == "failed"
+    output = process.stdout + process.stderr
+    assert "FAILED ValueError: Invalid learning rate" in output
+    assert f"(traceback: {result_file.resolve()})" in output
+
+
+def test_successful_single_run_exits_0_and_names_its_result(tmp_path):
+    process = _single_run(tmp_path, "optimizer.lr=0.1")
+    assert process.returncode == 0, process.stderr
+    assert f"Result: {(tmp_path / 'result.json').resolve()}" in process.stdout
 
 
 def test_report_files(sweep):
