@@ -61,6 +61,9 @@ def test_every_job_wrote_its_result(sweep):
 
 def test_progress_lines_per_job(sweep):
     _, process = sweep
+    plan = "4 jobs (2 sgd on digits_logreg, 2 adam on digits_logreg): about "
+    assert plan in process.stderr.splitlines()[0], "the expected time comes first"
+    assert "ETA " in process.stderr
     for k in range(1, NUM_JOBS + 1):
         assert f"[{k}/{NUM_JOBS}] digits_logreg" in process.stderr
     assert "FAILED ValueError: Invalid learning rate" in process.stderr
