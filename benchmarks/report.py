@@ -380,7 +380,11 @@ def trade_off(
         if t.best.to_target("steps_to_target", index)[2]
     }
     if not contenders:
-        return f"{lead}; no other optimizer reached it. {ending}"
+        cost = step_time_ratio(settings, problem, name, rival_name)
+        return (
+            f"{lead}; no other optimizer reached it. One {name} step costs "
+            f"{_num(cost, 2)}× one {rival_name} step. {ending}"
+        )
     fastest = min(contenders, key=contenders.get)
     fastest_steps = contenders[fastest]
     fastest_seconds, _, _ = others[fastest].best.to_target("time_to_target", index)
