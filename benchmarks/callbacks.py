@@ -147,10 +147,10 @@ class SweepPlan:
         return (
             f"{len(self.kinds)} jobs ("
             + ", ".join(f"{n} {name}" for name, n in counts.items())
-            + f"): about {format_duration(total)} on one CPU thread by the configs' "
-            "cost priors (problem.cost_prior, step_cost_prior), plus grid "
-            "extensions at the end; the progress bar's ETA follows the measured "
-            "times per kind of job."
+            + f"): about {format_duration(total)} on an idle CPU thread by the "
+            "configs' cost priors (problem.cost_prior, step_cost_prior), plus "
+            "start-up, grid extensions and the report; the progress bar's ETA "
+            "follows the measured times per kind of job."
         )
 
 
@@ -159,7 +159,8 @@ class SweepProgress(Callback):
 
     At the start it prints the number of jobs and the expected time; the bar's
     ETA weighs every pending job by its kind's cost (:mod:`benchmarks.eta`), not
-    by the average of the jobs so far.
+    by the average of the jobs so far. The sweep's first job, which also pays
+    one-off imports and data loading, is left out of the measured times.
     """
 
     def __init__(self) -> None:
@@ -167,7 +168,6 @@ class SweepProgress(Callback):
         self._bar: tqdm | None = None
         self._plan: SweepPlan | None = None
         self._durations: dict[tuple[str, ...], list[float]] = defaultdict(list)
-        self._first_job: tuple[tuple[str, ...], float] | None = None
         self._job_start = 0.0
         self._done = 0
 
@@ -176,7 +176,6 @@ class SweepProgress(Callback):
         jobs = sweep_jobs(config)
         self._plan = None if jobs is None else SweepPlan.compose(config, jobs)
         self._durations.clear()
-        self._first_job = None
         self._done = 0
         if self._plan is not None:
             print(self._plan.describe(), file=sys.stderr, flush=True)
@@ -205,12 +204,9 @@ class SweepProgress(Callback):
         if self._bar is None:
             print(line, flush=True)
             return
-        kind = job_kind(list(job_return.overrides or []))
-        duration = time.perf_counter() - self._job_start
-        if self._first_job is None:
-            self._first_job = (kind, duration)
-        else:
-            self._durations[kind].append(duration)
+        if self._done > 0:  # the first job also pays one-off imports and data loading
+            kind = job_kind(list(job_return.overrides or []))
+            self._durations[kind].append(time.perf_counter() - self._job_start)
         self._done += 1
         total = self._bar.total or "?"
         self._bar.write(f"[{self._done}/{total}] {line}", file=sys.stderr)
@@ -221,14 +217,8 @@ class SweepProgress(Callback):
         """Put the cost-weighted estimate of the remaining time on the bar."""
         if self._plan is None or self._bar is None:
             return
-        # The first job also pays one-off costs (imports, loading the dataset):
-        # its time counts only until another job has finished.
-        durations = self._durations
-        if not durations and self._first_job is not None:
-            kind, duration = self._first_job
-            durations = {kind: [duration]}
         pending = self._plan.kinds[self._done :]
-        seconds = remaining_seconds(pending, durations, self._plan.prior)
+        seconds = remaining_seconds(pending, self._durations, self._plan.prior)
         self._bar.set_postfix_str(f"ETA {format_duration(seconds)}", refresh=False)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
