@@ -13,6 +13,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	@echo "Installing $(TORCH_PIN) + BackPACK, Hydra, matplotlib, ruff, pytest into $(VENV) (~2 min the first time)..."
 	$(PY) -m pip install --quiet "$(TORCH_PIN)" -e ".[test]"
 	touch $(STAMP)
 
@@ -23,6 +24,8 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q -n 2
 
+# The sweep prints its job count and expected time first, and ends with the report and
+# a trade-off paragraph (steps to a target against time per step) from its own results.
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --multirun +sweep=default
 

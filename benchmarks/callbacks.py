@@ -8,6 +8,10 @@ job of a multirun.
 from __future__ import annotations
 
 import sys
+import time
+import traceback
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,19 +20,23 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from benchmarks.eta import format_duration, job_kind, prior_seconds, remaining_seconds
+
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+# tqdm's bar with the cost-weighted ETA (the postfix) in place of its rate-based one.
+ETA_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 
 
-def count_jobs(config: DictConfig) -> int | None:
-    """Number of jobs the basic sweeper will launch (``None`` if unknown).
+def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
+    """The overrides of every job the basic sweeper will launch, in launch order.
 
     Args:
         config: The multirun config (with its ``hydra`` node).
 
     Returns:
-        The size of the Cartesian product of sweep parameters and command-line
-        overrides, or ``None`` for other sweepers or sweeps that cannot be expanded
-        here (e.g. ``glob`` over config groups).
+        One list of ``key=value`` overrides per job (the Cartesian product of sweep
+        parameters and command-line overrides), or ``None`` for other sweepers or
+        sweeps that cannot be expanded here (e.g. ``glob`` over config groups).
     """
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -44,7 +52,7 @@ def count_jobs(config: DictConfig) -> int | None:
         batches = BasicSweeper.split_arguments(overrides, None)
     except Exception:  # a sweep we cannot expand without the config loader
         return None
-    return sum(len(batch) for batch in batches)
+    return [list(job) for batch in batches for job in batch]
 
 
 def _format_setting(settings: dict[str, Any]) -> str:
@@ -74,7 +82,9 @@ def summary_line(summary: dict[str, Any]) -> str:
     if status == "skipped":
         return f"{head}: skipped (grid_point beyond this optimizer's grid)"
     if status == "failed":
-        return f"{head}: FAILED {summary['error']}"
+        return (
+            f"{head}: FAILED {summary['error']} (traceback: {summary['result_file']})"
+        )
     if status == "diverged":
         return (
             f"{head}: DIVERGED ({summary['divergence']}) after "
@@ -89,22 +99,98 @@ def summary_line(summary: dict[str, Any]) -> str:
     )
 
 
+@dataclass
+class SweepPlan:
+    """The jobs of a multirun with their kinds and prior costs (:mod:`benchmarks.eta`).
+
+    Attributes:
+        kinds: The kind of every job, in launch order.
+        prior: Kind → prior seconds of one job.
+        names: Kind → ``"<optimizer> on <problem>"``.
+    """
+
+    kinds: list[tuple[str, ...]]
+    prior: dict[tuple[str, ...], float]
+    names: dict[tuple[str, ...], str]
+
+    @classmethod
+    def compose(cls, config: DictConfig, jobs: list[list[str]]) -> SweepPlan:
+        """Compose one job config per kind (Hydra's own loader) and read its priors.
+
+        Args:
+            config: The multirun config.
+            jobs: Every job's overrides (:func:`sweep_jobs`).
+
+        Returns:
+            The plan.
+        """
+        from hydra.core.global_hydra import GlobalHydra
+
+        loader = GlobalHydra.instance().config_loader()
+        kinds = [job_kind(job) for job in jobs]
+        prior, names = {}, {}
+        for kind, job in dict(zip(kinds, jobs, strict=True)).items():
+            job_config = loader.load_sweep_config(config, list(job))
+            prior[kind] = prior_seconds(job_config)
+            names[kind] = f"{job_config.optimizer_name} on {job_config.problem.name}"
+        return cls(kinds, prior, names)
+
+    def describe(self) -> str:
+        """What will run and how long it should take, from the priors alone.
+
+        Returns:
+            E.g. ``36 jobs (12 sgd on digits_mlp, ...): about 45 s by the cost
+            priors ...``.
+        """
+        counts = Counter(self.names[kind] for kind in self.kinds)
+        total = remaining_seconds(self.kinds, {}, self.prior)
+        return (
+            f"{len(self.kinds)} jobs ("
+            + ", ".join(f"{n} {name}" for name, n in counts.items())
+            + f"): about {format_duration(total)} on an idle CPU thread by the "
+            "configs' cost priors (problem.cost_prior, step_cost_prior), plus "
+            "start-up, grid extensions and the report; the progress bar's ETA "
+            "follows the measured times per kind of job."
+        )
+
+
 class SweepProgress(Callback):
-    """Progress bar over the jobs of a multirun, one summary line per finished job."""
+    """Progress bar over the jobs of a multirun, one summary line per finished job.
+
+    At the start it prints the number of jobs and the expected time; the bar's
+    ETA weighs every pending job by its kind's cost (:mod:`benchmarks.eta`), not
+    by the average of the jobs so far. The sweep's first job, which also pays
+    one-off imports and data loading, is left out of the measured times.
+    """
 
     def __init__(self) -> None:
         """Start with no sweep."""
         self._bar: tqdm | None = None
-        self._total: int | None = None
+        self._plan: SweepPlan | None = None
+        self._durations: dict[tuple[str, ...], list[float]] = defaultdict(list)
+        self._job_start = 0.0
         self._done = 0
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Open the progress bar."""
-        self._total = count_jobs(config)
+        """Print the plan and open the progress bar."""
+        jobs = sweep_jobs(config)
+        self._plan = None if jobs is None else SweepPlan.compose(config, jobs)
+        self._durations.clear()
         self._done = 0
+        if self._plan is not None:
+            print(self._plan.describe(), file=sys.stderr, flush=True)
         self._bar = tqdm(
-            total=self._total, unit="job", file=sys.stderr, dynamic_ncols=True
+            total=None if jobs is None else len(jobs),
+            unit="job",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            bar_format=None if jobs is None else ETA_BAR_FORMAT,
         )
+        self._show_eta()
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """Start the job's clock."""
+        self._job_start = time.perf_counter()
 
     def on_job_end(
         self, config: DictConfig, job_return: JobReturn, **kwargs: Any
@@ -118,9 +204,22 @@ class SweepProgress(Callback):
         if self._bar is None:
             print(line, flush=True)
             return
+        if self._done > 0:  # the first job also pays one-off imports and data loading
+            kind = job_kind(list(job_return.overrides or []))
+            self._durations[kind].append(time.perf_counter() - self._job_start)
         self._done += 1
-        self._bar.write(f"[{self._done}/{self._total or '?'}] {line}", file=sys.stderr)
+        total = self._bar.total or "?"
+        self._bar.write(f"[{self._done}/{total}] {line}", file=sys.stderr)
+        self._show_eta()
         self._bar.update(1)
+
+    def _show_eta(self) -> None:
+        """Put the cost-weighted estimate of the remaining time on the bar."""
+        if self._plan is None or self._bar is None:
+            return
+        pending = self._plan.kinds[self._done :]
+        seconds = remaining_seconds(pending, self._durations, self._plan.prior)
+        self._bar.set_postfix_str(f"ETA {format_duration(seconds)}", refresh=False)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """Close the progress bar."""
@@ -129,22 +228,84 @@ class SweepProgress(Callback):
             self._bar = None
 
 
+def failed_result_files(sweep_dir: Path) -> list[str]:
+    """``result.json`` paths of the jobs of a sweep that failed (raised).
+
+    Args:
+        sweep_dir: The sweep directory.
+
+    Returns:
+        The paths, in job order; diverged runs are results, not failures.
+    """
+    from benchmarks.aggregate import load_results
+    from benchmarks.job import RESULT_FILE
+
+    return [
+        str(Path(r["job_dir"], RESULT_FILE).resolve())
+        for r in load_results(sweep_dir)
+        if r["status"] == "failed"
+    ]
+
+
 class SweepReport(Callback):
     """Extend grids at their edges, then report into ``<sweep dir>/report``.
 
     The extension (:mod:`benchmarks.extension`, at most ``grid_extension.rounds``
     rounds) runs its jobs in this process, into new numbered job directories.
+    The process exits with status 1 when a job failed (its exception is in its
+    ``result.json``), after the report; a diverged run is a result, not a failure.
     """
 
+    def on_run_end(
+        self, config: DictConfig, job_return: JobReturn, **kwargs: Any
+    ) -> None:
+        """Say where a single run's ``result.json`` is; exit 1 if the job failed.
+
+        The failure itself, with the same path, is the job's summary line
+        (:class:`SweepProgress`).
+        """
+        if job_return.status != JobStatus.COMPLETED:
+            return  # Hydra reports the exception and exits 1 itself
+        summary = job_return.return_value
+        if summary["status"] == "failed":
+            raise SystemExit(1)
+        print(f"Result: {summary['result_file']}", flush=True)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        """Run the grid extension, then write and print the sweep's report."""
+        """Run the grid extension, write and print the report; exit 1 on failures.
+
+        A failure of the extension or the report also exits 1 (Hydra would turn
+        it into a warning), after its traceback and the failed jobs' paths.
+        """
         from benchmarks.extension import extend_sweep
         from benchmarks.report import print_locations, write_report
 
         sweep_dir = Path(config.hydra.sweep.dir)
-        extend_sweep(
-            sweep_dir,
-            config.grid_extension.rounds,
-            log=lambda line: print(line, file=sys.stderr, flush=True),
-        )
-        print_locations(write_report(sweep_dir))
+        report_failed = False
+        try:
+            extend_sweep(
+                sweep_dir,
+                config.grid_extension.rounds,
+                log=lambda line: print(line, file=sys.stderr, flush=True),
+            )
+            print_locations(write_report(sweep_dir))
+        except Exception:
+            traceback.print_exc()
+            print(
+                f"The report failed (traceback above); the jobs' results are in "
+                f"{sweep_dir.resolve()}.",
+                file=sys.stderr,
+                flush=True,
+            )
+            report_failed = True
+        failed = failed_result_files(sweep_dir)
+        if failed:
+            print(
+                f"{len(failed)} job(s) failed; their errors and tracebacks:",
+                *failed,
+                sep="\n  ",
+                file=sys.stderr,
+                flush=True,
+            )
+        if failed or report_failed:
+            raise SystemExit(1)

@@ -185,7 +185,7 @@ def run_job(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     Returns:
         A short summary (for the progress callback): problem, optimizer, seed, the
         grid point, status, divergence reason, metric, final test metric, train
-        time, error.
+        time, error, and the path of ``result.json`` (``result_file``).
     """
     result: dict[str, Any] = {
         "problem": cfg.problem.name,
@@ -209,22 +209,26 @@ def run_job(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         result["traceback"] = traceback.format_exc()
     result["config"] = _config_container(cfg)
     output_dir.mkdir(parents=True, exist_ok=True)
-    with open(output_dir / RESULT_FILE, "w") as f:
+    result_file = output_dir / RESULT_FILE
+    with open(result_file, "w") as f:
         json.dump(_finite_or_none(result), f, indent=1)
     return {
-        key: result.get(key)
-        for key in (
-            "problem",
-            "optimizer",
-            "seed",
-            "grid_point",
-            "hyperparameters",
-            "status",
-            "divergence",
-            "metric",
-            "final",
-            "train_time",
-            "step_time",
-            "error",
-        )
+        "result_file": str(result_file.resolve()),
+        **{
+            key: result.get(key)
+            for key in (
+                "problem",
+                "optimizer",
+                "seed",
+                "grid_point",
+                "hyperparameters",
+                "status",
+                "divergence",
+                "metric",
+                "final",
+                "train_time",
+                "step_time",
+                "error",
+            )
+        },
     }

@@ -1,25 +1,45 @@
-"""PNG plots of a sweep: learning curves, hyperparameter sensitivity, per-step cost."""
+"""PNG plots of a sweep: learning curves, hyperparameter sensitivity, per-step cost.
+
+Figures are built with :class:`matplotlib.figure.Figure` on the Agg canvas (no pyplot
+state); each ``*_figure`` function returns the figure, each ``plot_*`` writes it.
+Spread over seeds is drawn as a band: mean ± std on a linear axis, and on a log axis
+(a loss metric) the geometric mean ×/÷ the geometric std, which stays positive.
+"""
 
 from __future__ import annotations
 
 import math
+import textwrap
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 
 from benchmarks.aggregate import Setting, Tuned
+
+#: A sensitivity curve whose means differ by less than this fraction is flat.
+FLAT_TOLERANCE = 1e-4
+
+#: Characters per line of a sensitivity plot's title (it must fit the figure).
+TITLE_WIDTH = 50
+
+#: Grids whose largest value over the smallest is at least this go on a log axis.
+LOG_AXIS_RANGE = 10.0
 
 
 def metric_label(metric: str) -> str:
     """Axis label of a test metric."""
     return f"test {metric}"
+
+
+def _save(figure: Figure, path: Path) -> Path:
+    FigureCanvasAgg(figure)
+    figure.savefig(path, dpi=110)
+    return path
 
 
 def _stack(runs: Sequence[dict[str, Any]], key: str) -> np.ndarray:
@@ -30,6 +50,41 @@ def _stack(runs: Sequence[dict[str, Any]], key: str) -> np.ndarray:
     for i, curve in enumerate(curves):
         out[i, : len(curve)] = curve
     return out
+
+
+def seed_band(
+    values: np.ndarray, log: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Center and band over seeds (axis 0) of values, NaNs (diverged seeds) left out.
+
+    On a linear axis: mean and mean ± sample std. On a log axis: the geometric mean
+    ``g = exp(mean(log v))`` and ``g ·/÷ exp(std(log v))`` over the positive values,
+    so the band never reaches 0 (where a log axis has no room). The std is 0 for a
+    single value; a column without values gives NaN.
+
+    Args:
+        values: ``[seeds, points]``.
+        log: Whether the axis is logarithmic.
+
+    Returns:
+        ``(center, low, high)``, each ``[points]``.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    if log:
+        values = np.log(np.where(values > 0, values, np.nan))
+    count = np.isfinite(values).sum(axis=0)
+    with warnings.catch_warnings():  # all-NaN columns after a divergence
+        warnings.simplefilter("ignore", RuntimeWarning)
+        center = np.nanmean(values, axis=0)
+        std = np.where(count > 1, np.nanstd(values, axis=0, ddof=1), 0.0)
+    std = np.where(count > 0, std, np.nan)
+    if log:
+        return np.exp(center), np.exp(center - std), np.exp(center + std)
+    return center, center - std, center + std
+
+
+def _spread_label(log: bool) -> str:
+    return "geometric mean ×/÷ geometric std" if log else "mean ± std"
 
 
 def _setting_label(optimizer: str, tuned: Tuned) -> str:
@@ -43,138 +98,225 @@ def _setting_label(optimizer: str, tuned: Tuned) -> str:
     return f"{optimizer} ({values})" if values else optimizer
 
 
-def plot_curves(problem: str, tuned: dict[str, Tuned], path: Path) -> Path:
-    """Test metric vs steps and vs training seconds, mean ± std over seeds.
+def curves_figure(problem: str, tuned: dict[str, Tuned]) -> Figure:
+    """Test metric vs steps and vs training seconds, spread over seeds.
 
     Args:
         problem: Problem name (title).
         tuned: Optimizer name → its tuned setting on this problem.
-        path: Output PNG.
 
     Returns:
-        ``path``.
+        The figure.
     """
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    metric, maximize = "metric", True
-    for optimizer, choice in tuned.items():
-        runs = [r for r in choice.best.runs if "curves" in r]
-        if not runs:
-            continue
-        metric, maximize = runs[0]["metric"], runs[0]["maximize"]
-        values = _stack(runs, "test_metric")
+    figure = Figure(figsize=(11, 4), layout="constrained")
+    axes = figure.subplots(1, 2, sharey=True)
+    trained = {
+        optimizer: [r for r in choice.best.runs if "curves" in r]
+        for optimizer, choice in tuned.items()
+    }
+    trained = {optimizer: runs for optimizer, runs in trained.items() if runs}
+    first = next(iter(trained.values()), [{}])[0]
+    metric, maximize = first.get("metric", "metric"), first.get("maximize", True)
+    log = not maximize  # a loss metric spans decades
+    for optimizer, runs in trained.items():
+        center, low, high = seed_band(_stack(runs, "test_metric"), log)
         steps = np.nanmean(_stack(runs, "step"), axis=0)
         seconds = np.nanmean(_stack(runs, "time"), axis=0)
-        with warnings.catch_warnings():  # all-NaN columns after a divergence
-            warnings.simplefilter("ignore", RuntimeWarning)
-            mean = np.nanmean(values, axis=0)
-            std = np.nanstd(values, axis=0)
-        label = _setting_label(optimizer, choice)
-        (line,) = axes[0].plot(steps, mean, label=label)
+        (line,) = axes[0].plot(
+            steps, center, label=_setting_label(optimizer, tuned[optimizer])
+        )
         color = line.get_color()
-        axes[0].fill_between(steps, mean - std, mean + std, color=color, alpha=0.2)
+        axes[0].fill_between(steps, low, high, color=color, alpha=0.2)
         timed = seconds > 0  # log axis: the evaluation at t = 0 is left out
-        axes[1].plot(seconds[timed], mean[timed], color=color)
+        axes[1].plot(seconds[timed], center[timed], color=color)
         axes[1].fill_between(
-            seconds[timed],
-            (mean - std)[timed],
-            (mean + std)[timed],
-            color=color,
-            alpha=0.2,
+            seconds[timed], low[timed], high[timed], color=color, alpha=0.2
         )
     axes[0].set_xlabel("step")
     axes[1].set_xscale("log")
     axes[1].set_xlabel("training time [s] (evaluation excluded)")
     axes[0].set_ylabel(metric_label(metric))
-    if not maximize:
+    if log:
         axes[0].set_yscale("log")
-    axes[0].legend(fontsize="small")
-    fig.suptitle(f"{problem}: tuned settings, mean ± std over seeds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    if trained:
+        axes[0].legend(fontsize="small")
+    else:
+        axes[0].text(
+            0.5, 0.5, "no run trained", ha="center", transform=axes[0].transAxes
+        )
+    figure.suptitle(f"{problem}: tuned settings, {_spread_label(log)} over seeds")
+    return figure
 
 
-def plot_sensitivity(
-    problem: str, key: str, tuned: dict[str, Tuned], path: Path
-) -> Path:
+def plot_curves(problem: str, tuned: dict[str, Tuned], path: Path) -> Path:
+    """Write :func:`curves_figure` to ``path`` (PNG) and return ``path``."""
+    return _save(curves_figure(problem, tuned), path)
+
+
+def _value_axis(values: Sequence[float]) -> str:
+    """``"log"`` for a positive grid spanning a decade or more, else ``"linear"``.
+
+    Learning rates and dampings (half-decade grids) get a log axis; small integers
+    such as ``z ∈ {1, 2, 3, 4}`` a linear one.
+    """
+    positive = all(v > 0 for v in values)
+    spans_decades = positive and max(values) >= LOG_AXIS_RANGE * min(values)
+    return "log" if spans_decades else "linear"
+
+
+def _lm_start_value(key: str, choice: Tuned) -> bool:
+    """Whether ``key`` is Levenberg-Marquardt's start value of the damping."""
+    policy = choice.best.hyperparameters.get("damping._target_", "")
+    return key == "damping.value" and str(policy).endswith("LevenbergMarquardt")
+
+
+def _final_metrics(
+    key: str, choice: Tuned
+) -> tuple[np.ndarray, np.ndarray, list[float]]:
+    """The values of ``key`` tried with the other settings at their tuned values.
+
+    Args:
+        key: The varied hyperparameter.
+        choice: The tuned setting of one optimizer.
+
+    Returns:
+        The values (ascending), the final test metrics ``[seeds, values]`` of the
+        successful seeds (NaN-padded), and the values with a diverged or failed seed.
+    """
+    others = {k: v for k, v in choice.best.hyperparameters.items() if k != key}
+    points = sorted(
+        (
+            (float(s.hyperparameters[key]), s)
+            for s in choice.candidates
+            if isinstance(s.hyperparameters.get(key), int | float)
+            and {k: v for k, v in s.hyperparameters.items() if k != key} == others
+        ),
+        key=lambda point: point[0],
+    )
+    finals = np.full((max(len(s.runs) for _, s in points), len(points)), np.nan)
+    for column, (_, setting) in enumerate(points):
+        values = [r["final"]["test_metric"] for r in setting.ok_runs]
+        finals[: len(values), column] = values
+    values = np.array([value for value, _ in points])
+    return values, finals, [value for value, s in points if not s.complete]
+
+
+def sensitivity_figure(problem: str, key: str, tuned: dict[str, Tuned]) -> Figure:
     """Final test metric against one hyperparameter, others at their tuned values.
 
-    Settings with a diverged or failed seed are drawn as crosses at the bottom.
+    Settings with a diverged or failed seed are drawn as crosses at the bottom. The
+    x axis is logarithmic for grids spanning a decade or more, with a tick at every
+    value tried. A plot whose every curve is flat (means within
+    :data:`FLAT_TOLERANCE`) says so on the axes.
 
     Args:
         problem: Problem name (title).
         key: The hyperparameter on the x-axis (e.g. ``"lr"``).
         tuned: Optimizer name → its tuned setting on this problem (only optimizers
             that varied ``key`` are drawn).
-        path: Output PNG.
 
     Returns:
-        ``path``.
+        The figure.
     """
-    fig, ax = plt.subplots(figsize=(6, 4))
-    metric, maximize = "metric", True
-    for optimizer, choice in tuned.items():
-        if key not in choice.grid:
-            continue
-        others = {k: v for k, v in choice.best.hyperparameters.items() if k != key}
-        line: list[tuple[float, float, float, bool]] = []
-        for setting in choice.candidates:
-            rest = {k: v for k, v in setting.hyperparameters.items() if k != key}
-            value = setting.hyperparameters.get(key)
-            if rest != others or not isinstance(value, int | float):
-                continue
-            mean, std = setting.final("test_metric")
-            line.append((float(value), mean, std, setting.complete))
-            metric, maximize = setting.runs[0].get("metric", metric), setting.maximize
-        line.sort()
-        x = np.array([p[0] for p in line])
-        mean = np.array([p[1] for p in line])
-        std = np.array([p[2] for p in line])
+    figure = Figure(figsize=(6, 4), layout="constrained")
+    ax = figure.subplots()
+    varied = {o: choice for o, choice in tuned.items() if key in choice.grid}
+    first = next(iter(varied.values()), None)
+    metric = first.best.runs[0].get("metric", "metric") if first else "metric"
+    log = first is not None and not first.best.maximize  # a loss spans decades
+    drawn = []
+    for optimizer, choice in varied.items():
+        x, finals, crosses = _final_metrics(key, choice)
+        center, low, high = seed_band(finals, log)
         (handle,) = ax.plot(
-            x, mean, marker="o", label=_setting_label(optimizer, choice)
+            x, center, marker="o", label=_setting_label(optimizer, choice)
         )
-        ax.fill_between(x, mean - std, mean + std, color=handle.get_color(), alpha=0.2)
-        bad = [p[0] for p in line if not p[3]]
+        ax.fill_between(x, low, high, color=handle.get_color(), alpha=0.2)
         ax.plot(
-            bad,
-            [0.0] * len(bad),
+            crosses,
+            [0.0] * len(crosses),
             "x",
             color=handle.get_color(),
             ms=9,
             transform=ax.get_xaxis_transform(),
             clip_on=False,
         )
-    if all(x > 0 for line in ax.get_lines() for x in line.get_xdata()):
-        ax.set_xscale("log")
-    if not maximize:
+        drawn.append((optimizer, x, center))
+    values = sorted({v for _, x, _ in drawn for v in x})
+    if values:
+        ax.set_xscale(_value_axis(values))
+        ax.set_xticks(values, [f"{v:g}" for v in values])
+        ax.minorticks_off()
+    if log:
         ax.set_yscale("log")
     ax.set_xlabel(key)
     ax.set_ylabel(f"final {metric_label(metric)}")
-    ax.set_title(f"{problem}: sensitivity to {key} (× = diverged/failed seed)")
+    ax.set_title(
+        textwrap.fill(f"{problem}: sensitivity to {key}", TITLE_WIDTH)
+        + "\n"
+        + textwrap.fill(
+            f"{_spread_label(log)} over seeds; × = a seed diverged or failed",
+            TITLE_WIDTH,
+        ),
+        fontsize="medium",
+    )
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    flat = [
+        optimizer
+        for optimizer, _, center in drawn
+        if np.isfinite(center).any()
+        and np.nanmax(center) - np.nanmin(center)
+        <= FLAT_TOLERANCE * np.nanmax(np.abs(center))
+    ]
+    if drawn and len(flat) == len(drawn):
+        note = (
+            f"Flat: the final {metric_label(metric)} does not depend on {key} here "
+            f"(every value within {FLAT_TOLERANCE:.0e} relative)."
+        )
+        if all(_lm_start_value(key, tuned[optimizer]) for optimizer in flat):
+            note += (
+                " Levenberg-Marquardt only starts from this δ and adapts it every "
+                "step: where its model is exact (ρ ≈ 1, as on a quadratic), every "
+                "start shrinks to the same floor."
+            )
+        ax.text(
+            0.5,
+            0.5,
+            textwrap.fill(note, 50),
+            ha="center",
+            va="center",
+            fontsize="small",
+            transform=ax.transAxes,
+            bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "0.6"},
+        )
+    return figure
 
 
-def plot_step_cost(settings: Sequence[Setting], path: Path) -> Path:
+def plot_sensitivity(
+    problem: str, key: str, tuned: dict[str, Tuned], path: Path
+) -> Path:
+    """Write :func:`sensitivity_figure` to ``path`` (PNG) and return ``path``."""
+    return _save(sensitivity_figure(problem, key, tuned), path)
+
+
+def step_cost_figure(settings: Sequence[Setting]) -> Figure:
     """Median per-step time per optimizer and problem (bars: median, whiskers: range).
 
     Args:
         settings: All settings of the sweep.
-        path: Output PNG.
 
     Returns:
-        ``path``.
+        The figure (with a note instead of bars when no run was timed).
     """
     problems = list(dict.fromkeys(s.problem for s in settings))
     optimizers = list(dict.fromkeys(s.optimizer for s in settings))
     width = 0.8 / max(len(optimizers), 1)
-    fig, ax = plt.subplots(
-        figsize=(max(5, 1.8 * len(problems) * len(optimizers) ** 0.5), 4)
+    figure = Figure(
+        figsize=(max(5, 1.8 * len(problems) * len(optimizers) ** 0.5), 4),
+        layout="constrained",
     )
+    ax = figure.subplots()
+    timed = False
     for j, optimizer in enumerate(optimizers):
         medians, lows, highs = [], [], []
         for problem in problems:
@@ -185,6 +327,7 @@ def plot_step_cost(settings: Sequence[Setting], path: Path) -> Path:
                 for t in s.step_times()
             ]
             if times:
+                timed = True
                 median = float(np.median(times))
                 medians.append(median)
                 lows.append(median - min(times))
@@ -196,11 +339,16 @@ def plot_step_cost(settings: Sequence[Setting], path: Path) -> Path:
         x = np.arange(len(problems)) + (j - (len(optimizers) - 1) / 2) * width
         ax.bar(x, medians, width, yerr=[lows, highs], capsize=3, label=optimizer)
     ax.set_xticks(np.arange(len(problems)), problems)
-    ax.set_yscale("log")
+    if timed:
+        ax.set_yscale("log")
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no run was timed", ha="center", transform=ax.transAxes)
     ax.set_ylabel("median time per step [ms]")
     ax.set_title("Median time per step after warm-up\n(whiskers: range over runs)")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return figure
+
+
+def plot_step_cost(settings: Sequence[Setting], path: Path) -> Path:
+    """Write :func:`step_cost_figure` to ``path`` (PNG) and return ``path``."""
+    return _save(step_cost_figure(settings), path)

@@ -292,6 +292,117 @@ def problem_table(
     return "\n".join(lines)
 
 
+#: Optimizer names of this package (the trade-off compares them with the others).
+PACKAGE_OPTIMIZERS = "dampednewton"
+
+
+def _compare(theirs: float, ours: float, better: str, worse: str, even: str) -> str:
+    """Words for ``theirs / ours``: ``better``/``worse`` formatted with the factor.
+
+    Args:
+        theirs: The other optimizer's value (steps, seconds).
+        ours: Ours; lower is better.
+        better: Text with ``{x}`` for ``theirs / ours > 1``, e.g. ``"{x}× fewer"``.
+        worse: Text with ``{x}`` for ``ours / theirs > 1``.
+        even: Text for a ratio within 5 % of 1.
+
+    Returns:
+        The text, the factor to 2 significant digits.
+    """
+    ratio = theirs / ours
+    if math.isclose(ratio, 1.0, rel_tol=0.05):
+        return even
+    if ratio > 1:
+        return better.format(x=f"{ratio:.2g}")
+    return worse.format(x=f"{1 / ratio:.2g}")
+
+
+def trade_off(
+    problem: str, tuned: dict[str, Tuned], settings: list[Setting]
+) -> str | None:
+    """One paragraph: the package's steps-to-target advantage vs its time per step.
+
+    Compares the best tuned ``dampednewton*`` optimizer with the other optimizers of
+    the sweep on ``problem``: on the hardest target it reached, with the other that
+    reached it in the fewest steps (steps, time per step, training time to it); and
+    its final test metric with the best other's. Every number comes from the
+    sweep's results.
+
+    Args:
+        problem: Problem name.
+        tuned: Optimizer name → tuned setting on this problem.
+        settings: All settings of the sweep (for the per-step-time ratio).
+
+    Returns:
+        The paragraph, or ``None`` if the sweep has no ``dampednewton*`` optimizer
+        or no other one on the problem.
+    """
+    ours = {o: t for o, t in tuned.items() if o.startswith(PACKAGE_OPTIMIZERS)}
+    others = {o: t for o, t in tuned.items() if o not in ours}
+    if not ours or not others:
+        return None
+    name, choice = max(ours.items(), key=lambda item: item[1].best.score())
+    best = choice.best
+    rival_name, rival = max(others.items(), key=lambda item: item[1].best.score())
+    first = best.runs[0]
+    metric, targets = first.get("metric", "metric"), first.get("targets") or []
+    final, _ = best.final("test_metric")
+    rival_final, _ = rival.best.final("test_metric")
+    tuned_values = {key: best.hyperparameters.get(key) for key in choice.grid}
+    head = f"On {problem}, {name}" + (
+        f" ({_format_hyperparameters(tuned_values)})" if tuned_values else ""
+    )
+    ending = (
+        f"Final test {metric}: {_num(final)} against {_num(rival_final)} for "
+        f"{rival_name}, the best other optimizer."
+    )
+    reached = [
+        i for i in range(len(targets)) if best.to_target("steps_to_target", i)[2]
+    ]
+    if not reached:
+        cost = step_time_ratio(settings, problem, name, rival_name)
+        return (
+            f"{head} reached no target ({', '.join(f'{t:g}' for t in targets)}) "
+            f"on any seed, and one step costs {_num(cost, 2)}× one {rival_name} step. "
+            + ending
+        )
+    index = reached[-1]
+    steps, _, seeds = best.to_target("steps_to_target", index)
+    seconds, _, _ = best.to_target("time_to_target", index)
+    of_seeds = "" if seeds == len(best.runs) else f" ({seeds}/{len(best.runs)} seeds)"
+    lead = (
+        f"{head} reached test {metric} {targets[index]:g} in {steps:.0f} steps"
+        f"{of_seeds} ({seconds:.2g} s of training)"
+    )
+    contenders = {
+        o: t.best.to_target("steps_to_target", index)[0]
+        for o, t in others.items()
+        if t.best.to_target("steps_to_target", index)[2]
+    }
+    if not contenders:
+        cost = step_time_ratio(settings, problem, name, rival_name)
+        return (
+            f"{lead}; no other optimizer reached it. One {name} step costs "
+            f"{_num(cost, 2)}× one {rival_name} step. {ending}"
+        )
+    fastest = min(contenders, key=contenders.get)
+    fastest_steps = contenders[fastest]
+    fastest_seconds, _, _ = others[fastest].best.to_target("time_to_target", index)
+    cost = step_time_ratio(settings, problem, name, fastest)
+    in_steps = _compare(
+        fastest_steps, steps, "{x}× fewer steps", "{x}× more steps", "as many steps"
+    )
+    in_time = _compare(
+        fastest_seconds, seconds, "{x}× sooner", "{x}× later", "at about the same time"
+    )
+    return (
+        f"{lead}, {fastest} (the fewest steps among the others) in "
+        f"{fastest_steps:.0f} steps: {in_steps}. One {name} step costs "
+        f"{_num(cost, 2)}× one {fastest} step, so in training time it got there "
+        f"{in_time} ({seconds:.2g} s against {fastest_seconds:.2g} s). {ending}"
+    )
+
+
 def markdown_report(
     settings: list[Setting], tuned_pairs: dict[tuple[str, str], Tuned]
 ) -> str:
@@ -311,10 +422,22 @@ def markdown_report(
         f"{NOTES} Device(s): {', '.join(devices)}.",
         "",
     ]
-    for problem in dict.fromkeys(s.problem for s in settings):
-        tuned = {opt: t for (prob, opt), t in tuned_pairs.items() if prob == problem}
+    for problem, tuned in _by_problem(tuned_pairs).items():
         parts.append(problem_table(problem, tuned, settings))
+        paragraph = trade_off(problem, tuned, settings)
+        if paragraph:
+            parts += [f"**Trade-off.** {paragraph}", ""]
     return "\n".join(parts)
+
+
+def _by_problem(
+    tuned_pairs: dict[tuple[str, str], Tuned],
+) -> dict[str, dict[str, Tuned]]:
+    """``problem → optimizer → Tuned``, problems and optimizers in sweep order."""
+    grouped: dict[str, dict[str, Tuned]] = {}
+    for (problem, optimizer), choice in tuned_pairs.items():
+        grouped.setdefault(problem, {})[optimizer] = choice
+    return grouped
 
 
 def write_report(sweep_dir: Path) -> dict[str, Path]:
@@ -335,8 +458,7 @@ def write_report(sweep_dir: Path) -> dict[str, Path]:
     markdown = markdown_report(settings, tuned_pairs)
     paths["markdown"] = out / "summary.md"
     paths["markdown"].write_text(markdown)
-    for problem in dict.fromkeys(s.problem for s in settings):
-        tuned = {opt: t for (prob, opt), t in tuned_pairs.items() if prob == problem}
+    for problem, tuned in _by_problem(tuned_pairs).items():
         paths[f"curves_{problem}"] = plot_curves(
             problem, tuned, out / f"curves_{problem}.png"
         )
@@ -344,15 +466,26 @@ def write_report(sweep_dir: Path) -> dict[str, Path]:
             name = f"sensitivity_{problem}_{key}"
             paths[name] = plot_sensitivity(problem, key, tuned, out / f"{name}.png")
     paths["step_cost"] = plot_step_cost(settings, out / "step_cost.png")
+    paragraphs = [
+        trade_off(problem, tuned, settings)
+        for problem, tuned in _by_problem(tuned_pairs).items()
+    ]
+    if any(paragraphs):
+        paths["trade_off"] = out / "trade_off.md"
+        paths["trade_off"].write_text("\n\n".join(p for p in paragraphs if p) + "\n")
     return paths
 
 
 def print_locations(paths: dict[str, Path]) -> None:
-    """Print the Markdown report and where every file is."""
+    """Print the Markdown report, where every file is, and the trade-off last."""
     print(paths["markdown"].read_text())
     print(f"Report folder: {paths['markdown'].parent.resolve()}")
     for name, path in paths.items():
         print(f"  {name}: {path.resolve()}")
+    if "trade_off" in paths:
+        print(
+            f"\nTrade-off, from this sweep's results:\n{paths['trade_off'].read_text()}"
+        )
 
 
 def latest_sweep(root: Path = Path("multirun")) -> Path:
@@ -369,6 +502,9 @@ def latest_sweep(root: Path = Path("multirun")) -> Path:
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point.
 
+    Exits with status 2 and a one-line message (no traceback) when the directory
+    does not exist or holds no results.
+
     Args:
         argv: Arguments (default: ``sys.argv[1:]``).
     """
@@ -380,7 +516,17 @@ def main(argv: list[str] | None = None) -> None:
         help="Hydra sweep directory (default: the newest under multirun/)",
     )
     args = parser.parse_args(argv)
-    print_locations(write_report(args.sweep_dir or latest_sweep()))
+    if args.sweep_dir is not None and not args.sweep_dir.is_dir():
+        parser.error(
+            f"{args.sweep_dir} is not a directory: pass a sweep directory "
+            "(multirun/<date>/<time>, printed at the end of a multirun), or nothing "
+            "for the newest one under multirun/."
+        )
+    try:
+        paths = write_report(args.sweep_dir or latest_sweep())
+    except FileNotFoundError as error:  # no results: say so, without a traceback
+        parser.error(str(error))
+    print_locations(paths)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from dampednewton import DampedNewton, DirectionalDampedNewtonComputation
 
 NUM_CLASSES = 10
 DIRECTIONS = 10
+NOT_RUN = "—"  # the cells of the materialized path under --skip-materialized
 
 
 def flat_mlp(hidden: tuple[int, ...]) -> Callable[[], nn.Module]:
@@ -246,22 +247,26 @@ def main() -> None:
                 )
                 sgd = times["sgd"]
                 fast = times[f"fast:{ggn}"]
-                dense = times.get(f"dense:{ggn}", float("nan"))
                 default = times["default"]
+                dense = times.get(f"dense:{ggn}")
+                dense_cells = (
+                    f"{NOT_RUN:>9} {NOT_RUN:>10}"
+                    if dense is None
+                    else f"{dense * 1e3:9.1f} {dense / sgd:9.1f}×"
+                )
                 line = (
                     f"{model_name:10} {batch_size:>4} {ggn:>5} {sgd * 1e3:8.2f} "
-                    f"{fast * 1e3:8.1f} {fast / sgd:8.1f}× "
-                    f"{dense * 1e3:9.1f} {dense / sgd:9.1f}× "
+                    f"{fast * 1e3:8.1f} {fast / sgd:8.1f}× {dense_cells} "
                     f"{default * 1e3:11.1f} {default / sgd:11.1f}×"
                 )
                 if args.memory:
-                    measured = [v for v in variants if v != "default"]
-                    memory = [
+                    sgd_mib, fast_mib, *dense_mib = (
                         peak_memory_mib(v, model_name, batch_size, device.type)
-                        for v in measured
-                    ]
-                    memory += [float("nan")] * (3 - len(memory))
-                    line += f" {memory[0]:8.0f} {memory[1]:9.0f} {memory[2]:10.0f}"
+                        for v in variants
+                        if v != "default"
+                    )
+                    dense_memory = f"{dense_mib[0]:10.0f}" if dense_mib else NOT_RUN
+                    line += f" {sgd_mib:8.0f} {fast_mib:9.0f} {dense_memory:>10}"
                 print(line, flush=True)
 
 

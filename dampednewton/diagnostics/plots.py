@@ -41,8 +41,71 @@ def _require(record: Record, key: str) -> None:
         )
 
 
-def plot_histograms(record: Record, path: str | Path, label: str = "grad_hist") -> Path:
+def histograms_figure(record: Record, label: str = "grad_hist") -> Figure:
     """Bar plots (log-scaled counts) of the network and per-parameter histograms.
+
+    The network histogram is binned on a range fixed before the layers are seen
+    (see :class:`~dampednewton.diagnostics.GradientHistogram`), which can be
+    narrower than a layer's: its panel spans the hull of every panel's range and
+    shades the part outside its own bins, where its elements are only counted
+    (``below``/``above``), so no layer looks wider than the network.
+
+    Args:
+        record: A record with a 1D gradient histogram.
+        label: Label of the histogram diagnostic.
+
+    Returns:
+        The figure.
+
+    Raises:
+        KeyError: If the record has no histogram under ``label``.
+    """
+    _require(record, f"{label}/counts")
+    panels = [("network", "")] + [
+        (name, f"/{name}") for name in _names_with(record, f"{label}/counts")
+    ]
+    all_edges = [
+        np.asarray(record[f"{label}/edges{suffix}"], dtype=np.float64)
+        for _, suffix in panels
+    ]
+    hull = (min(e[0] for e in all_edges), max(e[-1] for e in all_edges))
+    columns = min(3, len(panels))
+    rows = math.ceil(len(panels) / columns)
+    figure = Figure(figsize=(4.5 * columns, 3.2 * rows), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False).ravel()
+    for ax, (title, suffix), edges in zip(axes, panels, all_edges, strict=False):
+        counts = np.asarray(record[f"{label}/counts{suffix}"])
+        ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge")
+        if counts.any():
+            ax.set_yscale("log")
+        ax.set_title(
+            f"{title}\nbelow {record[f'{label}/below{suffix}']}, "
+            f"above {record[f'{label}/above{suffix}']}, "
+            f"NaN {record[f'{label}/nan{suffix}']}",
+            fontsize=9,
+        )
+        if not suffix:
+            ax.set_xlim(*hull)
+            outside = [
+                (low, high)
+                for low, high in ((hull[0], edges[0]), (edges[-1], hull[1]))
+                if high > low
+            ]
+            for i, (low, high) in enumerate(outside):
+                span_label = "outside its range" if i == 0 else "_outside its range"
+                ax.axvspan(low, high, color="0.85", zorder=0, label=span_label)
+            if outside:
+                ax.legend(fontsize=8, loc="upper right")
+        ax.set_xlabel("individual gradient element")
+        ax.set_ylabel("count")
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
+    figure.suptitle(f"{label}, step {record.get('step')}")
+    return figure
+
+
+def plot_histograms(record: Record, path: str | Path, label: str = "grad_hist") -> Path:
+    """Write :func:`histograms_figure` to ``path`` (PNG).
 
     Args:
         record: A record with a 1D gradient histogram.
@@ -55,32 +118,7 @@ def plot_histograms(record: Record, path: str | Path, label: str = "grad_hist") 
     Raises:
         KeyError: If the record has no histogram under ``label``.
     """
-    _require(record, f"{label}/counts")
-    panels = [("network", "")] + [
-        (name, f"/{name}") for name in _names_with(record, f"{label}/counts")
-    ]
-    columns = min(3, len(panels))
-    rows = math.ceil(len(panels) / columns)
-    figure = Figure(figsize=(4.5 * columns, 3.2 * rows), layout="constrained")
-    axes = figure.subplots(rows, columns, squeeze=False).ravel()
-    for ax, (title, suffix) in zip(axes, panels, strict=False):
-        counts = np.asarray(record[f"{label}/counts{suffix}"])
-        edges = np.asarray(record[f"{label}/edges{suffix}"], dtype=np.float64)
-        ax.bar(edges[:-1], counts, width=np.diff(edges), align="edge")
-        if counts.any():
-            ax.set_yscale("log")
-        ax.set_title(
-            f"{title}\nbelow {record[f'{label}/below{suffix}']}, "
-            f"above {record[f'{label}/above{suffix}']}, "
-            f"NaN {record[f'{label}/nan{suffix}']}",
-            fontsize=9,
-        )
-        ax.set_xlabel("individual gradient element")
-        ax.set_ylabel("count")
-    for ax in axes[len(panels) :]:
-        ax.set_visible(False)
-    figure.suptitle(f"{label}, step {record.get('step')}")
-    return _save(figure, path)
+    return _save(histograms_figure(record, label), path)
 
 
 def plot_histogram_2d(

@@ -1,4 +1,4 @@
-"""A tiny multirun through the real command line: results, progress, report files."""
+"""Tiny runs through the real command line: results, progress, report, exit status."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     process = subprocess.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=300
     )
-    assert process.returncode == 0, process.stderr[-3000:]
+    assert process.returncode == 1, "a failed job fails the sweep\n" + process.stderr
     return sweep_dir, process
 
 
@@ -61,10 +61,60 @@ def test_every_job_wrote_its_result(sweep):
 
 def test_progress_lines_per_job(sweep):
     _, process = sweep
+    plan = "4 jobs (2 sgd on digits_logreg, 2 adam on digits_logreg): about "
+    assert plan in process.stderr.splitlines()[0], "the expected time comes first"
+    assert "ETA " in process.stderr
     for k in range(1, NUM_JOBS + 1):
         assert f"[{k}/{NUM_JOBS}] digits_logreg" in process.stderr
     assert "FAILED ValueError: Invalid learning rate" in process.stderr
     assert "final test accuracy" in process.stderr
+
+
+def test_failed_jobs_are_listed_after_the_report(sweep):
+    sweep_dir, process = sweep
+    assert "Report folder:" in process.stdout, "the report is written all the same"
+    failed = sorted(
+        str(path.resolve())
+        for path in sweep_dir.glob("*/result.json")
+        if json.loads(path.read_text())["status"] == "failed"
+    )
+    assert len(failed) == len(OPTIMIZERS)
+    listing = process.stderr.split(f"{len(failed)} job(s) failed", 1)[1]
+    assert sorted(listing.split()[-len(failed) :]) == failed
+    for path in failed:  # the progress line of the job names its result too
+        assert f"(traceback: {path})" in process.stderr
+
+
+def _single_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        "benchmarks/run.py",
+        f"hydra.run.dir={tmp_path}",
+        "problem=digits_logreg",
+        "problem.steps=2",
+        "problem.eval_every=1",
+        "device=cpu",
+        *overrides,
+    ]
+    return subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_failed_single_run_exits_1_and_names_its_result(tmp_path):
+    process = _single_run(tmp_path, "optimizer.lr=-1")
+    assert process.returncode == 1
+    result_file = tmp_path / "result.json"
+    assert json.loads(result_file.read_text())["status"] == "failed"
+    output = process.stdout + process.stderr
+    assert "FAILED ValueError: Invalid learning rate" in output
+    assert f"(traceback: {result_file.resolve()})" in output
+
+
+def test_successful_single_run_exits_0_and_names_its_result(tmp_path):
+    process = _single_run(tmp_path, "optimizer.lr=0.1")
+    assert process.returncode == 0, process.stderr
+    assert f"Result: {(tmp_path / 'result.json').resolve()}" in process.stdout
 
 
 def test_report_files(sweep):
@@ -93,3 +143,22 @@ def test_report_script_regenerates(sweep, capsys):
     report_main([str(sweep_dir)])
     assert csv_file.is_file()
     assert "Report folder:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("missing", ["no_such_dir", "empty_dir"])
+def test_report_script_without_results_says_so_and_exits_2(tmp_path, missing):
+    sweep_dir = tmp_path / missing
+    if missing == "empty_dir":
+        sweep_dir.mkdir()
+    process = subprocess.run(
+        [sys.executable, "benchmarks/report.py", str(sweep_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert process.returncode == 2
+    assert "Traceback" not in process.stderr
+    expected = "is not a directory" if missing == "no_such_dir" else "No result.json"
+    assert "report.py: error:" in process.stderr
+    assert expected in process.stderr

@@ -45,3 +45,6 @@ def test_step_cost_memory_runs_each_variant_in_a_fresh_process():
     (row,) = [line.split() for line in output.splitlines() if line.startswith("mlp ")]
     sgd_mib, fast_mib = float(row[10]), float(row[11])
     assert sgd_mib >= 0 and fast_mib >= 0
+    # The skipped materialized path: time, ratio and memory cells say "not run".
+    assert (row[6], row[7], row[12]) == ("—", "—", "—")
+    assert "nan" not in output.lower()

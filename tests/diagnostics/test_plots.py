@@ -13,6 +13,7 @@ from dampednewton.diagnostics import (
     NoiseScale,
 )
 from dampednewton.diagnostics.plots import (
+    histograms_figure,
     plot_gsnr_and_noise_scale,
     plot_histogram_2d,
     plot_histograms,
@@ -86,3 +87,24 @@ def test_missing_data_raise(tmp_path, monitor):
         plot_scalars({}, tmp_path / "x.png")
     with pytest.raises(ValueError, match="equal length"):
         plot_scalars({"a": ([1, 2], [1.0])}, tmp_path / "x.png")
+
+
+def test_network_histogram_panel_spans_every_layer_range():
+    """The network's bins (a lagged range) are narrower than a layer's.
+
+    Its panel spans the hull of all ranges and shades the part outside its bins.
+    """
+    record = {"step": 3}
+    for suffix, (low, high) in {"": (-1.0, 1.0), "/w": (-3.0, 2.0)}.items():
+        record[f"grad_hist/counts{suffix}"] = np.array([1, 4, 2, 0])
+        record[f"grad_hist/edges{suffix}"] = np.linspace(low, high, 5)
+        for key in ("below", "above", "nan"):
+            record[f"grad_hist/{key}{suffix}"] = 0
+    network = histograms_figure(record).axes[0]
+    assert network.get_xlim() == (-3.0, 2.0)  # the layer's range, wider than its own
+    shaded = [
+        (p.get_x(), p.get_x() + p.get_width())
+        for p in network.patches
+        if p.get_label().endswith("outside its range")
+    ]
+    assert shaded == [(-3.0, -1.0), (1.0, 2.0)]

@@ -1,0 +1,60 @@
+"""Numbers quoted in README.md's prose come from rerunning what produces them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from backpack import extend
+
+from dampednewton import DampedNewton
+
+README = Path(__file__).parents[1] / "README.md"
+# ViViT's step: no complement, this batch's exact GGN, no trust region.
+VIVIT = {
+    "complement": None,
+    "averaging": None,
+    "kl_clip": None,
+    "mc_samples": 0,
+    "damping": 1e-2,
+}
+
+
+def readme_example_loss(**settings) -> float:
+    """The loss after the first and 20 more steps of README's optimizer example."""
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(128, 10, generator=gen)
+    y = (X[:, :3].sum(1) > 0).long() + (X[:, 3] > 1).long()
+    torch.manual_seed(0)
+    model = extend(
+        torch.nn.Sequential(
+            torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)
+        )
+    )
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    optimizer = DampedNewton(model.parameters(), **settings)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn(model(X), y)
+        loss.backward()
+        return loss
+
+    for _ in range(21):
+        loss = optimizer.step(closure)
+    return loss.item()
+
+
+def test_criterion_paragraph_quotes_the_losses_the_example_reaches():
+    text = " ".join(README.read_text().split())
+    defaults = [readme_example_loss(criterion=k) for k in (3, 10, 30)]
+    vivit = [readme_example_loss(criterion=k, **VIVIT) for k in (3, 10, 30)]
+    expected = (
+        f"`criterion=3` reaches loss {defaults[0]:.3g}, `10` reaches "
+        f"{defaults[1]:.3g} and `30` reaches {defaults[2]:.3g} with the defaults; "
+        "ViViT's step (no complement, exact GGN, `damping=1e-2`) reaches "
+        f"{vivit[0]:.3g}, {vivit[1]:.3g} and {vivit[2]:.3g}:"
+    )
+    found = re.search(r"`criterion=3` reaches loss .*?:", text)
+    assert found and found.group(0) == expected
