@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.backward import SingleBackwardCheck, quiet_backward_hook_warning
+from dampednewton.checkpoint import mark_unpicklable, unwrap_settings
 from dampednewton.complement import ComplementPolicy, SmallestCurvature, as_complement
 from dampednewton.computations.base import GRAD_BATCH
 from dampednewton.computations.extensions import (
@@ -404,11 +405,17 @@ class DampedNewton(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Return the optimizer state, including the Monte-Carlo generator's state.
 
+        Group settings that cannot be pickled (a lambda criterion, a local damping
+        function) are kept by reference, wrapped so that ``torch.save`` refuses them
+        with an error naming the group and the key (see
+        :class:`~dampednewton.checkpoint.UnpicklableSetting`).
+
         Returns:
             A ``torch.optim`` state dict; the extra entry ``'generator'`` holds the
             random state of Monte-Carlo sampling.
         """
         state = super().state_dict()
+        mark_unpicklable(state["param_groups"])
         generator = self._mc_generator(create=True)
         state["dampednewton"] = {
             "seed": self._seed,
@@ -424,6 +431,7 @@ class DampedNewton(Optimizer):
         """
         state_dict = dict(state_dict)
         extra = state_dict.pop("dampednewton", None)
+        state_dict["param_groups"] = unwrap_settings(state_dict["param_groups"])
         for group in state_dict["param_groups"]:
             _validate_group(group)
         super().load_state_dict(state_dict)
