@@ -542,7 +542,10 @@ class DampedNewton(Optimizer):
                 "model and loss function with BackPACK (`model = backpack.extend("
                 "model)`, `loss_fn = backpack.extend(loss_fn)`), make sure the closure "
                 "calls `loss.backward()` and that every parameter is used in the "
-                "forward pass."
+                "forward pass. A torch.compile'd model can skip BackPACK's hooks "
+                "(TorchDynamo reuses graphs compiled for a plain model of the same "
+                "class and does not guard on hooks), and gains nothing from "
+                "compilation here: step with the uncompiled model."
             ) from error
 
     def _refuse_nonfinite(
