@@ -1,6 +1,6 @@
 """What the optimizer wraps around the closure's backward pass.
 
-* :class:`SingleBackwardCheck` makes sure the closure ran exactly one backward pass
+* :class:`SingleBackwardCheck` makes sure the closure ran at most one backward pass
   into zeroed gradients: BackPACK's curvature describes one backward pass, ``.grad``
   accumulates over all of them, and a step that mixes the two is silently wrong.
 * :func:`quiet_backward_hook_warning` silences torch's "Full backward hook is firing
