@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from dampednewton.finite import all_finite
+from dampednewton.threads import small_matrix_threads
 
 # Diagonal shifts tried, relative to the largest entry, when LAPACK fails to converge.
 RETRY_SHIFTS = (0.0, 1e-12, 1e-8)
@@ -20,7 +21,8 @@ def symmetric_eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
     rank-deficient Gram matrices of neural networks. The retry solves the problem in
     float64, scaled by a power of two (exact) to unit magnitude, and, should LAPACK
     still not converge, with a tiny diagonal shift that is subtracted again. The
-    result is cast back to the input's dtype.
+    result is cast back to the input's dtype. Small CPU matrices are solved on a
+    bounded number of threads (:func:`~dampednewton.threads.small_matrix_threads`).
 
     Args:
         matrix: Symmetric matrix of shape ``[M, M]``.
@@ -32,7 +34,8 @@ def symmetric_eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
     Raises:
         torch.linalg.LinAlgError: If every attempt fails.
     """
-    return _robust(matrix, torch.linalg.eigh)
+    with small_matrix_threads(matrix):
+        return _robust(matrix, torch.linalg.eigh)
 
 
 def symmetric_eigvalsh(matrix: Tensor) -> Tensor:
@@ -47,7 +50,8 @@ def symmetric_eigvalsh(matrix: Tensor) -> Tensor:
     Raises:
         torch.linalg.LinAlgError: If every attempt fails.
     """
-    return _robust(matrix, lambda m: (torch.linalg.eigvalsh(m),))[0]
+    with small_matrix_threads(matrix):
+        return _robust(matrix, lambda m: (torch.linalg.eigvalsh(m),))[0]
 
 
 def _robust(matrix: Tensor, solve) -> tuple[Tensor, ...]:

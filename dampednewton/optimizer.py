@@ -14,6 +14,8 @@ from torch import Generator, Tensor
 from torch.optim import Optimizer
 
 from dampednewton.averaging import CurvatureAveraging
+from dampednewton.backward import SingleBackwardCheck, quiet_backward_hook_warning
+from dampednewton.checkpoint import mark_unpicklable, unwrap_settings
 from dampednewton.complement import ComplementPolicy, SmallestCurvature, as_complement
 from dampednewton.computations.base import GRAD_BATCH
 from dampednewton.computations.extensions import (
@@ -168,7 +170,9 @@ class DampedNewton(Optimizer):
                 Hessian's square root (``1`` replaces ``C`` by 1 in the costs).
             subsampling_ggn: Sample indices for directions and curvatures.
             subsampling_grad: Sample indices for the directional gradients.
-            warn_small_eigvals: Warn when a selected eigenvalue is below this.
+            warn_small_eigvals: Warn (once per group) when a direction of this
+                batch's GGN is selected with an eigenvalue below this; such steps
+                are counted in ``state['groups'][i]['steps_with_small_eigenvalues']``.
             nonfinite: ``'raise'`` a ``FloatingPointError`` on a non-finite loss or
                 step, or ``'skip'`` the update with a warning (counted in the state).
             seed: Seed of the optimizer's own generator for Monte-Carlo sampling;
@@ -205,6 +209,7 @@ class DampedNewton(Optimizer):
         self._generator: Generator | None = None
         self._cached: tuple[tuple, StepComputation, list] | None = None
         self._warned_no_direction: set[int] = set()
+        self._warned_small_eigenvalues: set[int] = set()
         super().__init__(params, defaults)
         self.state[GLOBAL] = {"step": 0, "skipped_steps": 0}
 
@@ -247,8 +252,9 @@ class DampedNewton(Optimizer):
             The loss returned by the closure (before the update).
 
         Raises:
-            RuntimeError: Without a closure, or when the model or loss function is not
-                extended with BackPACK.
+            RuntimeError: Without a closure, when the model or loss function is not
+                extended with BackPACK, or when the closure ran several backward
+                passes or did not zero the gradients.
             ValueError: For invalid hyperparameters in a group, shared settings that
                 differ between groups, or a loss without ``reduction='mean'``.
             FloatingPointError: For a non-finite loss or step with
@@ -285,13 +291,19 @@ class DampedNewton(Optimizer):
                     ]
                 )
             extensions, hook = self._with_diagnostics(extensions, hook, step_index)
+            params = [p for group in self.param_groups for p in group["params"]]
             try:
-                with torch.enable_grad():
+                with (
+                    torch.enable_grad(),
+                    quiet_backward_hook_warning(),
+                    SingleBackwardCheck(params) as backward_check,
+                ):
                     if extensions:
                         with backpack(*extensions, extension_hook=hook):
                             loss = closure()
                     else:
                         loss = closure()
+                _refuse_bad_backward(backward_check)
                 with torch.no_grad():
                     results = [
                         self._result(computation, block)
@@ -393,11 +405,17 @@ class DampedNewton(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Return the optimizer state, including the Monte-Carlo generator's state.
 
+        Group settings that cannot be pickled (a lambda criterion, a local damping
+        function) are kept by reference, wrapped so that ``torch.save`` refuses them
+        with an error naming the group and the key (see
+        :class:`~dampednewton.checkpoint.UnpicklableSetting`).
+
         Returns:
             A ``torch.optim`` state dict; the extra entry ``'generator'`` holds the
             random state of Monte-Carlo sampling.
         """
         state = super().state_dict()
+        mark_unpicklable(state["param_groups"])
         generator = self._mc_generator(create=True)
         state["dampednewton"] = {
             "seed": self._seed,
@@ -413,6 +431,7 @@ class DampedNewton(Optimizer):
         """
         state_dict = dict(state_dict)
         extra = state_dict.pop("dampednewton", None)
+        state_dict["param_groups"] = unwrap_settings(state_dict["param_groups"])
         for group in state_dict["param_groups"]:
             _validate_group(group)
         super().load_state_dict(state_dict)
@@ -434,7 +453,6 @@ class DampedNewton(Optimizer):
     ) -> tuple[StepComputation, list]:
         """The computation and its BackPACK extensions, reused while settings hold."""
         first = self.param_groups[0]
-        warn_small_eigvals = min(g["warn_small_eigvals"] for g in self.param_groups)
         per_sample_gradients = first["subsampling_grad"] is not None or any(
             getattr(as_damping(g["damping"]), "uses_sample_statistics", True)
             for g in self.param_groups
@@ -444,7 +462,6 @@ class DampedNewton(Optimizer):
             first["mc_samples"],
             tuple(first["subsampling_ggn"] or ()),
             tuple(first["subsampling_grad"] or ()),
-            warn_small_eigvals,
             id(generator),
         )
         if self._cached is None or self._cached[0] != key:
@@ -452,7 +469,7 @@ class DampedNewton(Optimizer):
                 subsampling_grad=first["subsampling_grad"],
                 subsampling_ggn=first["subsampling_ggn"],
                 mc_samples_ggn=first["mc_samples"],
-                warn_small_eigvals=warn_small_eigvals,
+                warn_small_eigvals=0,  # the optimizer warns, once per group
                 generator=generator,
                 per_sample_gradients=per_sample_gradients,
             )
@@ -496,7 +513,7 @@ class DampedNewton(Optimizer):
                 )
                 if result is not None
             )
-            with torch.enable_grad():
+            with torch.enable_grad(), quiet_backward_hook_warning():
                 new_loss = closure().item()
             if not math.isfinite(new_loss):
                 ratio = -math.inf
@@ -525,7 +542,10 @@ class DampedNewton(Optimizer):
                 "model and loss function with BackPACK (`model = backpack.extend("
                 "model)`, `loss_fn = backpack.extend(loss_fn)`), make sure the closure "
                 "calls `loss.backward()` and that every parameter is used in the "
-                "forward pass."
+                "forward pass. A torch.compile'd model can skip BackPACK's hooks "
+                "(TorchDynamo reuses graphs compiled for a plain model of the same "
+                "class and does not guard on hooks), and gains nothing from "
+                "compilation here: step with the uncompiled model."
             ) from error
 
     def _refuse_nonfinite(
@@ -620,6 +640,8 @@ class DampedNewton(Optimizer):
             )
             if record is not None:
                 record.update(_newton_record(index, stats[index]))
+            if result.factor is None:
+                self._count_small_eigenvalues(index, result.evals, stats[index])
             if num_directions == 0:
                 stats[index]["steps_without_direction"] += 1
                 if index not in self._warned_no_direction:
@@ -630,6 +652,47 @@ class DampedNewton(Optimizer):
                         "optimizer.state['groups'][i]['steps_without_direction']).",
                         stacklevel=STACKLEVEL_OF_CALLER,
                     )
+
+    def _count_small_eigenvalues(
+        self, index: int, evals: Tensor, stats: dict[str, Any]
+    ) -> None:
+        """Count steps along eigenvalues below the threshold; warn once per group."""
+        threshold = self.param_groups[index]["warn_small_eigvals"]
+        if threshold == 0 or evals.numel() == 0:
+            return
+        small = int((evals.abs() < threshold).sum())
+        if small == 0:
+            return
+        stats["steps_with_small_eigenvalues"] = (
+            stats.get("steps_with_small_eigenvalues", 0) + 1
+        )
+        if index in self._warned_small_eigenvalues:
+            return
+        self._warned_small_eigenvalues.add(index)
+        warnings.warn(
+            f"{small} of the {evals.numel()} GGN eigenvalues selected in parameter "
+            f"group {index} are below warn_small_eigvals={threshold} (smallest "
+            f"{evals.abs().min().item():.2g}): directions divide by √λ and may be "
+            "inaccurate. Select fewer directions (a smaller criterion=k, or "
+            "EigenvalueThreshold) or set warn_small_eigvals=0 to silence this. "
+            "Warned once per group; the steps are counted in "
+            f"optimizer.state['groups'][{index}]['steps_with_small_eigenvalues'].",
+            stacklevel=STACKLEVEL_OF_CALLER + 1,  # called by _record
+        )
+
+
+def _refuse_bad_backward(check: SingleBackwardCheck) -> None:
+    """Raise when the closure's backward passes do not fit one step.
+
+    Raises:
+        RuntimeError: After several backward passes, or into stale gradients.
+    """
+    problem = check.problem()
+    if problem is not None:
+        raise RuntimeError(
+            f"DampedNewton refused the step: {problem}; parameters and optimizer "
+            f"state unchanged. The closure should be\n{CLOSURE_PATTERN}"
+        )
 
 
 def _newton_record(index: int, stats: dict[str, Any]) -> dict[str, Any]:

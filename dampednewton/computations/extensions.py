@@ -21,10 +21,64 @@ from torch.random import fork_rng
 from dampednewton.finite import all_finite
 from dampednewton.sampling import sampled_cross_entropy_gradients
 
+DEFAULT_IGNORE_INDEX = -100
+
 
 def _supported_modules(extension: BackpropExtension) -> list[str]:
     registry = getattr(extension, "_BackpropExtension__module_extensions", {})
     return sorted(cls.__name__ for cls in registry)
+
+
+def check_loss_options(loss: _Loss) -> None:
+    """Refuse loss options whose GGN BackPACK does not compute, saying what to do.
+
+    BackPACK's square root of the loss Hessian assumes that every sample enters the
+    mean with weight ``1/N``. Class weights (``CrossEntropyLoss(weight=...)``,
+    ``BCEWithLogitsLoss(weight=..., pos_weight=...)``) and ignored targets break
+    that; BackPACK refuses the weights and a non-default ``ignore_index`` with a
+    generic message and silently includes targets equal to the default
+    ``ignore_index=-100``. ``label_smoothing`` is fine: the cross-entropy's Hessian
+    with respect to the logits, ``diag(p) − p pᵀ``, does not depend on the targets.
+
+    Args:
+        loss: A loss module during the backward pass (BackPACK stored its targets as
+            ``input1``).
+
+    Raises:
+        ValueError: For class weights, a non-default ``ignore_index``, or targets
+            equal to ``ignore_index``.
+    """
+    name = type(loss).__name__
+    reweight = (
+        f"Use {name}() without weights and rebalance by sampling instead (e.g. "
+        "torch.utils.data.WeightedRandomSampler with per-sample weights): BackPACK's "
+        "GGN assumes that every sample enters the mean loss with weight 1/N."
+    )
+    for option in ("weight", "pos_weight"):
+        if getattr(loss, option, None) is not None:
+            raise ValueError(f"{name}({option}=...) is not supported. {reweight}")
+    if not isinstance(loss, CrossEntropyLoss):
+        return
+    drop = (
+        "Drop the samples to ignore before the loss instead: keep = targets != "
+        f"{loss.ignore_index}; loss_fn(outputs[keep], targets[keep])."
+    )
+    if loss.ignore_index != DEFAULT_IGNORE_INDEX:
+        raise ValueError(
+            f"CrossEntropyLoss(ignore_index={loss.ignore_index}) is not supported: "
+            f"BackPACK implements only the default ignore_index={DEFAULT_IGNORE_INDEX}"
+            f" (and no target may equal it). Use CrossEntropyLoss(). {drop}"
+        )
+    targets = getattr(loss, "input1", None)
+    if targets is not None and not targets.is_floating_point():
+        ignored = int((targets == loss.ignore_index).sum())
+        if ignored:
+            raise ValueError(
+                f"{ignored} of the {targets.numel()} targets equal CrossEntropyLoss's "
+                f"ignore_index={loss.ignore_index}: the loss averages over the other "
+                "samples, BackPACK's GGN over all of them, so the step would be "
+                f"wrong. {drop}"
+            )
 
 
 def _run_translating_errors(
@@ -34,6 +88,8 @@ def _run_translating_errors(
     g_inp: tuple[Tensor],
     g_out: tuple[Tensor],
 ) -> None:
+    if isinstance(module, _Loss):
+        check_loss_options(module)
     try:
         call.__call__(extension, module, g_inp, g_out)
     except NotImplementedError as error:
@@ -43,10 +99,16 @@ def _run_translating_errors(
                 "per-sample GGN factors and gradients are not defined. Call "
                 "model.eval() on the BatchNorm layers (or remove them) before the step."
             ) from error
+        supported = _supported_modules(extension)
+        if type(module).__name__ in supported:
+            raise NotImplementedError(
+                f"BackPACK's {type(extension).__name__} supports "
+                f"{type(module).__name__}, but not this configuration of it: {error}"
+            ) from error
         raise NotImplementedError(
             f"BackPACK's {type(extension).__name__} cannot handle module {module} "
             f"({type(module).__module__}.{type(module).__name__}). Supported modules: "
-            f"{', '.join(_supported_modules(extension))}. Replace the layer by a "
+            f"{', '.join(supported)}. Replace the layer by a "
             "supported one or exclude its parameters from the model."
         ) from error
     except AssertionError as error:

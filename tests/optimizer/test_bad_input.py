@@ -262,6 +262,43 @@ def _returns_no_loss(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
     return lambda: optimizer.step(no_loss)
 
 
+def _two_backward_passes(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
+    """Gradient accumulation over two halves of the batch in one closure."""
+    half = len(case.X) // 2
+
+    def accumulate():
+        optimizer.zero_grad()
+        for part in (slice(None, half), slice(half, None)):
+            loss = case.loss_fn(case.model(case.X[part]), case.y[part])
+            loss.backward()
+        return loss
+
+    return lambda: optimizer.step(accumulate)
+
+
+def _stale_gradients(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
+    """A closure that never zeroes the gradients (after a step that left them)."""
+
+    def without_zero_grad():
+        loss = case.loss_fn(case.model(case.X), case.y)
+        loss.backward()
+        return loss
+
+    return lambda: optimizer.step(without_zero_grad)
+
+
+def _stale_zero_filled_gradients(
+    case: Case, optimizer: DampedNewton
+) -> Callable[[], Any]:
+    """Stale gradients in tensors that zero_grad(set_to_none=False) would reuse."""
+    for param in case.model.parameters():
+        param.grad = torch.ones_like(param)
+    return _stale_gradients(case, optimizer)
+
+
+DOUBLE_BACKWARD = r"(?s)ran 2 backward passes.*once per closure.*def closure"
+STALE_GRADIENTS = r"(?s)held values from before.*optimizer\.zero_grad\(\)"
+
 NONFINITE_CASES = [
     BadStep(
         "nan-input",
@@ -300,6 +337,14 @@ STEP_CASES = [
     BadStep("reduction-sum", _sum_loss, ValueError, "reduction='sum'"),
     *NONFINITE_CASES,
     BadStep("closure-without-loss", _returns_no_loss, TypeError, "return the loss"),
+    BadStep("two-backward-passes", _two_backward_passes, RuntimeError, DOUBLE_BACKWARD),
+    BadStep("stale-gradients", _stale_gradients, RuntimeError, STALE_GRADIENTS),
+    BadStep(
+        "stale-zero-filled-gradients",
+        _stale_zero_filled_gradients,
+        RuntimeError,
+        STALE_GRADIENTS,
+    ),
     BadStep("lr-set-negative", _set_in_group("lr", -1.0), ValueError, "learning rate"),
     BadStep("damping-set-negative", _set_in_group("damping", -1.0), ValueError, ">= 0"),
     BadStep("criterion-set-0", _set_in_group("criterion", 0), ValueError, "k >= 1"),
@@ -371,3 +416,30 @@ def test_nonfinite_step_is_skipped_with_a_warning(bad: BadStep):
     )
     assert_parameters_equal(params, values)
     assert_same_state(snapshot(optimizer), expected)
+
+
+@pytest.mark.parametrize(
+    ("prepare", "match"),
+    [(_two_backward_passes, DOUBLE_BACKWARD), (_stale_gradients, STALE_GRADIENTS)],
+    ids=["two-backward-passes", "stale-gradients"],
+)
+def test_bad_backward_is_refused_on_steps_without_backpack(prepare, match: str):
+    """Between refreshes of the averaged curvature, the step reads only ``.grad``."""
+    case = build_case(MLP_CE)
+    optimizer = DampedNewton(
+        case.model.parameters(), averaging=CurvatureAveraging(interval=2), seed=0
+    )
+    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
+    call = prepare(case, optimizer)
+    params = list(case.model.parameters())
+    values = [p.detach().clone() for p in params]
+    before = snapshot(optimizer)
+
+    with pytest.raises(RuntimeError, match=match):
+        call()
+
+    assert_parameters_equal(params, values)
+    assert_same_state(snapshot(optimizer), before)
+    good = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    optimizer.step(good)  # the refusal left no hook behind
+    assert optimizer.state["global"]["step"] == 2

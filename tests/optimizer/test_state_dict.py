@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import io
+import pickle
 
 import pytest
 import torch
@@ -138,3 +140,64 @@ def test_loaded_state_is_not_shared_with_its_source():
 
     assert_same_state(snapshot(source), before)
     assert target.state["global"]["step"] == 3
+
+
+def make_optimizer_with_lambdas(case: Case, seed: int) -> DampedNewton:
+    """A lambda criterion in group 1 and a local damping function in group 0."""
+    first, _, last = case.model
+
+    def local_damping(evals, gram_evecs, gammas, lambdas):
+        return torch.full_like(evals, 2.0)
+
+    groups = [
+        {"params": list(first.parameters()), "damping": local_damping},
+        {"params": list(last.parameters()), "criterion": lambda evals: [-1]},
+    ]
+    return DampedNewton(groups, damping=1.0, criterion=2, seed=seed, **VIVIT_STEP)
+
+
+def test_saving_unpicklable_settings_names_group_key_and_alternatives():
+    case = build_case(MLP_CE)
+    optimizer = make_optimizer_with_lambdas(case, seed=1)
+    run(optimizer, case, 1)  # lambdas step fine
+
+    with pytest.raises(
+        pickle.PicklingError,
+        match=r"(?s)parameter group 0 has damping=.*local_damping.*cannot be pickled"
+        r".*use a number, ConstantDamping, LevenbergMarquardt.*module level",
+    ):
+        torch.save(optimizer.state_dict(), io.BytesIO())
+    state = optimizer.state_dict()
+    del state["param_groups"][0]["damping"]  # now the lambda is the first refusal
+    with pytest.raises(
+        pickle.PicklingError,
+        match=r"parameter group 1 has criterion=<function .*<lambda>.*"
+        r"use TopK\(k\), EigenvalueThreshold\(v\) or RelativeThreshold\(f\)",
+    ):
+        torch.save(state, io.BytesIO())
+
+
+def test_unpicklable_settings_load_in_memory_and_continue_in_lock_step():
+    original = build_case(MLP_CE)
+    optimizer = make_optimizer_with_lambdas(original, seed=1)
+    run(optimizer, original, STEPS_BEFORE)
+    saved = copy.deepcopy(optimizer.state_dict())
+
+    resumed = build_case(MLP_CE)
+    resumed.model.load_state_dict(original.model.state_dict())
+    # New lambdas and seed: the loaded settings and generator must take over.
+    resumed_optimizer = make_optimizer_with_lambdas(resumed, seed=2)
+    resumed_optimizer.load_state_dict(saved)
+    for loaded, source in zip(
+        resumed_optimizer.param_groups, optimizer.param_groups, strict=True
+    ):
+        assert loaded["criterion"] is source["criterion"]
+        assert loaded["damping"] is source["damping"]
+
+    run(optimizer, original, STEPS_AFTER)
+    run(resumed_optimizer, resumed, STEPS_AFTER)
+
+    assert_parameters_equal(
+        list(resumed.model.parameters()), list(original.model.parameters())
+    )
+    assert_same_state(snapshot(resumed_optimizer), snapshot(optimizer))

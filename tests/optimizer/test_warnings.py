@@ -1,0 +1,119 @@
+"""Warnings of a step: torch's hook warning filtered at the source, ours once per group.
+
+Every check records with ``simplefilter("always")``, which overrides the
+project-wide pytest filter of torch's hook warning and Python's once-per-location
+registry: what the user would see at worst.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from backpack import extend
+
+from dampednewton import DampedNewton, LevenbergMarquardt
+from dampednewton.backward import FULL_BACKWARD_HOOK_WARNING
+from tests.conftest import build_case
+from tests.optimizer.support import EXACT_VIVIT_STEP, make_closure
+from tests.problems import PROBLEMS
+
+MLP_CE = PROBLEMS[0]
+HOOK_WARNING = "Full backward hook is firing"
+
+
+def readme_problem() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, ...]:
+    """The README's first example: inputs that need no gradient (the usual case)."""
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(128, 10, generator=gen)
+    y = (X[:, :3].sum(1) > 0).long() + (X[:, 3] > 1).long()
+    torch.manual_seed(0)
+    model = extend(
+        torch.nn.Sequential(
+            torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)
+        )
+    )
+    return model, extend(torch.nn.CrossEntropyLoss()), X, y
+
+
+def recorded(call) -> list[warnings.WarningMessage]:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        call()
+    return record
+
+
+def test_the_hook_warning_exists_outside_the_optimizer():
+    """The guard of the test below: BackPACK's hooks do trigger torch's warning."""
+    model, loss_fn, X, y = readme_problem()
+
+    record = recorded(lambda: loss_fn(model(X), y).backward())
+
+    assert any(HOOK_WARNING in str(r.message) for r in record)
+    assert HOOK_WARNING in FULL_BACKWARD_HOOK_WARNING
+
+
+def test_step_silences_the_hook_warning_and_nothing_else():
+    model, loss_fn, X, y = readme_problem()
+    # LM calls the closure a second time, outside the BackPACK context.
+    for damping in (0.1, LevenbergMarquardt()):
+        optimizer = DampedNewton(model.parameters(), damping=damping)
+
+        def closure(optimizer=optimizer):
+            optimizer.zero_grad()
+            loss = loss_fn(model(X), y)
+            loss.backward()
+            warnings.warn("the user's own warning", UserWarning, stacklevel=1)
+            return loss
+
+        record = recorded(lambda optimizer=optimizer: optimizer.step(closure))
+
+        assert not [r for r in record if HOOK_WARNING in str(r.message)]
+        own = [r for r in record if "the user's own warning" in str(r.message)]
+        assert len(own) == (2 if damping != 0.1 else 1)
+    # Outside the step, the filters are as before.
+    after = recorded(lambda: loss_fn(model(X), y).backward())
+    assert any(HOOK_WARNING in str(r.message) for r in after)
+
+
+def test_small_eigenvalues_warn_once_per_group_and_are_counted():
+    case = build_case(MLP_CE)
+    first, second = (list(layer.parameters()) for layer in case.model[::2])
+    optimizer = DampedNewton(
+        [{"params": first, "criterion": 1}, {"params": second}],
+        damping=1.0,
+        criterion=2,
+        warn_small_eigvals=1e3,  # every eigenvalue counts as small
+        **EXACT_VIVIT_STEP,
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+
+    record = recorded(lambda: [optimizer.step(closure) for _ in range(3)])
+
+    small = [str(r.message) for r in record if "warn_small_eigvals" in str(r.message)]
+    assert len(small) == 2, small
+    assert "1 of the 1 GGN eigenvalues selected in parameter group 0" in small[0]
+    assert "2 of the 2 GGN eigenvalues selected in parameter group 1" in small[1]
+    assert {r.filename for r in record} == {__file__}
+    stats = optimizer.state["groups"]
+    assert [s["steps_with_small_eigenvalues"] for s in stats] == [3, 3]
+
+
+def test_small_eigenvalue_threshold_is_per_group():
+    case = build_case(MLP_CE)
+    first, second = (list(layer.parameters()) for layer in case.model[::2])
+    optimizer = DampedNewton(
+        [{"params": first}, {"params": second, "warn_small_eigvals": 0}],
+        damping=1.0,
+        criterion=2,
+        warn_small_eigvals=1e3,
+        **EXACT_VIVIT_STEP,
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+
+    record = recorded(lambda: optimizer.step(closure))
+
+    small = [str(r.message) for r in record if "warn_small_eigvals" in str(r.message)]
+    assert len(small) == 1 and "parameter group 0" in small[0], small
+    stats = optimizer.state["groups"]
+    assert "steps_with_small_eigenvalues" not in stats[1]
