@@ -12,7 +12,6 @@ import json
 import math
 import platform
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +31,6 @@ from benchmarks.problems import Problem, build_problem
 from benchmarks.training import OptimizerNeeds, mini_batches, train
 
 RESULT_FILE = "result.json"
-
-# Harmless torch warnings that would repeat in every job of a sweep:
-# * create_graph=True leaves a parameter↔gradient cycle; the closure's zero_grad()
-#   (set_to_none) breaks it before every backward pass.
-# * BackPACK's full backward hooks fire on a first layer whose input needs no grad.
-_EXPECTED_WARNINGS = (
-    r"Using backward\(\) with create_graph=True",
-    r"Full backward hook is firing when gradients are computed with respect to module",
-)
 
 
 def hyperparameters(optimizer_cfg: DictConfig) -> dict[str, Any]:
@@ -101,8 +91,6 @@ def _build_optimizer(cfg: DictConfig, problem: Problem) -> torch.optim.Optimizer
 
 def _train_from_config(cfg: DictConfig) -> dict[str, Any]:
     """Build everything from the config, train, and summarize."""
-    for message in _EXPECTED_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -18,6 +19,10 @@ from torch.optim import Optimizer
 
 from benchmarks.measure import Stopwatch
 from benchmarks.problems import Problem, Protocol
+
+CREATE_GRAPH_WARNING = r"Using backward\(\) with create_graph=True"
+"""torch's warning on the parameter↔gradient cycle that ``create_graph=True`` leaves;
+the closure's ``zero_grad()`` (set_to_none) breaks it before every backward pass."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,13 @@ def _step(
     def closure() -> Tensor:
         optimizer.zero_grad()
         loss = problem.loss_fn(problem.model(x), y)
-        loss.backward(create_graph=needs.create_graph)
+        with warnings.catch_warnings():
+            # Hessian-vector optimizers (AdaHessian) need the graph; torch warns that
+            # it may leak when parameters keep their .grad: they are zeroed above.
+            warnings.filterwarnings(
+                "ignore", message=CREATE_GRAPH_WARNING, category=UserWarning
+            )
+            loss.backward(create_graph=needs.create_graph)
         losses.append(loss.detach())
         return loss
 

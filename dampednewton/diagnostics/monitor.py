@@ -40,6 +40,7 @@ from backpack import backpack
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor, nn
 
+from dampednewton.backward import quiet_backward_hook_warning
 from dampednewton.diagnostics.log import DiagnosticsLog, Record
 from dampednewton.diagnostics.reducers import Reducer, make_reducer
 from dampednewton.diagnostics.specs import CurvatureTrace, Diagnostic
@@ -242,7 +243,10 @@ class DiagnosticsMonitor:
                         delattr(param, savefield)
 
         try:
-            with backpack(*extensions, extension_hook=hook_then_free):
+            with (
+                quiet_backward_hook_warning(),
+                backpack(*extensions, extension_hook=hook_then_free),
+            ):
                 yield
         except AssertionError as error:
             if "backpropagation quantity" not in str(error):

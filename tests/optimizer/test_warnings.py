@@ -14,6 +14,7 @@ from backpack import extend
 
 from dampednewton import DampedNewton, LevenbergMarquardt
 from dampednewton.backward import FULL_BACKWARD_HOOK_WARNING
+from dampednewton.diagnostics import GSNR, DiagnosticsMonitor
 from tests.conftest import build_case
 from tests.optimizer.support import EXACT_VIVIT_STEP, make_closure
 from tests.problems import PROBLEMS
@@ -117,3 +118,21 @@ def test_small_eigenvalue_threshold_is_per_group():
     assert len(small) == 1 and "parameter group 0" in small[0], small
     stats = optimizer.state["groups"]
     assert "steps_with_small_eigenvalues" not in stats[1]
+
+
+def test_monitor_context_silences_the_hook_warning_and_nothing_else():
+    """The diagnostics context runs BackPACK's hooks too: same filter, same scope."""
+    model, loss_fn, X, y = readme_problem()
+    monitor = DiagnosticsMonitor([GSNR()], model.named_parameters())
+
+    def monitored_backward():
+        loss = loss_fn(model(X), y)
+        with monitor.backward_context(0, loss):
+            loss.backward()
+            warnings.warn("the user's own warning", UserWarning, stacklevel=1)
+
+    record = recorded(monitored_backward)
+
+    assert not [r for r in record if HOOK_WARNING in str(r.message)]
+    assert [r for r in record if "the user's own warning" in str(r.message)]
+    assert monitor.log.series("gsnr/mean")[0].tolist() == [0]
