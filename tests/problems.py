@@ -252,3 +252,15 @@ def problem_ids() -> list[str]:
         The problem ids.
     """
     return [problem.id for problem in PROBLEMS]
+
+
+def readme_problem() -> tuple[nn.Module, nn.Module, Tensor, Tensor]:
+    """README's optimizer example: extended model and loss, inputs needing no grad."""
+    from backpack import extend
+
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(128, 10, generator=gen)
+    y = (X[:, :3].sum(1) > 0).long() + (X[:, 3] > 1).long()
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)))
+    return model, extend(nn.CrossEntropyLoss()), X, y

@@ -5,10 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
-from backpack import extend
-
 from dampednewton import DampedNewton
+from tests.problems import readme_problem
 
 README = Path(__file__).parents[1] / "README.md"
 # ViViT's step: no complement, this batch's exact GGN, no trust region.
@@ -23,16 +21,7 @@ VIVIT = {
 
 def readme_example_loss(**settings) -> float:
     """The loss after the first and 20 more steps of README's optimizer example."""
-    gen = torch.Generator().manual_seed(0)
-    X = torch.randn(128, 10, generator=gen)
-    y = (X[:, :3].sum(1) > 0).long() + (X[:, 3] > 1).long()
-    torch.manual_seed(0)
-    model = extend(
-        torch.nn.Sequential(
-            torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)
-        )
-    )
-    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    model, loss_fn, X, y = readme_problem()
     optimizer = DampedNewton(model.parameters(), **settings)
 
     def closure():

@@ -9,32 +9,15 @@ from __future__ import annotations
 
 import warnings
 
-import torch
-from backpack import extend
-
 from dampednewton import DampedNewton, LevenbergMarquardt
 from dampednewton.backward import FULL_BACKWARD_HOOK_WARNING
 from dampednewton.diagnostics import GSNR, DiagnosticsMonitor
 from tests.conftest import build_case
 from tests.optimizer.support import EXACT_VIVIT_STEP, make_closure
-from tests.problems import PROBLEMS
+from tests.problems import PROBLEMS, readme_problem
 
 MLP_CE = PROBLEMS[0]
 HOOK_WARNING = "Full backward hook is firing"
-
-
-def readme_problem() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor, ...]:
-    """The README's first example: inputs that need no gradient (the usual case)."""
-    gen = torch.Generator().manual_seed(0)
-    X = torch.randn(128, 10, generator=gen)
-    y = (X[:, :3].sum(1) > 0).long() + (X[:, 3] > 1).long()
-    torch.manual_seed(0)
-    model = extend(
-        torch.nn.Sequential(
-            torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)
-        )
-    )
-    return model, extend(torch.nn.CrossEntropyLoss()), X, y
 
 
 def recorded(call) -> list[warnings.WarningMessage]:
