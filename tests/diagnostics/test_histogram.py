@@ -170,6 +170,24 @@ def data_2d(request) -> Data2d:
     return request.param
 
 
+def _histogram2d_of(data, **options):
+    """``histogram2d`` of a 2D data case with its ranges and bins."""
+    return histogram2d(
+        torch.from_numpy(data.x),
+        torch.from_numpy(data.y),
+        data.x_range,
+        data.y_range,
+        data.bins,
+        **options,
+    )
+
+
+def _flat_pairs(data) -> tuple[np.ndarray, np.ndarray]:
+    """The case's ``(x, y)`` pairs, broadcast and flattened."""
+    x, y = np.broadcast_arrays(data.x, data.y)
+    return x.ravel(), y.ravel()
+
+
 def _regions(values: np.ndarray, low: float, high: float) -> np.ndarray:
     """0 below, 1 inside, 2 above (NaN gets 1 but is excluded separately)."""
     with np.errstate(invalid="ignore"):
@@ -178,16 +196,8 @@ def _regions(values: np.ndarray, low: float, high: float) -> np.ndarray:
 
 @pytest.mark.parametrize("chunk_size", [7, 2**22], ids=["chunked", "one-chunk"])
 def test_histogram2d_matches_numpy(data_2d, chunk_size):
-    hist = histogram2d(
-        torch.from_numpy(data_2d.x),
-        torch.from_numpy(data_2d.y),
-        data_2d.x_range,
-        data_2d.y_range,
-        data_2d.bins,
-        chunk_size=chunk_size,
-    )
-    x, y = np.broadcast_arrays(data_2d.x, data_2d.y)
-    x, y = x.ravel(), y.ravel()
+    hist = _histogram2d_of(data_2d, chunk_size=chunk_size)
+    x, y = _flat_pairs(data_2d)
     expected, x_edges, y_edges = np.histogram2d(
         x, y, bins=data_2d.bins, range=(data_2d.x_range, data_2d.y_range)
     )
@@ -207,24 +217,9 @@ def test_histogram2d_matches_numpy(data_2d, chunk_size):
 @pytest.mark.parametrize("chunk_size", [7, 2**22], ids=["chunked", "one-chunk"])
 def test_histogram2d_clamp_matches_numpy_of_clipped_pairs(data_2d, chunk_size):
     """Cockpit's semantics: each coordinate is clamped into its range."""
-    hist = histogram2d(
-        torch.from_numpy(data_2d.x),
-        torch.from_numpy(data_2d.y),
-        data_2d.x_range,
-        data_2d.y_range,
-        data_2d.bins,
-        out_of_range="clamp",
-        chunk_size=chunk_size,
-    )
-    counted = histogram2d(
-        torch.from_numpy(data_2d.x),
-        torch.from_numpy(data_2d.y),
-        data_2d.x_range,
-        data_2d.y_range,
-        data_2d.bins,
-    )
-    x, y = np.broadcast_arrays(data_2d.x, data_2d.y)
-    x, y = x.ravel(), y.ravel()
+    hist = _histogram2d_of(data_2d, out_of_range="clamp", chunk_size=chunk_size)
+    counted = _histogram2d_of(data_2d)
+    x, y = _flat_pairs(data_2d)
     nan = np.isnan(x) | np.isnan(y)
     expected, x_edges, y_edges = np.histogram2d(
         np.clip(x[~nan], *data_2d.x_range),
