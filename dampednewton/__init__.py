@@ -1,11 +1,6 @@
 """Directionally damped Newton steps from the GGN's low-rank structure, on BackPACK."""
 
 from dampednewton.averaging import CurvatureAveraging
-from dampednewton.complement import (
-    ConstantCurvature,
-    MeasuredCurvature,
-    SmallestCurvature,
-)
 from dampednewton.computations import (
     DirectionalDampedNewtonComputation,
     DirectionalDerivativesComputation,
@@ -13,15 +8,20 @@ from dampednewton.computations import (
     EigvalshComputation,
     NewtonStep,
 )
-from dampednewton.criteria import EigenvalueThreshold, RelativeThreshold, TopK
-from dampednewton.damping import (
+from dampednewton.optimizer import DampedNewton
+from dampednewton.policies.complement import (
+    ConstantCurvature,
+    MeasuredCurvature,
+    SmallestCurvature,
+)
+from dampednewton.policies.criteria import EigenvalueThreshold, RelativeThreshold, TopK
+from dampednewton.policies.damping import (
     ConstantDamping,
     GSNRDamping,
     LevenbergMarquardt,
     NoiseAwareDamping,
     RelativeDamping,
 )
-from dampednewton.optimizer import DampedNewton
 
 __all__ = [
     "ConstantCurvature",

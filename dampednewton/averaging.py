@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dampednewton.criteria import Criterion, TopK, numerical_zero
 from dampednewton.linalg import symmetric_eigh
+from dampednewton.policies.criteria import Criterion, TopK, numerical_zero
 
 DEFAULT_RANK = 20
 """Rank of the averaged factor for criteria other than top-k."""

@@ -1,11 +1,12 @@
 """One parameter group's update direction: ViViT's step, complement, averaging.
 
 :class:`StepComputation` extends the ViViT computation with what belongs to the
-optimizer: the complement step (:mod:`dampednewton.complement`) and the curvature
-averaged across steps (:mod:`dampednewton.averaging`). Each group's result is a
-:class:`GroupStep`: the direction ``s`` (before the learning rate) with its slope
-``ḡᵀs`` and curvature ``sᵀGs`` for the quadratic model (:mod:`dampednewton.model`),
-and, for averaged groups, the updated factor to commit once the step is accepted.
+optimizer: the complement step (:mod:`dampednewton.policies.complement`) and the
+curvature averaged across steps (:mod:`dampednewton.averaging`). Each group's result
+is a :class:`GroupStep`: the direction ``s`` (before the learning rate) with its
+slope ``ḡᵀs`` and curvature ``sᵀGs`` for the quadratic model
+(:mod:`dampednewton.model`), and, for averaged groups, the updated factor to commit
+once the step is accepted.
 """
 
 from __future__ import annotations
@@ -24,17 +25,9 @@ from dampednewton.averaging import (
     leading_eigenpairs,
     split_mixing,
 )
-from dampednewton.complement import (
-    as_complement,
-    complement_coefficients,
-    complement_rayleigh_quotient,
-    orthogonal_energy,
-)
 from dampednewton.computations import DirectionalDampedNewtonComputation, NewtonStep
 from dampednewton.computations.base import Block
 from dampednewton.computations.directions import select_directions, to_parameter_space
-from dampednewton.criteria import as_criterion, selected_indices
-from dampednewton.damping import as_damping, checked_damping
 from dampednewton.directional import (
     directional_curvatures,
     directional_gradients,
@@ -43,6 +36,14 @@ from dampednewton.directional import (
     newton_coefficients,
 )
 from dampednewton.finite import all_finite
+from dampednewton.policies.complement import (
+    as_complement,
+    complement_coefficients,
+    complement_rayleigh_quotient,
+    orthogonal_energy,
+)
+from dampednewton.policies.criteria import as_criterion, selected_indices
+from dampednewton.policies.damping import as_damping, checked_damping
 
 
 @dataclass

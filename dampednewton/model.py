@@ -13,8 +13,6 @@ bound also applies to this batch's GGN curvature ``sᵀĜs`` where it is known.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -60,25 +58,3 @@ def trust_region_scale(
     return torch.where(
         curvature > bound, (bound / curvature).sqrt(), torch.ones_like(curvature)
     )
-
-
-def validate_kl_clip(kl_clip: float | None) -> None:
-    """Check a trust-region radius: ``None`` or a finite number ``> 0``.
-
-    Args:
-        kl_clip: The radius ``κ``.
-
-    Raises:
-        ValueError: Otherwise.
-    """
-    if kl_clip is None:
-        return
-    if (
-        isinstance(kl_clip, bool)
-        or not isinstance(kl_clip, int | float)
-        or not math.isfinite(kl_clip)
-        or kl_clip <= 0
-    ):
-        raise ValueError(
-            f"kl_clip must be None (no trust region) or a number > 0, got {kl_clip!r}."
-        )

@@ -1,56 +1,53 @@
-"""``DampedNewton``: a ``torch.optim`` optimizer of damped Newton steps."""
+"""``DampedNewton``: a ``torch.optim`` optimizer of damped Newton steps.
+
+A step gathers the groups' validated options (:mod:`dampednewton.options`), computes
+every group's direction in one backward pass (:mod:`dampednewton.step_pass`,
+:mod:`dampednewton.group_step`), refuses it if anything is not finite
+(:mod:`dampednewton.guard`), applies it (trust region, momentum, weight decay),
+records it (:mod:`dampednewton.records`) and adapts the damping.
+"""
 
 from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-from backpack import backpack
 from torch import Generator, Tensor
 from torch.optim import Optimizer
 
 from dampednewton.averaging import CurvatureAveraging
-from dampednewton.backward import SingleBackwardCheck, quiet_backward_hook_warning
+from dampednewton.backward import quiet_backward_hook_warning
 from dampednewton.checkpoint import mark_unpicklable, unwrap_settings
-from dampednewton.complement import ComplementPolicy, SmallestCurvature, as_complement
-from dampednewton.computations.base import GRAD_BATCH
-from dampednewton.computations.extensions import (
-    IndividualGradients,
-    NonFiniteModelOutput,
-)
-from dampednewton.computations.groups import validate_subsampling
-from dampednewton.criteria import Criterion, as_criterion
-from dampednewton.damping import Damping, as_damping
+from dampednewton.computations.extensions import NonFiniteModelOutput
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.finite import all_finite
 from dampednewton.group_step import (
     AveragedFactor,
     GroupStep,
     StepComputation,
     averaged_step,
 )
-from dampednewton.model import predicted_change, trust_region_scale, validate_kl_clip
+from dampednewton.guard import GeneratorSnapshot, nonfinite_problem, refuse
+from dampednewton.model import predicted_change, trust_region_scale
+from dampednewton.options import (
+    GroupOptions,
+    SharedOptions,
+    check_known_keys,
+    check_nonfinite,
+)
+from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature
+from dampednewton.policies.criteria import Criterion
+from dampednewton.policies.damping import (
+    AdaptiveDamping,
+    Damping,
+    needs_sample_statistics,
+)
+from dampednewton.records import StepRecorder, empty_group_stats
+from dampednewton.step_pass import CLOSURE_PATTERN, StepPass, run_closure, with_monitor
 
-CLOSURE_PATTERN = """\
-    def closure():
-        optimizer.zero_grad()
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()
-        return loss
-
-    loss = optimizer.step(closure)"""
-
-SHARED_SETTINGS = ("mc_samples", "subsampling_ggn", "subsampling_grad")
-# Keys a group may carry besides the hyperparameters: a label, and LR schedulers' own.
-EXTRA_GROUP_KEYS = ("name", "initial_lr")
 GLOBAL = "global"
-# Warnings of step()'s helpers point at the user's call: helper, step, and the
-# profiling wrapper that torch.optim puts around every optimizer's step.
-STACKLEVEL_OF_CALLER = 4
 GROUPS = "groups"
 BASIS = "curvature_basis"
 MOMENTUM = "momentum_buffer"
@@ -97,9 +94,10 @@ class DampedNewton(Optimizer):
     steps are computed before any parameter moves; a refused step (error, or a
     non-finite loss or step) leaves parameters and optimizer state untouched.
 
-    Damping policies with an ``update`` method (:class:`LevenbergMarquardt`) are
-    adapted after each step by the reduction ratio of the loss, which calls the
-    closure a second time (outside the BackPACK context) on the same batch.
+    Adaptive damping policies (:class:`~dampednewton.policies.AdaptiveDamping`, e.g.
+    :class:`LevenbergMarquardt`) are adapted once per policy object after each step
+    by the reduction ratio of the loss, which calls the closure a second time
+    (outside the BackPACK context) on the same batch.
 
     Every hyperparameter lives in the param groups. ``mc_samples``, ``subsampling_ggn``
     and ``subsampling_grad`` shape the single backward pass and must agree across
@@ -184,8 +182,6 @@ class DampedNewton(Optimizer):
         Raises:
             ValueError: For invalid hyperparameters.
         """
-        if nonfinite not in ("raise", "skip"):
-            raise ValueError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}.")
         defaults = {
             "lr": lr,
             "damping": damping,
@@ -201,15 +197,14 @@ class DampedNewton(Optimizer):
             "subsampling_grad": subsampling_grad,
             "warn_small_eigvals": warn_small_eigvals,
         }
-        self._nonfinite = nonfinite
+        self._nonfinite = check_nonfinite(nonfinite)
         self.monitor = monitor
         self._seed = (
             int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed)
         )
         self._generator: Generator | None = None
-        self._cached: tuple[tuple, StepComputation, list] | None = None
-        self._warned_no_direction: set[int] = set()
-        self._warned_small_eigenvalues: set[int] = set()
+        self._pass = StepPass()
+        self._recorder = StepRecorder()
         super().__init__(params, defaults)
         self.state[GLOBAL] = {"step": 0, "skipped_steps": 0}
 
@@ -224,22 +219,16 @@ class DampedNewton(Optimizer):
                 existing groups' shared ones.
             TypeError: For hyperparameters of the wrong type.
         """
-        unknown = set(param_group) - {"params", *self.defaults, *EXTRA_GROUP_KEYS}
-        if unknown:
-            raise ValueError(
-                f"Unknown hyperparameters {sorted(unknown)} in parameter group; "
-                f"DampedNewton knows {sorted(self.defaults)}."
-            )
+        check_known_keys(param_group, self.defaults)
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
         try:
-            _validate_group(group)
-            _check_shared_settings(self.param_groups)
+            GroupOptions.from_group(self.param_groups[-1])
+            SharedOptions.from_groups(self.param_groups)
         except (ValueError, TypeError):
             self.param_groups.pop()
             raise
         if GROUPS in self.state:
-            self.state[GROUPS].append(_empty_group_stats())
+            self.state[GROUPS].append(empty_group_stats())
 
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor:
         """Run the closure in a BackPACK context and take a damped Newton step.
@@ -257,6 +246,7 @@ class DampedNewton(Optimizer):
                 passes or did not zero the gradients.
             ValueError: For invalid hyperparameters in a group, shared settings that
                 differ between groups, or a loss without ``reduction='mean'``.
+            TypeError: For hyperparameters of the wrong type.
             FloatingPointError: For a non-finite loss or step with
                 ``nonfinite='raise'``.
         """
@@ -265,93 +255,123 @@ class DampedNewton(Optimizer):
                 "DampedNewton.step needs a closure: it runs the backward pass itself, "
                 f"inside a BackPACK context. Use\n{CLOSURE_PATTERN}"
             )
-        for group in self.param_groups:
-            _validate_group(group)
-        _check_shared_settings(self.param_groups)
+        options = [GroupOptions.from_group(group) for group in self.param_groups]
+        shared = SharedOptions.from_groups(self.param_groups)
         step_index = self.state[GLOBAL]["step"]
-        blocks = [
-            self._block(index, group) for index, group in enumerate(self.param_groups)
-        ]
-        refreshing = [
-            block["averaging"] is None
-            or block["averaging"].refreshes(step_index, _updates(block["factor"]))
-            for block in blocks
-        ]
         generator = self._mc_generator()
-        generator_state = None if generator is None else generator.get_state()
-        try:
-            computation, extensions, hook = None, [], None
-            if any(refreshing):
-                computation, extensions = self._computation_and_extensions(generator)
-                hook = computation.get_extension_hook(
-                    [
-                        b
-                        for b, refresh in zip(blocks, refreshing, strict=True)
-                        if refresh
-                    ]
-                )
-            extensions, hook = self._with_diagnostics(extensions, hook, step_index)
-            params = [p for group in self.param_groups for p in group["params"]]
-            try:
-                with (
-                    torch.enable_grad(),
-                    quiet_backward_hook_warning(),
-                    SingleBackwardCheck(params) as backward_check,
-                ):
-                    if extensions:
-                        with backpack(*extensions, extension_hook=hook):
-                            loss = closure()
-                    else:
-                        loss = closure()
-                _refuse_bad_backward(backward_check)
-                with torch.no_grad():
-                    results = [
-                        self._result(computation, block)
-                        if refresh
-                        else averaged_step(block, block["factor"])
-                        for block, refresh in zip(blocks, refreshing, strict=True)
-                    ]
-            except NonFiniteModelOutput:
-                # Raised inside backward, before the closure could return its loss.
-                loss, results = torch.tensor(math.nan), [None] * len(blocks)
-            curvature_finite = computation is None or computation.curvature_finite
-            if self._refuse_nonfinite(loss, results, curvature_finite):
-                if generator is not None:
-                    generator.set_state(generator_state)
+        with GeneratorSnapshot(generator) as snapshot:
+            loss, results, curvature_finite = self._compute(
+                closure, options, shared, generator, step_index
+            )
+            problem = nonfinite_problem(
+                loss,
+                (s for r in results if r is not None for s in r.step),
+                curvature_finite,
+            )
+            if problem is not None:
+                snapshot.restore()
+                refuse(problem, self._nonfinite)
+                self.state[GLOBAL]["skipped_steps"] += 1
                 return loss
             record = self._finish_diagnostics(step_index, loss)
-        except BaseException:
-            if generator is not None:
-                generator.set_state(generator_state)
-            raise
-        scales = self._apply(results)
-        self._record(results, scales, record)
-        self._adapt_damping(closure, loss, results, scales)
+        scales = self._apply(options, results)
+        self.state[GLOBAL]["step"] += 1
+        self._recorder.record(
+            self._group_stats(),
+            [group["warn_small_eigvals"] for group in self.param_groups],
+            results,
+            scales,
+            record,
+        )
+        self._adapt_damping(closure, loss, options, results, scales)
         return loss
 
-    def _block(self, index: int, group: dict[str, Any]) -> dict[str, Any]:
+    def _compute(
+        self,
+        closure: Callable[[], Tensor],
+        options: list[GroupOptions],
+        shared: SharedOptions,
+        generator: Generator | None,
+        step: int,
+    ) -> tuple[Tensor, list[GroupStep | None], bool]:
+        """Run the closure's one backward pass and compute every group's direction.
+
+        Groups whose averaged factor is not refreshed this step reuse it; when no
+        group refreshes, the closure runs without BackPACK extensions.
+
+        Returns:
+            The loss, every group's step (``None``: no trainable parameter), and
+            whether every group's curvature was finite.
+        """
+        blocks = [
+            self._block(index, group, option)
+            for index, (group, option) in enumerate(
+                zip(self.param_groups, options, strict=True)
+            )
+        ]
+        refreshing = [
+            option.averaging is None
+            or option.averaging.refreshes(step, _updates(block["factor"]))
+            for option, block in zip(options, blocks, strict=True)
+        ]
+        computation, extensions, hook = None, [], None
+        if any(refreshing):
+            per_sample_gradients = shared.subsampling_grad is not None or any(
+                needs_sample_statistics(option.damping) for option in options
+            )
+            computation, extensions = self._pass.get(
+                shared, per_sample_gradients, generator
+            )
+            hook = computation.get_extension_hook(
+                [b for b, refresh in zip(blocks, refreshing, strict=True) if refresh]
+            )
+        if self.monitor is not None and self.monitor.is_active(step):
+            extensions, hook = with_monitor(
+                extensions, hook, self.monitor, step, shared.subsampling_grad
+            )
+        params = [p for group in self.param_groups for p in group["params"]]
+        try:
+            loss = run_closure(closure, params, extensions, hook)
+            with torch.no_grad():
+                results = [
+                    _result(computation, block)
+                    if refresh
+                    else averaged_step(block, block["factor"])
+                    for block, refresh in zip(blocks, refreshing, strict=True)
+                ]
+        except NonFiniteModelOutput:
+            # Raised inside backward, before the closure could return its loss.
+            return torch.tensor(math.nan), [None] * len(blocks), True
+        finite = computation is None or computation.curvature_finite
+        return loss, results, finite
+
+    def _block(
+        self, index: int, group: dict[str, Any], options: GroupOptions
+    ) -> dict[str, Any]:
         """The group as the step computation sees it, with its averaged factor."""
         return {
             "params": group["params"],
-            "criterion": group["criterion"],
-            "damping": group["damping"],
-            "complement": group["complement"],
-            "averaging": group["averaging"],
-            "factor": self._stored_factor(index, group),
+            "criterion": options.criterion,
+            "damping": options.damping,
+            "complement": options.complement,
+            "averaging": options.averaging,
+            "factor": self._stored_factor(index, options),
         }
 
     def _stored_factor(
-        self, index: int, group: dict[str, Any]
+        self, index: int, options: GroupOptions
     ) -> AveragedFactor | None:
         """The group's averaged factor from the optimizer state (``None`` if none)."""
         stats = self.state.get(GROUPS, [])
         updates = stats[index].get("curvature_updates", 0) if stats else 0
-        if group["averaging"] is None or updates == 0:
+        if options.averaging is None or updates == 0:
             return None
-        basis = tuple(self.state[p][BASIS] for p in group["params"])
+        basis = tuple(self.state[p][BASIS] for p in self.param_groups[index]["params"])
         return AveragedFactor(basis, stats[index]["curvature_weights"], updates)
 
-    def _apply(self, results: list[GroupStep | None]) -> list[Tensor | float]:
+    def _apply(
+        self, options: list[GroupOptions], results: list[GroupStep | None]
+    ) -> list[Tensor | float]:
         """Move the parameters: trust region, momentum, weight decay, commit factors.
 
         Returns:
@@ -359,16 +379,19 @@ class DampedNewton(Optimizer):
         """
         scales: list[Tensor | float] = []
         with torch.no_grad():
-            for group, result in zip(self.param_groups, results, strict=True):
+            for index, (option, result) in enumerate(
+                zip(options, results, strict=True)
+            ):
                 if result is None:
                     scales.append(1.0)
                     continue
-                lr, mu = group["lr"], group["momentum"]
+                lr, mu = option.lr, option.momentum
                 scale = trust_region_scale(
-                    lr, result.slope, result.batch_curvature, group["kl_clip"]
+                    lr, result.slope, result.batch_curvature, option.kl_clip
                 )
                 scales.append(scale)
-                for param, direction in zip(group["params"], result.step, strict=True):
+                params = self.param_groups[index]["params"]
+                for param, direction in zip(params, result.step, strict=True):
                     if not param.requires_grad:
                         continue
                     update = (direction * scale).to(param.dtype)
@@ -379,27 +402,25 @@ class DampedNewton(Optimizer):
                         else:
                             buffer.mul_(mu).add_(update)
                         update = (
-                            update.add(buffer, alpha=mu)
-                            if group["nesterov"]
-                            else buffer
+                            update.add(buffer, alpha=mu) if option.nesterov else buffer
                         )
-                    if group["weight_decay"] > 0:
-                        param.mul_(1 - lr * group["weight_decay"])
+                    if option.weight_decay > 0:
+                        param.mul_(1 - lr * option.weight_decay)
                     param.add_(update, alpha=lr)
                 if result.factor is not None:
-                    self._store_factor(group, result.factor)
+                    self._store_factor(index, result.factor)
         return scales
 
-    def _store_factor(self, group: dict[str, Any], factor: AveragedFactor) -> None:
-        index = self.param_groups.index(group)
-        for param, basis in zip(group["params"], factor.basis, strict=True):
+    def _store_factor(self, index: int, factor: AveragedFactor) -> None:
+        params = self.param_groups[index]["params"]
+        for param, basis in zip(params, factor.basis, strict=True):
             self.state[param][BASIS] = basis
         stats = self._group_stats()[index]
         stats.update(curvature_weights=factor.weights, curvature_updates=factor.updates)
 
     def _group_stats(self) -> list[dict[str, Any]]:
         return self.state.setdefault(
-            GROUPS, [_empty_group_stats() for _ in self.param_groups]
+            GROUPS, [empty_group_stats() for _ in self.param_groups]
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -433,14 +454,14 @@ class DampedNewton(Optimizer):
         extra = state_dict.pop("dampednewton", None)
         state_dict["param_groups"] = unwrap_settings(state_dict["param_groups"])
         for group in state_dict["param_groups"]:
-            _validate_group(group)
+            GroupOptions.from_group(group)
         super().load_state_dict(state_dict)
         # torch.optim keeps entries that are not per-parameter by reference: copy them,
         # so that this optimizer's counters are not shared with the source's.
         for key in (GLOBAL, GROUPS):
             if key in self.state:
                 self.state[key] = copy.deepcopy(self.state[key])
-        self._cached = None
+        self._pass.clear()
         if extra is not None:
             self._seed = extra["seed"]
             self._generator = None
@@ -448,69 +469,37 @@ class DampedNewton(Optimizer):
                 generator = self._mc_generator(create=True)
                 generator.set_state(extra["generator"])
 
-    def _computation_and_extensions(
-        self, generator: Generator | None
-    ) -> tuple[StepComputation, list]:
-        """The computation and its BackPACK extensions, reused while settings hold."""
-        first = self.param_groups[0]
-        per_sample_gradients = first["subsampling_grad"] is not None or any(
-            getattr(as_damping(g["damping"]), "uses_sample_statistics", True)
-            for g in self.param_groups
-        )
-        key = (
-            per_sample_gradients,
-            first["mc_samples"],
-            tuple(first["subsampling_ggn"] or ()),
-            tuple(first["subsampling_grad"] or ()),
-            id(generator),
-        )
-        if self._cached is None or self._cached[0] != key:
-            computation = StepComputation(
-                subsampling_grad=first["subsampling_grad"],
-                subsampling_ggn=first["subsampling_ggn"],
-                mc_samples_ggn=first["mc_samples"],
-                warn_small_eigvals=0,  # the optimizer warns, once per group
-                generator=generator,
-                per_sample_gradients=per_sample_gradients,
-            )
-            self._cached = (key, computation, computation.get_extensions())
-        computation = self._cached[1]
-        computation.curvature_finite = True
-        return computation, self._cached[2]
-
     def _adapt_damping(
         self,
         closure: Callable[[], Tensor],
         loss: Tensor,
+        options: list[GroupOptions],
         results: list[GroupStep | None],
         scales: list[Tensor | float],
     ) -> None:
-        """Feed the reduction ratio to stateful damping policies (Levenberg-Marquardt).
+        """Feed the reduction ratio to adaptive damping policies, once per object.
 
         ``ρ = (L(θ + Δθ) − L(θ)) / q`` with the quadratic model ``q`` of the damped
         Newton steps taken (``lr`` and trust-region scaled, summed over groups; the
         complement's term included, momentum and weight decay not). The loss after
         the step comes from calling the closure again, outside the BackPACK context,
-        on the same batch. A policy object shared by several groups is updated once.
+        on the same batch. A policy object shared by several groups (torch copies
+        the default into every group) is updated once.
         """
-        adaptive = list(
-            {
-                id(group["damping"]): group["damping"]
-                for group in self.param_groups
-                if hasattr(group["damping"], "update")
-            }.values()
-        )
+        adaptive: dict[int, AdaptiveDamping] = {
+            id(option.damping): option.damping
+            for option in options
+            if isinstance(option.damping, AdaptiveDamping)
+        }
         if not adaptive:
             return
         ratio = math.nan
-        if any(policy.ratio_needed() for policy in adaptive):
+        if any(policy.ratio_needed() for policy in adaptive.values()):
             predicted = sum(
                 predicted_change(
-                    group["lr"] * scale, result.slope, result.curvature
+                    option.lr * scale, result.slope, result.curvature
                 ).item()
-                for group, result, scale in zip(
-                    self.param_groups, results, scales, strict=True
-                )
+                for option, result, scale in zip(options, results, scales, strict=True)
                 if result is not None
             )
             with torch.enable_grad(), quiet_backward_hook_warning():
@@ -519,7 +508,7 @@ class DampedNewton(Optimizer):
                 ratio = -math.inf
             elif predicted != 0:
                 ratio = (new_loss - loss.item()) / predicted
-        for policy in adaptive:
+        for policy in adaptive.values():
             policy.update(ratio)
         self.state[GLOBAL]["reduction_ratio"] = ratio
 
@@ -531,259 +520,34 @@ class DampedNewton(Optimizer):
             self._generator = torch.Generator(device=device).manual_seed(self._seed)
         return self._generator
 
-    def _result(self, computation: StepComputation, block: dict) -> GroupStep | None:
-        if not any(p.requires_grad for p in block["params"]):
-            return None
-        try:
-            return computation.get_details(block)
-        except KeyError as error:
-            raise RuntimeError(
-                "No curvature information reached the parameters of a group. Extend "
-                "model and loss function with BackPACK (`model = backpack.extend("
-                "model)`, `loss_fn = backpack.extend(loss_fn)`), make sure the closure "
-                "calls `loss.backward()` and that every parameter is used in the "
-                "forward pass. A torch.compile'd model can skip BackPACK's hooks "
-                "(TorchDynamo reuses graphs compiled for a plain model of the same "
-                "class and does not guard on hooks), and gains nothing from "
-                "compilation here: step with the uncompiled model."
-            ) from error
-
-    def _refuse_nonfinite(
-        self, loss: Tensor, results: list[GroupStep | None], curvature_finite: bool
-    ) -> bool:
-        problem = None
-        if not isinstance(loss, Tensor):
-            raise TypeError(
-                f"The closure must return the loss tensor, got {type(loss).__name__}."
-            )
-        if not all_finite(loss.detach()):
-            problem = f"the loss is {loss.item()}"
-        elif not curvature_finite:
-            problem = (
-                "the damped Newton step is not finite (the GGN is not finite or "
-                "its eigendecomposition failed)"
-            )
-        elif not all_finite(*(s for r in results if r is not None for s in r.step)):
-            problem = "the damped Newton step is not finite"
-        if problem is None:
-            return False
-        message = f"DampedNewton refused the update: {problem}; parameters unchanged."
-        if self._nonfinite == "raise":
-            raise FloatingPointError(
-                message + " Pass nonfinite='skip' to skip such steps with a warning."
-            )
-        warnings.warn(message, RuntimeWarning, stacklevel=STACKLEVEL_OF_CALLER)
-        self.state[GLOBAL]["skipped_steps"] += 1
-        return True
-
-    def _with_diagnostics(
-        self, extensions: list, hook: Callable | None, step: int
-    ) -> tuple[list, Callable | None]:
-        """Add the monitor's extensions and hook (first) to the step's backward pass.
-
-        The monitor's individual gradients replace the structured ones of the step
-        (which skip linear layers); all BackPACK buffers are freed layer by layer.
-        """
-        if self.monitor is None or not self.monitor.is_active(step):
-            return extensions, hook
-        merged = {extension.savefield: extension for extension in extensions}
-        for extension in self.monitor.extensions(step):
-            if extension.savefield == GRAD_BATCH and GRAD_BATCH in merged:
-                if self.param_groups[0]["subsampling_grad"] is not None:
-                    raise ValueError(
-                        "Diagnostics with individual gradients (histograms) need "
-                        "subsampling_grad=None."
-                    )
-                merged[GRAD_BATCH] = IndividualGradients()
-            merged.setdefault(extension.savefield, extension)
-        monitor_hook = self.monitor.module_hook(step)
-        savefields = list(merged)
-
-        def monitor_then_step(module: torch.nn.Module) -> None:
-            monitor_hook(module)
-            if hook is not None:
-                hook(module)
-            for param in module.parameters(recurse=False):
-                for savefield in savefields:
-                    if hasattr(param, savefield):
-                        delattr(param, savefield)
-
-        return list(merged.values()), monitor_then_step
-
     def _finish_diagnostics(self, step: int, loss: Tensor) -> dict | None:
         if self.monitor is None or not self.monitor.is_active(step):
             return None
         params = [p for group in self.param_groups for p in group["params"]]
         return self.monitor.finish(step, params, loss)
 
-    def _record(
-        self,
-        results: list[GroupStep | None],
-        scales: list[Tensor | float],
-        record: dict | None = None,
-    ) -> None:
-        self.state[GLOBAL]["step"] += 1
-        stats = self._group_stats()
-        for index, (result, scale) in enumerate(zip(results, scales, strict=True)):
-            if result is None:
-                continue
-            num_directions = result.evals.numel()
-            stats[index].update(
-                trust_region_scale=torch.as_tensor(scale).detach(),
-                complement_curvature=result.complement_curvature,
-                num_directions=num_directions,
-                evals=result.evals.detach(),
-                gamma_mean=result.gamma_mean.detach(),
-                lambda_mean=result.lambda_mean.detach(),
-                damping=result.damping.detach(),
-                coefficients=result.coefficients.detach(),
-            )
-            if record is not None:
-                record.update(_newton_record(index, stats[index]))
-            if result.factor is None:
-                self._count_small_eigenvalues(index, result.evals, stats[index])
-            if num_directions == 0:
-                stats[index]["steps_without_direction"] += 1
-                if index not in self._warned_no_direction:
-                    self._warned_no_direction.add(index)
-                    warnings.warn(
-                        f"The criterion of parameter group {index} selected no "
-                        "direction: the group does not move this step (counted in "
-                        "optimizer.state['groups'][i]['steps_without_direction']).",
-                        stacklevel=STACKLEVEL_OF_CALLER,
-                    )
 
-    def _count_small_eigenvalues(
-        self, index: int, evals: Tensor, stats: dict[str, Any]
-    ) -> None:
-        """Count steps along eigenvalues below the threshold; warn once per group."""
-        threshold = self.param_groups[index]["warn_small_eigvals"]
-        if threshold == 0 or evals.numel() == 0:
-            return
-        small = int((evals.abs() < threshold).sum())
-        if small == 0:
-            return
-        stats["steps_with_small_eigenvalues"] = (
-            stats.get("steps_with_small_eigenvalues", 0) + 1
-        )
-        if index in self._warned_small_eigenvalues:
-            return
-        self._warned_small_eigenvalues.add(index)
-        warnings.warn(
-            f"{small} of the {evals.numel()} GGN eigenvalues selected in parameter "
-            f"group {index} are below warn_small_eigvals={threshold} (smallest "
-            f"{evals.abs().min().item():.2g}): directions divide by √λ and may be "
-            "inaccurate. Select fewer directions (a smaller criterion=k, or "
-            "EigenvalueThreshold) or set warn_small_eigvals=0 to silence this. "
-            "Warned once per group; the steps are counted in "
-            f"optimizer.state['groups'][{index}]['steps_with_small_eigenvalues'].",
-            stacklevel=STACKLEVEL_OF_CALLER + 1,  # called by _record
-        )
-
-
-def _refuse_bad_backward(check: SingleBackwardCheck) -> None:
-    """Raise when the closure's backward passes do not fit one step.
+def _result(computation: StepComputation, block: dict) -> GroupStep | None:
+    """A group's step from the computation (``None`` without trainable parameters).
 
     Raises:
-        RuntimeError: After several backward passes, or into stale gradients.
+        RuntimeError: When no curvature reached the group's parameters.
     """
-    problem = check.problem()
-    if problem is not None:
+    if not any(p.requires_grad for p in block["params"]):
+        return None
+    try:
+        return computation.get_details(block)
+    except KeyError as error:
         raise RuntimeError(
-            f"DampedNewton refused the step: {problem}; parameters and optimizer "
-            f"state unchanged. The closure should be\n{CLOSURE_PATTERN}"
-        )
-
-
-def _newton_record(index: int, stats: dict[str, Any]) -> dict[str, Any]:
-    """A group's step quantities as entries of a diagnostics record."""
-    evals, damping = stats["evals"], stats["damping"]
-    return {
-        f"newton/num_directions/group{index}": stats["num_directions"],
-        f"newton/evals/group{index}": evals.cpu().numpy(),
-        f"newton/damping/group{index}": damping.cpu().numpy(),
-        f"newton/max_eval/group{index}": evals.max().item() if evals.numel() else 0.0,
-        f"newton/mean_damping/group{index}": (
-            damping.mean().item() if damping.numel() else 0.0
-        ),
-    }
-
-
-def _empty_group_stats() -> dict[str, Any]:
-    return {"num_directions": 0, "steps_without_direction": 0}
-
-
-def _check_shared_settings(groups: list[dict[str, Any]]) -> None:
-    first = groups[0]
-    for group in groups[1:]:
-        for key in SHARED_SETTINGS:
-            if _shared_value(group, key) != _shared_value(first, key):
-                raise ValueError(
-                    f"'{key}' must be the same in all parameter groups (one backward "
-                    f"pass serves all): {first[key]!r} vs {group[key]!r}."
-                )
-
-
-def _shared_value(group: dict[str, Any], key: str) -> Any:
-    if key == "mc_samples":
-        return group[key]
-    return validate_subsampling(group[key], key)
-
-
-def _validate_group(group: dict[str, Any]) -> None:
-    lr = group["lr"]
-    if isinstance(lr, Tensor):
-        lr = lr.item()
-    if not isinstance(lr, int | float) or not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"Invalid learning rate {group['lr']!r}: must be >= 0.")
-    as_damping(group["damping"])
-    as_criterion(group["criterion"])
-    mc_samples = group["mc_samples"]
-    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int):
-        raise TypeError(f"mc_samples must be an int >= 0, got {mc_samples!r}.")
-    if mc_samples < 0:
-        raise ValueError(f"mc_samples must be >= 0, got {mc_samples}.")
-    for key in ("subsampling_ggn", "subsampling_grad"):
-        validate_subsampling(group[key], key)
-    if not group["warn_small_eigvals"] >= 0:
-        raise ValueError(
-            f"warn_small_eigvals must be >= 0, got {group['warn_small_eigvals']!r}."
-        )
-    as_complement(group["complement"])
-    _validate_averaging(group["averaging"], group["damping"])
-    validate_kl_clip(group["kl_clip"])
-    momentum, nesterov, decay = (
-        group["momentum"],
-        group["nesterov"],
-        group["weight_decay"],
-    )
-    for name, value in (("momentum", momentum), ("weight_decay", decay)):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"{name} must be a number, got {value!r}.")
-    if not 0 <= momentum < 1:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}.")
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"nesterov must be True or False, got {nesterov!r}.")
-    if nesterov and momentum == 0:
-        raise ValueError("nesterov=True needs momentum > 0.")
-    if not (math.isfinite(decay) and decay >= 0):
-        raise ValueError(f"weight_decay must be >= 0, got {decay!r}.")
-
-
-def _validate_averaging(averaging: Any, damping: Any) -> None:
-    if averaging is None:
-        return
-    if not isinstance(averaging, CurvatureAveraging):
-        raise TypeError(
-            "averaging must be None or a CurvatureAveraging(decay=..., rank=..., "
-            f"interval=...), got {type(averaging).__name__}."
-        )
-    if getattr(as_damping(damping), "uses_sample_statistics", True):
-        raise ValueError(
-            "averaging needs a damping policy that uses mean slopes only (a number, "
-            "ConstantDamping or LevenbergMarquardt): the averaged directions have no "
-            f"per-sample statistics, got {type(damping).__name__}."
-        )
+            "No curvature information reached the parameters of a group. Extend "
+            "model and loss function with BackPACK (`model = backpack.extend("
+            "model)`, `loss_fn = backpack.extend(loss_fn)`), make sure the closure "
+            "calls `loss.backward()` and that every parameter is used in the "
+            "forward pass. A torch.compile'd model can skip BackPACK's hooks "
+            "(TorchDynamo reuses graphs compiled for a plain model of the same "
+            "class and does not guard on hooks), and gains nothing from "
+            "compilation here: step with the uncompiled model."
+        ) from error
 
 
 def _updates(factor: AveragedFactor | None) -> int:

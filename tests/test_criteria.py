@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dampednewton import EigenvalueThreshold, RelativeThreshold, TopK
-from dampednewton.criteria import as_criterion, numerical_zero, selected_indices
+from dampednewton.policies.criteria import as_criterion, numerical_zero, selected_indices
 
 # Ascending, with a negative round-off eigenvalue and a numerically zero one.
 EVALS = torch.tensor([-1e-17, 1e-59, 1e-3, 0.2, 0.5, 1.0], dtype=torch.float64)

@@ -16,7 +16,7 @@ from dampednewton import (
     NoiseAwareDamping,
     RelativeDamping,
 )
-from dampednewton.damping import as_damping, checked_damping
+from dampednewton.policies.damping import as_damping, checked_damping
 from dampednewton.directional import newton_coefficients
 from tests.assertions import assert_close
 

@@ -25,18 +25,19 @@ from dampednewton.computations.extensions import (
     IndividualGradients,
     MonteCarloSqrtGGN,
 )
-from dampednewton.computations.groups import (
-    check_subsampling_in_range,
-    group_key,
-    validate_param_groups,
-    validate_subsampling,
-)
+from dampednewton.computations.groups import check_subsampling_in_range, group_key
 from dampednewton.computations.structured import (
     STRUCTURED_BATCH_GRAD,
     StructuredSqrtGGNConv,
     StructuredSqrtGGNLinear,
 )
 from dampednewton.factors import DenseFactor
+from dampednewton.options import (
+    check_integer,
+    check_subsampling,
+    check_warn_small_eigvals,
+    validate_param_groups,
+)
 
 GRAD_BATCH = "grad_batch"
 
@@ -105,24 +106,15 @@ class GGNComputation:
                 materializing its square root and individual gradients.
 
         Raises:
-            ValueError: For negative or non-integer ``mc_samples`` or
+            TypeError: For a non-integer ``mc_samples`` or a non-number
                 ``warn_small_eigvals``.
+            ValueError: For negative ``mc_samples`` or ``warn_small_eigvals``.
         """
-        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int):
-            raise ValueError(f"mc_samples must be an int >= 0, got {mc_samples!r}.")
-        if mc_samples < 0:
-            raise ValueError(f"mc_samples must be >= 0, got {mc_samples}.")
-        if not warn_small_eigvals >= 0:
-            raise ValueError(
-                f"warn_small_eigvals must be >= 0, got {warn_small_eigvals!r}."
-            )
-        self._subsampling_ggn = validate_subsampling(subsampling_ggn, "subsampling_ggn")
-        self._subsampling_grad = validate_subsampling(
-            subsampling_grad, "subsampling_grad"
-        )
-        self._mc_samples = mc_samples
+        self._subsampling_ggn = check_subsampling(subsampling_ggn, "subsampling_ggn")
+        self._subsampling_grad = check_subsampling(subsampling_grad, "subsampling_grad")
+        self._mc_samples = check_integer("mc_samples", mc_samples, 0)
         self._verbose = verbose
-        self._warn_small_eigvals = warn_small_eigvals
+        self._warn_small_eigvals = check_warn_small_eigvals(warn_small_eigvals)
         self._generator = generator
         self._structured = structured
         self._groups: list[dict] = []

@@ -12,8 +12,8 @@ from dampednewton.computations.directional_derivatives import (
     DirectionalDerivativesComputation,
 )
 from dampednewton.computations.directions import select_directions, to_parameter_space
-from dampednewton.damping import as_damping, checked_damping
 from dampednewton.directional import gram_space_step, newton_coefficients
+from dampednewton.policies.damping import as_damping, checked_damping
 
 
 @dataclass

@@ -9,15 +9,15 @@ import torch
 from torch import Tensor
 
 from dampednewton.computations.base import Block
-from dampednewton.criteria import (
+from dampednewton.directional import direction_lengths
+from dampednewton.finite import all_finite
+from dampednewton.linalg import symmetric_eigh, top_eigh
+from dampednewton.policies.criteria import (
     TopK,
     as_criterion,
     numerical_zero,
     selected_indices,
 )
-from dampednewton.directional import direction_lengths
-from dampednewton.finite import all_finite
-from dampednewton.linalg import symmetric_eigh, top_eigh
 
 # The partial eigensolver pays off for large Gram matrices and few directions.
 PARTIAL_MIN_SIZE = 512

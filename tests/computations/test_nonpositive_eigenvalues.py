@@ -22,7 +22,7 @@ from dampednewton import (
     SmallestCurvature,
     TopK,
 )
-from dampednewton.criteria import numerical_zero
+from dampednewton.policies.criteria import numerical_zero
 from tests import reference
 from tests.assertions import assert_close
 from tests.computations.test_against_reference import (

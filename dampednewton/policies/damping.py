@@ -1,43 +1,99 @@
 """Damping policies: how much each selected GGN direction is damped.
 
 A damping policy is a callable ``(evals, gram_evecs, gammas, lambdas) -> δ`` (ViViT's
-convention) returning one damping ``δ_k ∈ [0, ∞]`` per selected direction; ``∞`` drops
-the direction (its step coefficient is zero). ``gammas`` are the per-sample slopes
-``γ_nk`` (``[N_grad, K]``) and ``lambdas`` the per-sample curvatures ``λ_nk``
-(``[N_ggn, K]``) along the selected GGN eigenvectors.
+convention, the :class:`Damping` protocol) returning one damping ``δ_k ∈ [0, ∞]`` per
+selected direction; ``∞`` drops the direction (its step coefficient is zero).
+``gammas`` are the per-sample slopes ``γ_nk`` (``[N_grad, K]``) and ``lambdas`` the
+per-sample curvatures ``λ_nk`` (``[N_ggn, K]``) along the selected GGN eigenvectors.
 
-Policies that only need the mean slopes declare ``uses_sample_statistics = False``;
-then :class:`~dampednewton.DampedNewton` skips individual gradients (``gammas`` is the
-``[1, K]`` mean). Callables without the attribute get per-sample slopes.
+Policies that read the mean slopes and curvatures only derive from
+:class:`MeanStatisticsDamping`; then :class:`~dampednewton.DampedNewton` skips
+individual gradients (``gammas`` is the ``[1, K]`` mean) and allows curvature
+averaging. Any other callable gets per-sample slopes.
 
-Stateful policies (:class:`LevenbergMarquardt`) additionally define
-``ratio_needed()`` and ``update(reduction_ratio)``;
-:class:`~dampednewton.DampedNewton` calls them after each step and keeps the policy
-(with its state) in the param group, hence in ``state_dict``.
+Adaptive policies (the :class:`AdaptiveDamping` protocol, e.g.
+:class:`LevenbergMarquardt`) additionally define ``ratio_needed()`` and
+``update(reduction_ratio)``; :class:`~dampednewton.DampedNewton` calls them once per
+policy object after each step and keeps the policy (with its state) in the param
+group, hence in ``state_dict``.
+
+Adding a rule: a dataclass here (deriving from :class:`MeanStatisticsDamping` if it
+needs no per-sample statistics), listed in ``add_safe_globals`` at the bottom.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-Damping = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+@runtime_checkable
+class Damping(Protocol):
+    """Maps the selected directions' statistics to one damping ``δ_k`` each."""
+
+    def __call__(
+        self, evals: Tensor, gram_evecs: Tensor, gammas: Tensor, lambdas: Tensor
+    ) -> Tensor:
+        """Return ``δ`` ``[K]`` from the directions' statistics.
+
+        Args:
+            evals: Selected eigenvalues ``[K]``.
+            gram_evecs: Their Gram-space eigenvectors ``[C·N, K]``.
+            gammas: Per-sample slopes ``[N_grad, K]``.
+            lambdas: Per-sample curvatures ``[N_ggn, K]``.
+        """
+
+
+@runtime_checkable
+class AdaptiveDamping(Damping, Protocol):
+    """A damping policy adapted after each step by the loss's reduction ratio."""
+
+    def ratio_needed(self) -> bool:
+        """Whether the next :meth:`update` uses the reduction ratio."""
+
+    def update(self, reduction_ratio: float) -> None:
+        """Adapt to the reduction ratio ``ρ`` of the last step (NaN: unknown)."""
+
+
+class MeanStatisticsDamping(ABC):
+    """Base of policies that read only the mean slopes and curvatures.
+
+    Such a policy gets ``gammas = γ̄[None]`` (no individual gradients are computed
+    for it) and may be used with curvature averaging.
+    """
+
+    @abstractmethod
+    def __call__(
+        self, evals: Tensor, gram_evecs: Tensor, gammas: Tensor, lambdas: Tensor
+    ) -> Tensor:
+        """Return ``δ`` ``[K]``; ``gammas``, ``lambdas`` may be the ``[1, K]`` means."""
+
+
+def needs_sample_statistics(policy: Damping) -> bool:
+    """Whether a policy needs per-sample slopes and curvatures (not just the means).
+
+    Args:
+        policy: A damping policy (after :func:`as_damping`).
+
+    Returns:
+        ``False`` for :class:`MeanStatisticsDamping` policies, ``True`` otherwise.
+    """
+    return not isinstance(policy, MeanStatisticsDamping)
 
 
 @dataclass
-class ConstantDamping:
+class ConstantDamping(MeanStatisticsDamping):
     """The same damping ``δ_k = value`` for every direction.
 
     Attributes:
         value: Non-negative damping.
     """
 
-    uses_sample_statistics: ClassVar[bool] = False
     value: float
 
     def __post_init__(self) -> None:
@@ -56,7 +112,7 @@ class ConstantDamping:
 
 
 @dataclass
-class RelativeDamping:
+class RelativeDamping(MeanStatisticsDamping):
     """Damping relative to the curvature scale: ``δ_k = fraction · max_j λ_j``.
 
     The selected eigenvalues scale with the loss and the model (inputs, width), so a
@@ -66,7 +122,6 @@ class RelativeDamping:
         fraction: Non-negative factor of the largest selected eigenvalue.
     """
 
-    uses_sample_statistics: ClassVar[bool] = False
     fraction: float
 
     def __post_init__(self) -> None:
@@ -105,9 +160,9 @@ class NoiseAwareDamping:
 
     .. math::
 
-        c_k = -rac{\operatorname{sign}(ar\gamma_k)
-              \max(|ar\gamma_k| - z\sigma_{\gamma,k}, 0)}
-             {ar\lambda_k + z\sigma_{\lambda,k} + \delta_0},
+        c_k = -\frac{\operatorname{sign}(\bar\gamma_k)
+              \max(|\bar\gamma_k| - z\sigma_{\gamma,k}, 0)}
+             {\bar\lambda_k + z\sigma_{\lambda,k} + \delta_0},
 
     expressed as the damping ``δ_k`` with ``c_k = −γ̄_k/(λ̄_k + δ_k)``. A direction
     whose slope is within ``z`` standard errors of zero is dropped (``δ_k = ∞``).
@@ -119,7 +174,6 @@ class NoiseAwareDamping:
         z: Number of standard errors (``>= 0``); 0 gives constant damping ``δ₀``.
     """
 
-    uses_sample_statistics: ClassVar[bool] = True
     base: float = 1e-4
     z: float = 1.0
 
@@ -153,7 +207,7 @@ class GSNRDamping:
     McCandlish et al. (2018) is the Newton step shrunk by ``1/(1 + B_noise,k/B)`` with
     the noise scale ``B_noise,k = Σ_k/|G_k|²``, i.e. an LM damping
 
-    .. math:: \delta_k = \delta_0 + ar\lambda_k rac{\Sigma_k}{B\,|G_k|^2}.
+    .. math:: \delta_k = \delta_0 + \bar\lambda_k \frac{\Sigma_k}{B\,|G_k|^2}.
 
     ``|G_k|²`` is estimated without bias by ``γ̄_k² − Σ_k/B`` (the plain ``γ̄_k²``
     carries the noise floor ``Σ_k/B``, so the plain GSNR of pure noise is about
@@ -164,7 +218,6 @@ class GSNRDamping:
         base: ``δ₀ >= 0``, the damping without noise.
     """
 
-    uses_sample_statistics: ClassVar[bool] = True
     base: float = 1e-4
 
     def __post_init__(self) -> None:
@@ -185,7 +238,7 @@ class GSNRDamping:
 
 
 @dataclass
-class LevenbergMarquardt:
+class LevenbergMarquardt(MeanStatisticsDamping):
     """Levenberg-Marquardt damping adapted by the reduction ratio (K-FAC's rule).
 
     After each step, :class:`~dampednewton.DampedNewton` evaluates the loss again on
@@ -207,7 +260,6 @@ class LevenbergMarquardt:
         updates: Number of :meth:`update` calls so far (state).
     """
 
-    uses_sample_statistics: ClassVar[bool] = False
     value: float = 1.0
     decrease: float = 2 / 3
     increase: float = 3 / 2
@@ -274,7 +326,7 @@ def as_damping(damping: float | Damping) -> Damping:
     """
     if isinstance(damping, int | float) and not isinstance(damping, bool):
         return ConstantDamping(float(damping))
-    if callable(damping):
+    if isinstance(damping, Damping):
         return damping
     raise TypeError(
         "damping must be a number >= 0 or a callable (evals, gram_evecs, gammas, "

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 
+@runtime_checkable
 class ComplementPolicy(Protocol):
     """Maps the kept directions' curvatures and dampings to ``ρ`` (or ``None``).
 
@@ -143,7 +144,7 @@ def as_complement(
         return None
     if isinstance(complement, int | float) and not isinstance(complement, bool):
         return ConstantCurvature(float(complement))
-    if callable(complement):
+    if isinstance(complement, ComplementPolicy):
         return complement
     raise TypeError(
         "complement must be None, a number > 0 or a policy such as "

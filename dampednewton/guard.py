@@ -1,0 +1,124 @@
+"""What makes a refused step leave no trace: the non-finite policy and rollbacks.
+
+A step is refused when its loss, its curvature or its update is not finite. Refusing
+means: parameters, optimizer state and the Monte-Carlo generator exactly as before
+the step. :class:`GeneratorSnapshot` puts the generator back; :func:`nonfinite_problem`
+says what is wrong; :func:`refuse` raises or warns according to the policy
+(``nonfinite='raise'`` or ``'skip'``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from types import TracebackType
+
+from torch import Generator, Tensor
+
+from dampednewton.finite import all_finite
+
+# Warnings of step()'s helpers point at the user's call: helper, step, and the
+# profiling wrapper that torch.optim puts around every optimizer's step.
+STACKLEVEL_OF_CALLER = 4
+
+
+class GeneratorSnapshot:
+    """The state of a random generator, put back on :meth:`restore` or on an error.
+
+    Used as a context manager, an exception inside the block restores the state, so
+    that a refused step does not consume random draws.
+
+    Example:
+        >>> import torch
+        >>> generator = torch.Generator().manual_seed(0)
+        >>> with GeneratorSnapshot(generator) as snapshot:
+        ...     first = torch.rand(1, generator=generator)
+        ...     snapshot.restore()
+        >>> bool(torch.rand(1, generator=generator) == first)
+        True
+    """
+
+    def __init__(self, generator: Generator | None):
+        """Remember the generator's state.
+
+        Args:
+            generator: The generator, or ``None`` (nothing to restore).
+        """
+        self._generator = generator
+        self._state = None if generator is None else generator.get_state()
+
+    def restore(self) -> None:
+        """Put the remembered state back."""
+        if self._generator is not None:
+            self._generator.set_state(self._state)
+
+    def __enter__(self) -> GeneratorSnapshot:
+        """Enter the block.
+
+        Returns:
+            The snapshot.
+        """
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Restore the state if the block raised."""
+        if exc_type is not None:
+            self.restore()
+
+
+def nonfinite_problem(
+    loss: Tensor, steps: Iterable[Tensor], curvature_finite: bool
+) -> str | None:
+    """What is not finite about a step, if anything.
+
+    Args:
+        loss: The closure's loss.
+        steps: Every group's update direction, per parameter.
+        curvature_finite: Whether every group's GGN and eigensolver were usable.
+
+    Returns:
+        ``None`` if the step can be taken, else the reason.
+
+    Raises:
+        TypeError: If the closure did not return a tensor.
+    """
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            f"The closure must return the loss tensor, got {type(loss).__name__}."
+        )
+    if not all_finite(loss.detach()):
+        return f"the loss is {loss.item()}"
+    if not curvature_finite:
+        return (
+            "the damped Newton step is not finite (the GGN is not finite or its "
+            "eigendecomposition failed)"
+        )
+    if not all_finite(*steps):
+        return "the damped Newton step is not finite"
+    return None
+
+
+def refuse(problem: str, nonfinite: str) -> None:
+    """Refuse a step: raise for ``'raise'``, warn for ``'skip'``.
+
+    Call it from the optimizer's ``step``, so that the warning points at the
+    user's call.
+
+    Args:
+        problem: What is not finite (from :func:`nonfinite_problem`).
+        nonfinite: The policy, ``'raise'`` or ``'skip'``.
+
+    Raises:
+        FloatingPointError: For ``nonfinite='raise'``.
+    """
+    message = f"DampedNewton refused the update: {problem}; parameters unchanged."
+    if nonfinite == "raise":
+        raise FloatingPointError(
+            message + " Pass nonfinite='skip' to skip such steps with a warning."
+        )
+    warnings.warn(message, RuntimeWarning, stacklevel=STACKLEVEL_OF_CALLER)

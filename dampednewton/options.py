@@ -1,0 +1,400 @@
+"""The optimizer's options: validated in one place, with one exception policy.
+
+Every hyperparameter of :class:`~dampednewton.DampedNewton` lives in its param groups
+(dicts, as ``torch.optim`` wants them). :class:`GroupOptions` is one group's options,
+checked and converted to typed values (shorthand numbers to policies);
+:class:`SharedOptions` are those that shape the single backward pass and must agree
+across groups. A value of the wrong type raises ``TypeError``, a value of the right
+type outside its range ``ValueError``; every message says what is accepted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from dampednewton.averaging import CurvatureAveraging
+from dampednewton.policies.complement import ComplementPolicy, as_complement
+from dampednewton.policies.criteria import Criterion, as_criterion
+from dampednewton.policies.damping import (
+    AdaptiveDamping,
+    Damping,
+    as_damping,
+    needs_sample_statistics,
+)
+
+NONFINITE_MODES = ("raise", "skip")
+SHARED_SETTINGS = ("mc_samples", "subsampling_ggn", "subsampling_grad")
+# Keys a group may carry besides the hyperparameters: a label, and LR schedulers' own.
+EXTRA_GROUP_KEYS = ("name", "initial_lr")
+
+
+def check_integer(name: str, value: Any, minimum: int) -> int:
+    """Check an integer option (``bool`` is not one).
+
+    Args:
+        name: The option's name, for the message.
+        value: Its value.
+        minimum: The smallest valid value.
+
+    Returns:
+        The value.
+
+    Raises:
+        TypeError: If it is not an integer.
+        ValueError: If it is below ``minimum``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+    return value
+
+
+def check_number(name: str, value: Any) -> float:
+    """Check that an option is a real number (``bool`` is not one).
+
+    Args:
+        name: The option's name, for the message.
+        value: Its value.
+
+    Returns:
+        The value as a float.
+
+    Raises:
+        TypeError: If it is not an ``int`` or ``float``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {value!r}.")
+    return float(value)
+
+
+def check_subsampling(indices: Sequence[int] | None, name: str) -> list[int] | None:
+    """Check sub-sampling indices: non-negative integers without repetitions.
+
+    Args:
+        indices: Sample indices or ``None`` (all samples).
+        name: Argument name for the error message.
+
+    Returns:
+        The indices as a list, or ``None``.
+
+    Raises:
+        ValueError: If the indices are empty, negative or repeated.
+        TypeError: If an index is not an integer.
+    """
+    if indices is None:
+        return None
+    indices = list(indices)
+    if not indices:
+        raise ValueError(f"{name} is empty; use None for all samples.")
+    for index in indices:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"{name} must hold integers, got {index!r}.")
+        if index < 0:
+            raise ValueError(f"{name} holds a negative index {index}.")
+    if len(set(indices)) != len(indices):
+        raise ValueError(
+            f"{name} repeats sample indices {indices}: each sample may be used once "
+            "(repetitions would silently re-weight the GGN)."
+        )
+    return indices
+
+
+def validate_param_groups(
+    param_groups: Sequence[dict], required_keys: Iterable[str] = ()
+) -> list[dict]:
+    """Check parameter groups: required keys present, tensors only, no overlaps.
+
+    Args:
+        param_groups: Groups as for a ``torch.optim.Optimizer``; each group is one GGN
+            block.
+        required_keys: Keys every group needs besides ``'params'``.
+
+    Returns:
+        The groups with ``'params'`` normalized to a list.
+
+    Raises:
+        KeyError: If a group lacks a required key.
+        TypeError: If ``'params'`` holds something other than tensors.
+        ValueError: If a parameter belongs to more than one group or a group is empty.
+    """
+    if isinstance(param_groups, dict):
+        raise TypeError("param_groups must be a list of dicts, got a single dict.")
+    seen: dict[int, int] = {}
+    normalized = []
+    for index, group in enumerate(param_groups):
+        for key in ("params", *required_keys):
+            if key not in group:
+                raise KeyError(
+                    f"Parameter group {index} has no '{key}' entry; every group needs "
+                    f"{['params', *required_keys]}."
+                )
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        if not params:
+            raise ValueError(f"Parameter group {index} has no parameters.")
+        for param in params:
+            if not isinstance(param, Tensor):
+                raise TypeError(
+                    f"Parameter group {index} holds a {type(param).__name__}; "
+                    "'params' must contain tensors."
+                )
+            if id(param) in seen:
+                raise ValueError(
+                    f"A parameter of shape {tuple(param.shape)} appears in groups "
+                    f"{seen[id(param)]} and {index}; each parameter may belong to one "
+                    "group (one GGN block) only."
+                )
+            seen[id(param)] = index
+        normalized.append({**group, "params": params})
+    return normalized
+
+
+def check_warn_small_eigvals(value: Any) -> float:
+    """Check the small-eigenvalue warning threshold (a number ``>= 0``).
+
+    Args:
+        value: The threshold.
+
+    Returns:
+        The threshold as a float.
+
+    Raises:
+        TypeError: If it is not a number.
+        ValueError: If it is negative or NaN.
+    """
+    threshold = check_number("warn_small_eigvals", value)
+    if not threshold >= 0:
+        raise ValueError(f"warn_small_eigvals must be >= 0, got {value!r}.")
+    return threshold
+
+
+def check_nonfinite(mode: Any) -> str:
+    """Check the non-finite policy: ``'raise'`` or ``'skip'``.
+
+    Args:
+        mode: The policy.
+
+    Returns:
+        The policy.
+
+    Raises:
+        ValueError: For anything else.
+    """
+    if mode not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite must be 'raise' or 'skip', got {mode!r}.")
+    return mode
+
+
+@dataclass(frozen=True)
+class SharedOptions:
+    """Options of the single backward pass, the same in every group.
+
+    Attributes:
+        mc_samples: ``0`` for the exact GGN, else Monte-Carlo samples.
+        subsampling_ggn: Sample indices for directions and curvatures, or ``None``.
+        subsampling_grad: Sample indices for the directional gradients, or ``None``.
+    """
+
+    mc_samples: int
+    subsampling_ggn: list[int] | None
+    subsampling_grad: list[int] | None
+
+    @classmethod
+    def from_group(cls, group: Mapping[str, Any]) -> SharedOptions:
+        """Validate one group's shared options.
+
+        Args:
+            group: A param group.
+
+        Returns:
+            The checked options.
+        """
+        return cls(
+            mc_samples=check_integer("mc_samples", group["mc_samples"], 0),
+            subsampling_ggn=check_subsampling(
+                group["subsampling_ggn"], "subsampling_ggn"
+            ),
+            subsampling_grad=check_subsampling(
+                group["subsampling_grad"], "subsampling_grad"
+            ),
+        )
+
+    @classmethod
+    def from_groups(cls, groups: Sequence[Mapping[str, Any]]) -> SharedOptions:
+        """The shared options of all groups, checked to agree.
+
+        Args:
+            groups: The param groups (at least one).
+
+        Returns:
+            The first group's shared options.
+
+        Raises:
+            ValueError: If a group's shared option differs from the first group's.
+        """
+        first = cls.from_group(groups[0])
+        for group in groups[1:]:
+            other = cls.from_group(group)
+            for key in SHARED_SETTINGS:
+                if getattr(other, key) != getattr(first, key):
+                    raise ValueError(
+                        f"'{key}' must be the same in all parameter groups (one "
+                        f"backward pass serves all): {groups[0][key]!r} vs "
+                        f"{group[key]!r}."
+                    )
+        return first
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """One param group's hyperparameters, checked and with shorthands resolved.
+
+    Attributes:
+        lr: Learning rate ``>= 0``.
+        damping: The damping policy (a number became :class:`ConstantDamping`).
+        criterion: The criterion (an int ``k`` became :class:`TopK`).
+        complement: The complement's curvature policy, or ``None``.
+        averaging: Curvature averaging, or ``None``.
+        kl_clip: Trust-region radius ``> 0``, or ``None``.
+        momentum: Heavy-ball momentum in ``[0, 1)``.
+        nesterov: Nesterov's variant (needs ``momentum > 0``).
+        weight_decay: Decoupled weight decay ``>= 0``.
+        warn_small_eigvals: Threshold of the small-eigenvalue warning ``>= 0``.
+        shared: The options of the backward pass.
+    """
+
+    lr: float
+    damping: Damping
+    criterion: Criterion
+    complement: ComplementPolicy | None
+    averaging: CurvatureAveraging | None
+    kl_clip: float | None
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+    warn_small_eigvals: float
+    shared: SharedOptions
+
+    @classmethod
+    def from_group(cls, group: Mapping[str, Any]) -> GroupOptions:
+        """Validate a param group.
+
+        Args:
+            group: A param group with every hyperparameter.
+
+        Returns:
+            The checked options.
+
+        Raises:
+            TypeError: For a value of the wrong type.
+            ValueError: For a value outside its range, or averaging with a damping
+                policy that needs per-sample statistics.
+        """
+        lr = group["lr"]
+        lr = check_number("lr", lr.item() if isinstance(lr, Tensor) else lr)
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"Invalid learning rate {group['lr']!r}: must be >= 0.")
+        damping = as_damping(group["damping"])
+        criterion = as_criterion(group["criterion"])
+        shared = SharedOptions.from_group(group)
+        warn_small_eigvals = check_warn_small_eigvals(group["warn_small_eigvals"])
+        complement = as_complement(group["complement"])
+        averaging = _checked_averaging(group["averaging"], damping)
+        kl_clip = check_kl_clip(group["kl_clip"])
+        momentum = check_number("momentum", group["momentum"])
+        weight_decay = check_number("weight_decay", group["weight_decay"])
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}.")
+        nesterov = group["nesterov"]
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"nesterov must be True or False, got {nesterov!r}.")
+        if nesterov and momentum == 0:
+            raise ValueError("nesterov=True needs momentum > 0.")
+        if not (math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}.")
+        return cls(
+            lr=lr,
+            damping=damping,
+            criterion=criterion,
+            complement=complement,
+            averaging=averaging,
+            kl_clip=kl_clip,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            warn_small_eigvals=warn_small_eigvals,
+            shared=shared,
+        )
+
+    @property
+    def adaptive_damping(self) -> AdaptiveDamping | None:
+        """The damping policy if it adapts after each step, else ``None``."""
+        return self.damping if isinstance(self.damping, AdaptiveDamping) else None
+
+
+def check_known_keys(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+    """Refuse group keys that are no hyperparameter of the optimizer.
+
+    Args:
+        group: A param group as given by the user.
+        defaults: The optimizer's defaults (its hyperparameters).
+
+    Raises:
+        ValueError: For an unknown key.
+    """
+    unknown = set(group) - {"params", *defaults, *EXTRA_GROUP_KEYS}
+    if unknown:
+        raise ValueError(
+            f"Unknown hyperparameters {sorted(unknown)} in parameter group; "
+            f"DampedNewton knows {sorted(defaults)}."
+        )
+
+
+def check_kl_clip(kl_clip: Any) -> float | None:
+    """Check a trust-region radius: ``None`` or a finite number ``> 0``.
+
+    Args:
+        kl_clip: The radius ``κ``.
+
+    Returns:
+        The radius, or ``None``.
+
+    Raises:
+        TypeError: If it is neither ``None`` nor a number.
+        ValueError: If it is not finite and positive.
+    """
+    if kl_clip is None:
+        return None
+    if isinstance(kl_clip, bool) or not isinstance(kl_clip, int | float):
+        raise TypeError(
+            f"kl_clip must be None (no trust region) or a number > 0, got {kl_clip!r}."
+        )
+    if not math.isfinite(kl_clip) or kl_clip <= 0:
+        raise ValueError(
+            f"kl_clip must be None (no trust region) or a number > 0, got {kl_clip!r}."
+        )
+    return kl_clip
+
+
+def _checked_averaging(averaging: Any, damping: Damping) -> CurvatureAveraging | None:
+    if averaging is None:
+        return None
+    if not isinstance(averaging, CurvatureAveraging):
+        raise TypeError(
+            "averaging must be None or a CurvatureAveraging(decay=..., rank=..., "
+            f"interval=...), got {type(averaging).__name__}."
+        )
+    if needs_sample_statistics(damping):
+        raise ValueError(
+            "averaging needs a damping policy that uses mean slopes only (a number, "
+            "ConstantDamping, RelativeDamping, LevenbergMarquardt or another "
+            "MeanStatisticsDamping): the averaged directions have no per-sample "
+            f"statistics, got {type(damping).__name__}."
+        )
+    return averaging

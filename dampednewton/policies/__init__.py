@@ -1,0 +1,53 @@
+"""Per-group policies: which directions (criteria), how much damping, the complement.
+
+Each policy kind has one module with its protocol, its built-in rules (picklable
+dataclasses) and the shorthand conversion (``as_criterion``, ``as_damping``,
+``as_complement``):
+
+* :mod:`~dampednewton.policies.criteria`: :class:`Criterion` (``evals -> indices``);
+* :mod:`~dampednewton.policies.damping`: :class:`Damping`, :class:`AdaptiveDamping`
+  and the base :class:`MeanStatisticsDamping`;
+* :mod:`~dampednewton.policies.complement`: :class:`ComplementPolicy` (``ρ``).
+"""
+
+from dampednewton.policies.complement import (
+    ComplementPolicy,
+    ConstantCurvature,
+    MeasuredCurvature,
+    SmallestCurvature,
+)
+from dampednewton.policies.criteria import (
+    Criterion,
+    EigenvalueThreshold,
+    RelativeThreshold,
+    TopK,
+)
+from dampednewton.policies.damping import (
+    AdaptiveDamping,
+    ConstantDamping,
+    Damping,
+    GSNRDamping,
+    LevenbergMarquardt,
+    MeanStatisticsDamping,
+    NoiseAwareDamping,
+    RelativeDamping,
+)
+
+__all__ = [
+    "AdaptiveDamping",
+    "ComplementPolicy",
+    "ConstantCurvature",
+    "ConstantDamping",
+    "Criterion",
+    "Damping",
+    "EigenvalueThreshold",
+    "GSNRDamping",
+    "LevenbergMarquardt",
+    "MeanStatisticsDamping",
+    "MeasuredCurvature",
+    "NoiseAwareDamping",
+    "RelativeDamping",
+    "RelativeThreshold",
+    "SmallestCurvature",
+    "TopK",
+]

@@ -1,0 +1,137 @@
+"""What a step leaves behind: per-group statistics and ``newton/*`` diagnostics.
+
+``optimizer.state['groups'][i]`` holds group ``i``'s last step (eigenvalues, mean
+slopes and curvatures, damping, coefficients, trust-region scale, complement
+curvature, number of directions) and counters of steps without a direction or with
+small eigenvalues, each warned about once per group.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dampednewton.group_step import GroupStep
+from dampednewton.guard import STACKLEVEL_OF_CALLER
+
+
+def empty_group_stats() -> dict[str, Any]:
+    """The statistics of a group that has not stepped yet.
+
+    Returns:
+        A fresh dict with zero counters.
+    """
+    return {"num_directions": 0, "steps_without_direction": 0}
+
+
+def newton_record(index: int, stats: dict[str, Any]) -> dict[str, Any]:
+    """A group's step quantities as entries of a diagnostics record.
+
+    Args:
+        index: The group's index.
+        stats: The group's statistics after the step.
+
+    Returns:
+        ``newton/<quantity>/group<index>`` entries.
+    """
+    evals, damping = stats["evals"], stats["damping"]
+    return {
+        f"newton/num_directions/group{index}": stats["num_directions"],
+        f"newton/evals/group{index}": evals.cpu().numpy(),
+        f"newton/damping/group{index}": damping.cpu().numpy(),
+        f"newton/max_eval/group{index}": evals.max().item() if evals.numel() else 0.0,
+        f"newton/mean_damping/group{index}": (
+            damping.mean().item() if damping.numel() else 0.0
+        ),
+    }
+
+
+class StepRecorder:
+    """Writes each step's per-group statistics; warns once per group.
+
+    Call :meth:`record` from the optimizer's ``step`` so that the warnings point at
+    the user's call.
+    """
+
+    def __init__(self) -> None:
+        """Start without warnings given."""
+        self._warned_no_direction: set[int] = set()
+        self._warned_small_eigenvalues: set[int] = set()
+
+    def record(
+        self,
+        stats: list[dict[str, Any]],
+        thresholds: Sequence[float],
+        results: Sequence[GroupStep | None],
+        scales: Sequence[Tensor | float],
+        record: dict | None = None,
+    ) -> None:
+        """Store the groups' step quantities (and add them to a diagnostics record).
+
+        Args:
+            stats: Per group, its statistics (updated in place).
+            thresholds: Per group, its ``warn_small_eigvals``.
+            results: Per group, its step (``None``: no step).
+            scales: Per group, the trust-region scale ``ν`` applied.
+            record: The step's diagnostics record, if any (updated in place).
+        """
+        for index, (result, scale) in enumerate(zip(results, scales, strict=True)):
+            if result is None:
+                continue
+            num_directions = result.evals.numel()
+            stats[index].update(
+                trust_region_scale=torch.as_tensor(scale).detach(),
+                complement_curvature=result.complement_curvature,
+                num_directions=num_directions,
+                evals=result.evals.detach(),
+                gamma_mean=result.gamma_mean.detach(),
+                lambda_mean=result.lambda_mean.detach(),
+                damping=result.damping.detach(),
+                coefficients=result.coefficients.detach(),
+            )
+            if record is not None:
+                record.update(newton_record(index, stats[index]))
+            if result.factor is None:
+                self._count_small_eigenvalues(
+                    index, result.evals, stats[index], thresholds[index]
+                )
+            if num_directions == 0:
+                stats[index]["steps_without_direction"] += 1
+                if index not in self._warned_no_direction:
+                    self._warned_no_direction.add(index)
+                    warnings.warn(
+                        f"The criterion of parameter group {index} selected no "
+                        "direction: the group does not move this step (counted in "
+                        "optimizer.state['groups'][i]['steps_without_direction']).",
+                        stacklevel=STACKLEVEL_OF_CALLER,
+                    )
+
+    def _count_small_eigenvalues(
+        self, index: int, evals: Tensor, stats: dict[str, Any], threshold: float
+    ) -> None:
+        """Count steps along eigenvalues below the threshold; warn once per group."""
+        if threshold == 0 or evals.numel() == 0:
+            return
+        small = int((evals.abs() < threshold).sum())
+        if small == 0:
+            return
+        stats["steps_with_small_eigenvalues"] = (
+            stats.get("steps_with_small_eigenvalues", 0) + 1
+        )
+        if index in self._warned_small_eigenvalues:
+            return
+        self._warned_small_eigenvalues.add(index)
+        warnings.warn(
+            f"{small} of the {evals.numel()} GGN eigenvalues selected in parameter "
+            f"group {index} are below warn_small_eigvals={threshold} (smallest "
+            f"{evals.abs().min().item():.2g}): directions divide by √λ and may be "
+            "inaccurate. Select fewer directions (a smaller criterion=k, or "
+            "EigenvalueThreshold) or set warn_small_eigvals=0 to silence this. "
+            "Warned once per group; the steps are counted in "
+            f"optimizer.state['groups'][{index}]['steps_with_small_eigenvalues'].",
+            stacklevel=STACKLEVEL_OF_CALLER + 1,  # called by record
+        )

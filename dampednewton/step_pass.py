@@ -1,0 +1,174 @@
+"""The single backward pass of a step: its computation, extensions and hook.
+
+:class:`StepPass` keeps the step's :class:`~dampednewton.group_step.StepComputation`
+and its BackPACK extensions while the settings that shape them hold, adds the
+diagnostics monitor's extensions and hook to the same pass (:func:`with_monitor`),
+and runs the closure inside that pass under the one-backward check
+(:func:`run_closure`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from backpack import backpack
+from torch import Generator, Tensor
+
+from dampednewton.backward import SingleBackwardCheck, quiet_backward_hook_warning
+from dampednewton.computations.base import GRAD_BATCH
+from dampednewton.computations.extensions import IndividualGradients
+from dampednewton.diagnostics import DiagnosticsMonitor
+from dampednewton.group_step import StepComputation
+from dampednewton.options import SharedOptions
+
+CLOSURE_PATTERN = """\
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    loss = optimizer.step(closure)"""
+
+Hook = Callable[[torch.nn.Module], None]
+
+
+class StepPass:
+    """The step's computation and extensions, rebuilt only when settings change."""
+
+    def __init__(self) -> None:
+        """Start without a computation."""
+        self._cached: tuple[tuple, StepComputation, list] | None = None
+
+    def clear(self) -> None:
+        """Forget the computation (after loading a state)."""
+        self._cached = None
+
+    def get(
+        self,
+        shared: SharedOptions,
+        per_sample_gradients: bool,
+        generator: Generator | None,
+    ) -> tuple[StepComputation, list]:
+        """The computation (reset for a new step) and its BackPACK extensions.
+
+        Args:
+            shared: The options of the backward pass.
+            per_sample_gradients: Whether a damping policy needs per-sample slopes.
+            generator: The Monte-Carlo generator, or ``None`` for the exact GGN.
+
+        Returns:
+            The computation and its extensions.
+        """
+        key = (
+            per_sample_gradients,
+            shared.mc_samples,
+            tuple(shared.subsampling_ggn or ()),
+            tuple(shared.subsampling_grad or ()),
+            id(generator),
+        )
+        if self._cached is None or self._cached[0] != key:
+            computation = StepComputation(
+                subsampling_grad=shared.subsampling_grad,
+                subsampling_ggn=shared.subsampling_ggn,
+                mc_samples_ggn=shared.mc_samples,
+                warn_small_eigvals=0,  # the optimizer warns, once per group
+                generator=generator,
+                per_sample_gradients=per_sample_gradients,
+            )
+            self._cached = (key, computation, computation.get_extensions())
+        computation = self._cached[1]
+        computation.curvature_finite = True
+        return computation, self._cached[2]
+
+
+def with_monitor(
+    extensions: list,
+    hook: Hook | None,
+    monitor: DiagnosticsMonitor,
+    step: int,
+    subsampling_grad: Sequence[int] | None,
+) -> tuple[list, Hook]:
+    """Add the monitor's extensions and hook (first) to the step's backward pass.
+
+    The monitor's individual gradients replace the structured ones of the step
+    (which skip linear layers); all BackPACK buffers are freed layer by layer.
+
+    Args:
+        extensions: The step's extensions.
+        hook: The step's hook, or ``None`` (no refresh this step).
+        monitor: The diagnostics monitor, active at ``step``.
+        step: The step's index.
+        subsampling_grad: The step's sub-sampling of the gradients.
+
+    Returns:
+        The merged extensions and hook.
+
+    Raises:
+        ValueError: For histograms with sub-sampled gradients.
+    """
+    merged = {extension.savefield: extension for extension in extensions}
+    for extension in monitor.extensions(step):
+        if extension.savefield == GRAD_BATCH and GRAD_BATCH in merged:
+            if subsampling_grad is not None:
+                raise ValueError(
+                    "Diagnostics with individual gradients (histograms) need "
+                    "subsampling_grad=None."
+                )
+            merged[GRAD_BATCH] = IndividualGradients()
+        merged.setdefault(extension.savefield, extension)
+    monitor_hook = monitor.module_hook(step)
+    savefields = list(merged)
+
+    def monitor_then_step(module: torch.nn.Module) -> None:
+        monitor_hook(module)
+        if hook is not None:
+            hook(module)
+        for param in module.parameters(recurse=False):
+            for savefield in savefields:
+                if hasattr(param, savefield):
+                    delattr(param, savefield)
+
+    return list(merged.values()), monitor_then_step
+
+
+def run_closure(
+    closure: Callable[[], Any],
+    params: Sequence[Tensor],
+    extensions: list,
+    hook: Hook | None,
+) -> Any:
+    """Run the closure's backward pass with the extensions (if any) and the hook.
+
+    Args:
+        closure: ``zero_grad``, forward, ``backward``; returns the loss.
+        params: Every parameter of the optimizer.
+        extensions: BackPACK extensions; none: a plain backward pass.
+        hook: BackPACK's extension hook.
+
+    Returns:
+        What the closure returned.
+
+    Raises:
+        RuntimeError: When the closure ran several backward passes or did not zero
+            the gradients.
+    """
+    with (
+        torch.enable_grad(),
+        quiet_backward_hook_warning(),
+        SingleBackwardCheck(params) as check,
+    ):
+        if extensions:
+            with backpack(*extensions, extension_hook=hook):
+                loss = closure()
+        else:
+            loss = closure()
+    problem = check.problem()
+    if problem is not None:
+        raise RuntimeError(
+            f"DampedNewton refused the step: {problem}; parameters and optimizer "
+            f"state unchanged. The closure should be\n{CLOSURE_PATTERN}"
+        )
+    return loss
