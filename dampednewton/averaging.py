@@ -58,7 +58,11 @@ class CurvatureAveraging:
             value = getattr(self, name)
             if name == "rank" and value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"CurvatureAveraging needs an integer {name} >= 1, got {value!r}."
+                )
+            if value < 1:
                 raise ValueError(
                     f"CurvatureAveraging needs an integer {name} >= 1, got {value!r}."
                 )

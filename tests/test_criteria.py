@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from dampednewton import EigenvalueThreshold, RelativeThreshold, TopK
-from dampednewton.policies.criteria import as_criterion, numerical_zero, selected_indices
+from dampednewton.policies.criteria import (
+    as_criterion,
+    numerical_zero,
+    selected_indices,
+)
 
 # Ascending, with a negative round-off eigenvalue and a numerically zero one.
 EVALS = torch.tensor([-1e-17, 1e-59, 1e-3, 0.2, 0.5, 1.0], dtype=torch.float64)
@@ -54,7 +58,7 @@ def test_int_shorthand_and_callables():
     ("make", "error"),
     [
         (lambda: TopK(0), ValueError),
-        (lambda: TopK(2.5), ValueError),
+        (lambda: TopK(2.5), TypeError),
         (lambda: as_criterion(0), ValueError),
         (lambda: as_criterion(True), TypeError),
         (lambda: as_criterion("top"), TypeError),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import io
 import math
 import pickle
@@ -16,8 +17,18 @@ from dampednewton import (
     NoiseAwareDamping,
     RelativeDamping,
 )
-from dampednewton.policies.damping import as_damping, checked_damping
 from dampednewton.directional import newton_coefficients
+from dampednewton.policies import complement as complement_module
+from dampednewton.policies import criteria as criteria_module
+from dampednewton.policies import damping as damping_module
+from dampednewton.policies.damping import (
+    AdaptiveDamping,
+    Damping,
+    MeanStatisticsDamping,
+    as_damping,
+    checked_damping,
+    needs_sample_statistics,
+)
 from tests.assertions import assert_close
 
 NUM_DIRECTIONS = 4
@@ -194,3 +205,28 @@ def test_checked_damping_rejects_bad_policy_output():
     with pytest.raises(ValueError, match=">= 0"):
         checked_damping(torch.tensor([1.0, float("nan")]), 2)
     assert torch.isinf(checked_damping(torch.tensor([1.0, float("inf")]), 2)[1])
+
+
+def test_policy_kinds_are_declared_by_type_not_by_attributes():
+    """Mean-statistics and adaptive policies are known by their base and protocol."""
+
+    def per_sample(evals, gram_evecs, gammas, lambdas):
+        return torch.zeros_like(evals)
+
+    assert isinstance(per_sample, Damping)
+    assert needs_sample_statistics(as_damping(per_sample))
+    assert not needs_sample_statistics(as_damping(0.1))
+    for policy in (ConstantDamping(0.1), RelativeDamping(0.1), LevenbergMarquardt()):
+        assert isinstance(policy, MeanStatisticsDamping)
+    for policy in (NoiseAwareDamping(), GSNRDamping()):
+        assert needs_sample_statistics(policy)
+    assert isinstance(LevenbergMarquardt(), AdaptiveDamping)
+    assert not isinstance(ConstantDamping(0.1), AdaptiveDamping)
+
+
+def test_policy_sources_have_no_control_characters():
+    """LaTeX in docstrings stays LaTeX: no form feed or backspace bytes."""
+    for module in (damping_module, criteria_module, complement_module):
+        source = inspect.getsource(module)
+        assert "\f" not in source
+        assert "\b" not in source

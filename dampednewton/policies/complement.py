@@ -107,12 +107,12 @@ class ConstantCurvature:
 
     def __post_init__(self) -> None:
         """Validate ``value``."""
-        if (
-            isinstance(self.value, bool)
-            or not isinstance(self.value, int | float)
-            or not math.isfinite(self.value)
-            or self.value <= 0
-        ):
+        if isinstance(self.value, bool) or not isinstance(self.value, int | float):
+            raise TypeError(
+                f"The complement curvature must be a finite number > 0, got "
+                f"{self.value!r} (use complement=None to switch the complement off)."
+            )
+        if not math.isfinite(self.value) or self.value <= 0:
             raise ValueError(
                 f"The complement curvature must be a finite number > 0, got "
                 f"{self.value!r} (use complement=None to switch the complement off)."

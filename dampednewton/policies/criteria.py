@@ -64,7 +64,9 @@ class TopK:
 
     def __post_init__(self) -> None:
         """Validate ``k``."""
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+        if isinstance(self.k, bool) or not isinstance(self.k, int):
+            raise TypeError(f"TopK needs an integer k >= 1, got {self.k!r}.")
+        if self.k < 1:
             raise ValueError(f"TopK needs an integer k >= 1, got {self.k!r}.")
 
     def __call__(self, evals: Tensor) -> list[int]:

@@ -49,6 +49,9 @@ class BadConstruction:
 CONSTRUCTION_CASES = [
     BadConstruction("negative-lr", {"lr": -0.1}, ValueError, "Invalid learning rate"),
     BadConstruction("nan-lr", {"lr": math.nan}, ValueError, "Invalid learning rate"),
+    BadConstruction("string-lr", {"lr": "0.1"}, TypeError, "lr must be a number"),
+    BadConstruction("float-mc-samples", {"mc_samples": 1.0}, TypeError, "an int"),
+    BadConstruction("string-kl-clip", {"kl_clip": "1"}, TypeError, "kl_clip"),
     BadConstruction("negative-damping", {"damping": -1.0}, ValueError, ">= 0"),
     BadConstruction("inf-damping", {"damping": math.inf}, ValueError, "finite"),
     BadConstruction("damping-string", {"damping": "lm"}, TypeError, "damping must"),
@@ -122,13 +125,18 @@ def test_bad_construction(bad: BadConstruction):
         ({"decay": 1.0}, "decay < 1"),
         ({"decay": -0.1}, "0 <= decay"),
         ({"rank": 0}, "rank >= 1"),
-        ({"interval": 1.5}, "interval >= 1"),
     ],
     ids=str,
 )
 def test_bad_averaging_settings(settings: dict, match: str):
     with pytest.raises(ValueError, match=match):
         CurvatureAveraging(**settings)
+
+
+def test_averaging_interval_of_the_wrong_type():
+    """A wrong type raises TypeError (a wrong value ValueError), as for every option."""
+    with pytest.raises(TypeError, match="interval >= 1"):
+        CurvatureAveraging(interval=1.5)
 
 
 def test_groups_with_differing_shared_settings_are_refused():
