@@ -10,7 +10,6 @@ records it (:mod:`dampednewton.records`) and adapts the damping.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -18,19 +17,13 @@ import torch
 from torch import Generator, Tensor
 from torch.optim import Optimizer
 
+from dampednewton.adaptation import adapt, distinct_adaptive
 from dampednewton.averaging import CurvatureAveraging
-from dampednewton.backward import quiet_backward_hook_warning
 from dampednewton.checkpoint import mark_unpicklable, unwrap_settings
-from dampednewton.computations.extensions import NonFiniteModelOutput
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.group_step import (
-    AveragedFactor,
-    GroupStep,
-    StepComputation,
-    averaged_step,
-)
+from dampednewton.group_step import GroupStep
 from dampednewton.guard import GeneratorSnapshot, nonfinite_problem, refuse
-from dampednewton.model import predicted_change, trust_region_scale
+from dampednewton.model import trust_region_scale
 from dampednewton.options import (
     GroupOptions,
     SharedOptions,
@@ -40,17 +33,20 @@ from dampednewton.options import (
 from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature
 from dampednewton.policies.criteria import Criterion
 from dampednewton.policies.damping import (
-    AdaptiveDamping,
     Damping,
     needs_sample_statistics,
 )
-from dampednewton.records import StepRecorder, empty_group_stats
-from dampednewton.step_pass import CLOSURE_PATTERN, StepPass, run_closure, with_monitor
+from dampednewton.records import (
+    StepRecorder,
+    empty_group_stats,
+    store_factor,
+    stored_factor,
+)
+from dampednewton.step_pass import CLOSURE_PATTERN, StepPass
+from dampednewton.update import update_parameter
 
 GLOBAL = "global"
 GROUPS = "groups"
-BASIS = "curvature_basis"
-MOMENTUM = "momentum_buffer"
 
 
 class DampedNewton(Optimizer):
@@ -69,19 +65,11 @@ class DampedNewton(Optimizer):
 
     the second term being the complement step along the rest of the mean gradient
     ``ḡ`` with curvature ``ρ`` (default: the smallest kept ``λ̄_k + δ_k``;
-    ``complement=None`` drops it, which is ViViT's step). The update is
-
-    .. math::
-
-        \nu = \min\Big(1, \sqrt{\frac{2\kappa}{\mathrm{lr}^2
-            \max(-\bar g^\top s,\; s^\top \hat G s)}}\Big), \quad
-        m \leftarrow \mu m + \nu s, \quad
-        \theta \leftarrow (1 - \mathrm{lr}\cdot\mathrm{wd})\,\theta
-            + \mathrm{lr}\cdot m
-
-    (Nesterov: ``θ += lr·(νs + μm)``): ``ν`` is a trust region on the damped quadratic
-    model and this batch's GGN ``Ĝ`` (K-FAC's norm constraint, ``κ = kl_clip``), ``μ``
-    the momentum and ``wd`` a decoupled weight decay.
+    ``complement=None`` drops it, which is ViViT's step). The update
+    ``θ ← (1 − lr·wd) θ + lr·m`` with ``m ← μm + νs`` (:mod:`dampednewton.update`)
+    has a trust region ``ν = min(1, √(2κ / (lr² max(−ḡᵀs, sᵀĜs))))`` on the damped
+    quadratic model and this batch's GGN ``Ĝ`` (K-FAC's norm constraint,
+    ``κ = kl_clip``), the momentum ``μ`` and a decoupled weight decay ``wd``.
 
     With ``averaging=CurvatureAveraging(decay=β, rank=r)`` a group's directions are
     those of the GGN averaged across steps, ``Ḡ_t = β Ḡ_{t−1} + (1 − β) V Vᵀ``, kept
@@ -260,8 +248,23 @@ class DampedNewton(Optimizer):
         step_index = self.state[GLOBAL]["step"]
         generator = self._mc_generator()
         with GeneratorSnapshot(generator) as snapshot:
-            loss, results, curvature_finite = self._compute(
-                closure, options, shared, generator, step_index
+            monitor = self.monitor
+            if monitor is not None and not monitor.is_active(step_index):
+                monitor = None
+            loss, results, curvature_finite = self._pass.run(
+                closure,
+                [
+                    self._block(i, group, option)
+                    for i, (group, option) in enumerate(
+                        zip(self.param_groups, options, strict=True)
+                    )
+                ],
+                shared,
+                per_sample_gradients=shared.subsampling_grad is not None
+                or any(needs_sample_statistics(option.damping) for option in options),
+                generator=generator,
+                monitor=monitor,
+                step=step_index,
             )
             problem = nonfinite_problem(
                 loss,
@@ -273,7 +276,10 @@ class DampedNewton(Optimizer):
                 refuse(problem, self._nonfinite)
                 self.state[GLOBAL]["skipped_steps"] += 1
                 return loss
-            record = self._finish_diagnostics(step_index, loss)
+            record = None
+            if monitor is not None:
+                params = [p for group in self.param_groups for p in group["params"]]
+                record = monitor.finish(step_index, params, loss)
         scales = self._apply(options, results)
         self.state[GLOBAL]["step"] += 1
         self._recorder.record(
@@ -283,91 +289,37 @@ class DampedNewton(Optimizer):
             scales,
             record,
         )
-        self._adapt_damping(closure, loss, options, results, scales)
+        adaptive = distinct_adaptive(option.damping for option in options)
+        if adaptive:
+            self.state[GLOBAL]["reduction_ratio"] = adapt(
+                adaptive,
+                closure,
+                loss,
+                (
+                    (option.lr * scale, result)
+                    for option, result, scale in zip(
+                        options, results, scales, strict=True
+                    )
+                ),
+            )
         return loss
-
-    def _compute(
-        self,
-        closure: Callable[[], Tensor],
-        options: list[GroupOptions],
-        shared: SharedOptions,
-        generator: Generator | None,
-        step: int,
-    ) -> tuple[Tensor, list[GroupStep | None], bool]:
-        """Run the closure's one backward pass and compute every group's direction.
-
-        Groups whose averaged factor is not refreshed this step reuse it; when no
-        group refreshes, the closure runs without BackPACK extensions.
-
-        Returns:
-            The loss, every group's step (``None``: no trainable parameter), and
-            whether every group's curvature was finite.
-        """
-        blocks = [
-            self._block(index, group, option)
-            for index, (group, option) in enumerate(
-                zip(self.param_groups, options, strict=True)
-            )
-        ]
-        refreshing = [
-            option.averaging is None
-            or option.averaging.refreshes(step, _updates(block["factor"]))
-            for option, block in zip(options, blocks, strict=True)
-        ]
-        computation, extensions, hook = None, [], None
-        if any(refreshing):
-            per_sample_gradients = shared.subsampling_grad is not None or any(
-                needs_sample_statistics(option.damping) for option in options
-            )
-            computation, extensions = self._pass.get(
-                shared, per_sample_gradients, generator
-            )
-            hook = computation.get_extension_hook(
-                [b for b, refresh in zip(blocks, refreshing, strict=True) if refresh]
-            )
-        if self.monitor is not None and self.monitor.is_active(step):
-            extensions, hook = with_monitor(
-                extensions, hook, self.monitor, step, shared.subsampling_grad
-            )
-        params = [p for group in self.param_groups for p in group["params"]]
-        try:
-            loss = run_closure(closure, params, extensions, hook)
-            with torch.no_grad():
-                results = [
-                    _result(computation, block)
-                    if refresh
-                    else averaged_step(block, block["factor"])
-                    for block, refresh in zip(blocks, refreshing, strict=True)
-                ]
-        except NonFiniteModelOutput:
-            # Raised inside backward, before the closure could return its loss.
-            return torch.tensor(math.nan), [None] * len(blocks), True
-        finite = computation is None or computation.curvature_finite
-        return loss, results, finite
 
     def _block(
         self, index: int, group: dict[str, Any], options: GroupOptions
     ) -> dict[str, Any]:
         """The group as the step computation sees it, with its averaged factor."""
+        stats = self.state.get(GROUPS)
+        factor = None
+        if options.averaging is not None and stats:
+            factor = stored_factor(self.state, stats[index], group)
         return {
             "params": group["params"],
             "criterion": options.criterion,
             "damping": options.damping,
             "complement": options.complement,
             "averaging": options.averaging,
-            "factor": self._stored_factor(index, options),
+            "factor": factor,
         }
-
-    def _stored_factor(
-        self, index: int, options: GroupOptions
-    ) -> AveragedFactor | None:
-        """The group's averaged factor from the optimizer state (``None`` if none)."""
-        stats = self.state.get(GROUPS, [])
-        updates = stats[index].get("curvature_updates", 0) if stats else 0
-        if options.averaging is None or updates == 0:
-            return None
-        basis = tuple(self.state[p][BASIS] for p in self.param_groups[index]["params"])
-        return AveragedFactor(basis, stats[index]["curvature_weights"], updates)
 
     def _apply(
         self, options: list[GroupOptions], results: list[GroupStep | None]
@@ -385,38 +337,21 @@ class DampedNewton(Optimizer):
                 if result is None:
                     scales.append(1.0)
                     continue
-                lr, mu = option.lr, option.momentum
                 scale = trust_region_scale(
-                    lr, result.slope, result.batch_curvature, option.kl_clip
+                    option.lr, result.slope, result.batch_curvature, option.kl_clip
                 )
                 scales.append(scale)
                 params = self.param_groups[index]["params"]
                 for param, direction in zip(params, result.step, strict=True):
-                    if not param.requires_grad:
-                        continue
-                    update = (direction * scale).to(param.dtype)
-                    if mu > 0:
-                        buffer = self.state[param].get(MOMENTUM)
-                        if buffer is None:
-                            buffer = self.state[param][MOMENTUM] = update.clone()
-                        else:
-                            buffer.mul_(mu).add_(update)
-                        update = (
-                            update.add(buffer, alpha=mu) if option.nesterov else buffer
+                    if param.requires_grad:
+                        update_parameter(
+                            param, direction * scale, self.state[param], option
                         )
-                    if option.weight_decay > 0:
-                        param.mul_(1 - lr * option.weight_decay)
-                    param.add_(update, alpha=lr)
                 if result.factor is not None:
-                    self._store_factor(index, result.factor)
+                    store_factor(
+                        self.state, self._group_stats()[index], params, result.factor
+                    )
         return scales
-
-    def _store_factor(self, index: int, factor: AveragedFactor) -> None:
-        params = self.param_groups[index]["params"]
-        for param, basis in zip(params, factor.basis, strict=True):
-            self.state[param][BASIS] = basis
-        stats = self._group_stats()[index]
-        stats.update(curvature_weights=factor.weights, curvature_updates=factor.updates)
 
     def _group_stats(self) -> list[dict[str, Any]]:
         return self.state.setdefault(
@@ -469,49 +404,6 @@ class DampedNewton(Optimizer):
                 generator = self._mc_generator(create=True)
                 generator.set_state(extra["generator"])
 
-    def _adapt_damping(
-        self,
-        closure: Callable[[], Tensor],
-        loss: Tensor,
-        options: list[GroupOptions],
-        results: list[GroupStep | None],
-        scales: list[Tensor | float],
-    ) -> None:
-        """Feed the reduction ratio to adaptive damping policies, once per object.
-
-        ``ρ = (L(θ + Δθ) − L(θ)) / q`` with the quadratic model ``q`` of the damped
-        Newton steps taken (``lr`` and trust-region scaled, summed over groups; the
-        complement's term included, momentum and weight decay not). The loss after
-        the step comes from calling the closure again, outside the BackPACK context,
-        on the same batch. A policy object shared by several groups (torch copies
-        the default into every group) is updated once.
-        """
-        adaptive: dict[int, AdaptiveDamping] = {
-            id(option.damping): option.damping
-            for option in options
-            if isinstance(option.damping, AdaptiveDamping)
-        }
-        if not adaptive:
-            return
-        ratio = math.nan
-        if any(policy.ratio_needed() for policy in adaptive.values()):
-            predicted = sum(
-                predicted_change(
-                    option.lr * scale, result.slope, result.curvature
-                ).item()
-                for option, result, scale in zip(options, results, scales, strict=True)
-                if result is not None
-            )
-            with torch.enable_grad(), quiet_backward_hook_warning():
-                new_loss = closure().item()
-            if not math.isfinite(new_loss):
-                ratio = -math.inf
-            elif predicted != 0:
-                ratio = (new_loss - loss.item()) / predicted
-        for policy in adaptive.values():
-            policy.update(ratio)
-        self.state[GLOBAL]["reduction_ratio"] = ratio
-
     def _mc_generator(self, create: bool = False) -> Generator | None:
         if self.param_groups[0]["mc_samples"] == 0 and not create:
             return None
@@ -519,36 +411,3 @@ class DampedNewton(Optimizer):
             device = self.param_groups[0]["params"][0].device
             self._generator = torch.Generator(device=device).manual_seed(self._seed)
         return self._generator
-
-    def _finish_diagnostics(self, step: int, loss: Tensor) -> dict | None:
-        if self.monitor is None or not self.monitor.is_active(step):
-            return None
-        params = [p for group in self.param_groups for p in group["params"]]
-        return self.monitor.finish(step, params, loss)
-
-
-def _result(computation: StepComputation, block: dict) -> GroupStep | None:
-    """A group's step from the computation (``None`` without trainable parameters).
-
-    Raises:
-        RuntimeError: When no curvature reached the group's parameters.
-    """
-    if not any(p.requires_grad for p in block["params"]):
-        return None
-    try:
-        return computation.get_details(block)
-    except KeyError as error:
-        raise RuntimeError(
-            "No curvature information reached the parameters of a group. Extend "
-            "model and loss function with BackPACK (`model = backpack.extend("
-            "model)`, `loss_fn = backpack.extend(loss_fn)`), make sure the closure "
-            "calls `loss.backward()` and that every parameter is used in the "
-            "forward pass. A torch.compile'd model can skip BackPACK's hooks "
-            "(TorchDynamo reuses graphs compiled for a plain model of the same "
-            "class and does not guard on hooks), and gains nothing from "
-            "compilation here: step with the uncompiled model."
-        ) from error
-
-
-def _updates(factor: AveragedFactor | None) -> int:
-    return 0 if factor is None else factor.updates

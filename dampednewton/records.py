@@ -9,14 +9,55 @@ small eigenvalues, each warned about once per group.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dampednewton.group_step import GroupStep
+from dampednewton.group_step import AveragedFactor, GroupStep
 from dampednewton.guard import STACKLEVEL_OF_CALLER
+
+BASIS = "curvature_basis"
+
+
+def stored_factor(
+    state: Mapping[Any, dict[str, Any]], stats: dict[str, Any], group: dict[str, Any]
+) -> AveragedFactor | None:
+    """A group's averaged factor from the optimizer state (``None`` before any).
+
+    Args:
+        state: The optimizer's state (per parameter: the basis ``B``'s columns).
+        stats: The group's statistics (its weights and number of updates).
+        group: The param group.
+
+    Returns:
+        The factor, or ``None``.
+    """
+    updates = stats.get("curvature_updates", 0)
+    if updates == 0:
+        return None
+    basis = tuple(state[p][BASIS] for p in group["params"])
+    return AveragedFactor(basis, stats["curvature_weights"], updates)
+
+
+def store_factor(
+    state: Mapping[Any, dict[str, Any]],
+    stats: dict[str, Any],
+    params: Sequence[Tensor],
+    factor: AveragedFactor,
+) -> None:
+    """Commit a group's updated averaged factor to the optimizer state.
+
+    Args:
+        state: The optimizer's state.
+        stats: The group's statistics (updated in place).
+        params: The group's parameters.
+        factor: The factor of the accepted step.
+    """
+    for param, basis in zip(params, factor.basis, strict=True):
+        state[param][BASIS] = basis
+    stats.update(curvature_weights=factor.weights, curvature_updates=factor.updates)
 
 
 def empty_group_stats() -> dict[str, Any]:

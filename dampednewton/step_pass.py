@@ -9,6 +9,7 @@ and runs the closure inside that pass under the one-backward check
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,9 +19,17 @@ from torch import Generator, Tensor
 
 from dampednewton.backward import SingleBackwardCheck, quiet_backward_hook_warning
 from dampednewton.computations.base import GRAD_BATCH
-from dampednewton.computations.extensions import IndividualGradients
+from dampednewton.computations.extensions import (
+    IndividualGradients,
+    NonFiniteModelOutput,
+)
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.group_step import StepComputation
+from dampednewton.group_step import (
+    AveragedFactor,
+    GroupStep,
+    StepComputation,
+    averaged_step,
+)
 from dampednewton.options import SharedOptions
 
 CLOSURE_PATTERN = """\
@@ -45,6 +54,68 @@ class StepPass:
     def clear(self) -> None:
         """Forget the computation (after loading a state)."""
         self._cached = None
+
+    def run(
+        self,
+        closure: Callable[[], Tensor],
+        blocks: list[dict[str, Any]],
+        shared: SharedOptions,
+        *,
+        per_sample_gradients: bool,
+        generator: Generator | None,
+        monitor: DiagnosticsMonitor | None,
+        step: int,
+    ) -> tuple[Tensor, list[GroupStep | None], bool]:
+        """Run the closure's one backward pass and compute every group's direction.
+
+        Groups whose averaged factor is not refreshed this step reuse it; when no
+        group refreshes and no monitor is active, the closure runs without BackPACK
+        extensions.
+
+        Args:
+            closure: ``zero_grad``, forward, ``backward``; returns the loss.
+            blocks: Per group, the group as the computation sees it (``params``,
+                policies, ``averaging`` and its ``factor``).
+            shared: The options of the backward pass.
+            per_sample_gradients: Whether a damping policy needs per-sample slopes.
+            generator: The Monte-Carlo generator, or ``None``.
+            monitor: The diagnostics monitor if it is active this step.
+            step: The step's index.
+
+        Returns:
+            The loss, every group's step (``None``: no trainable parameter), and
+            whether every group's curvature was finite.
+        """
+        refreshing = [
+            block["averaging"] is None
+            or block["averaging"].refreshes(step, _updates(block["factor"]))
+            for block in blocks
+        ]
+        computation, extensions, hook = None, [], None
+        if any(refreshing):
+            computation, extensions = self.get(shared, per_sample_gradients, generator)
+            hook = computation.get_extension_hook(
+                [b for b, refresh in zip(blocks, refreshing, strict=True) if refresh]
+            )
+        if monitor is not None:
+            extensions, hook = with_monitor(
+                extensions, hook, monitor, step, shared.subsampling_grad
+            )
+        params = [p for block in blocks for p in block["params"]]
+        try:
+            loss = run_closure(closure, params, extensions, hook)
+            with torch.no_grad():
+                results = [
+                    _result(computation, block)
+                    if refresh
+                    else averaged_step(block, block["factor"])
+                    for block, refresh in zip(blocks, refreshing, strict=True)
+                ]
+        except NonFiniteModelOutput:
+            # Raised inside backward, before the closure could return its loss.
+            return torch.tensor(math.nan), [None] * len(blocks), True
+        finite = computation is None or computation.curvature_finite
+        return loss, results, finite
 
     def get(
         self,
@@ -172,3 +243,30 @@ def run_closure(
             f"state unchanged. The closure should be\n{CLOSURE_PATTERN}"
         )
     return loss
+
+
+def _result(computation: StepComputation, block: dict) -> GroupStep | None:
+    """A group's step from the computation (``None`` without trainable parameters).
+
+    Raises:
+        RuntimeError: When no curvature reached the group's parameters.
+    """
+    if not any(p.requires_grad for p in block["params"]):
+        return None
+    try:
+        return computation.get_details(block)
+    except KeyError as error:
+        raise RuntimeError(
+            "No curvature information reached the parameters of a group. Extend "
+            "model and loss function with BackPACK (`model = backpack.extend("
+            "model)`, `loss_fn = backpack.extend(loss_fn)`), make sure the closure "
+            "calls `loss.backward()` and that every parameter is used in the "
+            "forward pass. A torch.compile'd model can skip BackPACK's hooks "
+            "(TorchDynamo reuses graphs compiled for a plain model of the same "
+            "class and does not guard on hooks), and gains nothing from "
+            "compilation here: step with the uncompiled model."
+        ) from error
+
+
+def _updates(factor: AveragedFactor | None) -> int:
+    return 0 if factor is None else factor.updates

@@ -1,0 +1,74 @@
+"""Adaptive damping: a step's reduction ratio, fed once to every policy object.
+
+``ρ = (L(θ + Δθ) − L(θ)) / q`` with the quadratic model ``q`` of the damped Newton
+steps taken (``lr`` and trust-region scaled, summed over groups; the complement's
+term included, momentum and weight decay not, see :mod:`dampednewton.model`). The
+loss after the step comes from calling the closure again, outside the BackPACK
+context, on the same batch. A policy object shared by several groups (torch copies
+the default into every group) is updated once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from dampednewton.backward import quiet_backward_hook_warning
+from dampednewton.group_step import GroupStep
+from dampednewton.model import predicted_change
+from dampednewton.policies.damping import AdaptiveDamping, Damping
+
+
+def distinct_adaptive(policies: Iterable[Damping]) -> list[AdaptiveDamping]:
+    """The adaptive policies among the groups' ones, each object once.
+
+    Args:
+        policies: Every group's damping policy.
+
+    Returns:
+        The distinct :class:`AdaptiveDamping` objects, in group order.
+    """
+    distinct = {
+        id(policy): policy for policy in policies if isinstance(policy, AdaptiveDamping)
+    }
+    return list(distinct.values())
+
+
+def adapt(
+    policies: Sequence[AdaptiveDamping],
+    closure: Callable[[], Tensor],
+    loss: Tensor,
+    steps: Iterable[tuple[float, GroupStep | None]],
+) -> float:
+    """Update every policy once with the reduction ratio of the step taken.
+
+    Args:
+        policies: Distinct adaptive policies (:func:`distinct_adaptive`).
+        closure: Evaluates the loss at the new parameters (its backward is unused).
+        loss: The loss before the step.
+        steps: Per group, the multiple ``lr·ν`` of its direction and the direction
+            (``None``: no step).
+
+    Returns:
+        The ratio (NaN when no policy needed it or nothing was predicted, ``−∞`` for
+        a non-finite loss after the step).
+    """
+    ratio = math.nan
+    if any(policy.ratio_needed() for policy in policies):
+        predicted = sum(
+            predicted_change(scale, result.slope, result.curvature).item()
+            for scale, result in steps
+            if result is not None
+        )
+        with torch.enable_grad(), quiet_backward_hook_warning():
+            new_loss = closure().item()
+        if not math.isfinite(new_loss):
+            ratio = -math.inf
+        elif predicted != 0:
+            ratio = (new_loss - loss.item()) / predicted
+    for policy in policies:
+        policy.update(ratio)
+    return ratio
