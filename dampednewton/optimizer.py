@@ -36,13 +36,8 @@ from dampednewton.policies.damping import (
     Damping,
     needs_sample_statistics,
 )
-from dampednewton.records import (
-    StepRecorder,
-    empty_group_stats,
-    store_factor,
-    stored_factor,
-)
-from dampednewton.step_pass import CLOSURE_PATTERN, StepPass
+from dampednewton.records import StepRecorder, empty_group_stats, store_factor
+from dampednewton.step_pass import CLOSURE_PATTERN, StepPass, step_block
 from dampednewton.update import update_parameter
 
 GLOBAL = "global"
@@ -254,8 +249,8 @@ class DampedNewton(Optimizer):
             loss, results, curvature_finite = self._pass.run(
                 closure,
                 [
-                    self._block(i, group, option)
-                    for i, (group, option) in enumerate(
+                    step_block(group, option, self.state, index)
+                    for index, (group, option) in enumerate(
                         zip(self.param_groups, options, strict=True)
                     )
                 ],
@@ -303,23 +298,6 @@ class DampedNewton(Optimizer):
                 ),
             )
         return loss
-
-    def _block(
-        self, index: int, group: dict[str, Any], options: GroupOptions
-    ) -> dict[str, Any]:
-        """The group as the step computation sees it, with its averaged factor."""
-        stats = self.state.get(GROUPS)
-        factor = None
-        if options.averaging is not None and stats:
-            factor = stored_factor(self.state, stats[index], group)
-        return {
-            "params": group["params"],
-            "criterion": options.criterion,
-            "damping": options.damping,
-            "complement": options.complement,
-            "averaging": options.averaging,
-            "factor": factor,
-        }
 
     def _apply(
         self, options: list[GroupOptions], results: list[GroupStep | None]

@@ -10,7 +10,7 @@ and runs the closure inside that pass under the one-backward check
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +30,8 @@ from dampednewton.group_step import (
     StepComputation,
     averaged_step,
 )
-from dampednewton.options import SharedOptions
+from dampednewton.options import GroupOptions, SharedOptions
+from dampednewton.records import stored_factor
 
 CLOSURE_PATTERN = """\
     def closure():
@@ -243,6 +244,35 @@ def run_closure(
             f"state unchanged. The closure should be\n{CLOSURE_PATTERN}"
         )
     return loss
+
+
+def step_block(
+    group: dict[str, Any], options: GroupOptions, state: Mapping, index: int
+) -> dict[str, Any]:
+    """A group as the step computation sees it, with its averaged factor.
+
+    Args:
+        group: The param group.
+        options: Its validated options.
+        state: The optimizer's state (``state['groups'][index]`` holds the
+            group's statistics once it stepped).
+        index: The group's index.
+
+    Returns:
+        The block: ``params``, the policies, ``averaging`` and ``factor``.
+    """
+    stats = state.get("groups")
+    factor = None
+    if options.averaging is not None and stats:
+        factor = stored_factor(state, stats[index], group)
+    return {
+        "params": group["params"],
+        "criterion": options.criterion,
+        "damping": options.damping,
+        "complement": options.complement,
+        "averaging": options.averaging,
+        "factor": factor,
+    }
 
 
 def _result(computation: StepComputation, block: dict) -> GroupStep | None:
