@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.step_cost import MODELS, NUM_CLASSES, round_robin_medians
 from dampednewton import DampedNewton, threads
-from dampednewton.linalg import symmetric_eigh
+from dampednewton.math.linalg import symmetric_eigh
 
 SETTINGS = {
     # The package's defaults: MC-1 GGN averaged across steps (Gram N + rank).

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dampednewton.linalg import symmetric_eigh
+from dampednewton.math.linalg import symmetric_eigh
 from dampednewton.policies.criteria import Criterion, TopK, numerical_zero
 
 DEFAULT_RANK = 20

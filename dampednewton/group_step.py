@@ -26,16 +26,16 @@ from dampednewton.averaging import (
     split_mixing,
 )
 from dampednewton.computations import DirectionalDampedNewtonComputation, NewtonStep
-from dampednewton.computations.base import Block
-from dampednewton.computations.directions import select_directions, to_parameter_space
-from dampednewton.directional import (
+from dampednewton.computations.block import Block, to_parameter_space
+from dampednewton.computations.selection import select_directions
+from dampednewton.math.finite import all_finite
+from dampednewton.math.gram_space import (
     directional_curvatures,
     directional_gradients,
     gram_space_step,
     inverse_lengths,
     newton_coefficients,
 )
-from dampednewton.finite import all_finite
 from dampednewton.policies.complement import (
     as_complement,
     complement_coefficients,

@@ -15,7 +15,7 @@ from types import TracebackType
 
 from torch import Generator, Tensor
 
-from dampednewton.finite import all_finite
+from dampednewton.math.finite import all_finite
 
 # Warnings of step()'s helpers point at the user's call: helper, step, and the
 # profiling wrapper that torch.optim puts around every optimizer's step.

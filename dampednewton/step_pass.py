@@ -17,12 +17,10 @@ import torch
 from backpack import backpack
 from torch import Generator, Tensor
 
+from dampednewton.backpack.extensions import IndividualGradients, NonFiniteModelOutput
+from dampednewton.backpack.passes import chained
+from dampednewton.backpack.savefields import GRAD_BATCH
 from dampednewton.backward import SingleBackwardCheck, quiet_backward_hook_warning
-from dampednewton.computations.base import GRAD_BATCH
-from dampednewton.computations.extensions import (
-    IndividualGradients,
-    NonFiniteModelOutput,
-)
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.group_step import (
     AveragedFactor,
@@ -191,19 +189,7 @@ def with_monitor(
                 )
             merged[GRAD_BATCH] = IndividualGradients()
         merged.setdefault(extension.savefield, extension)
-    monitor_hook = monitor.module_hook(step)
-    savefields = list(merged)
-
-    def monitor_then_step(module: torch.nn.Module) -> None:
-        monitor_hook(module)
-        if hook is not None:
-            hook(module)
-        for param in module.parameters(recurse=False):
-            for savefield in savefields:
-                if hasattr(param, savefield):
-                    delattr(param, savefield)
-
-    return list(merged.values()), monitor_then_step
+    return list(merged.values()), chained([monitor.module_hook(step), hook], merged)
 
 
 def run_closure(

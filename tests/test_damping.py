@@ -17,7 +17,7 @@ from dampednewton import (
     NoiseAwareDamping,
     RelativeDamping,
 )
-from dampednewton.directional import newton_coefficients
+from dampednewton.math.gram_space import newton_coefficients
 from dampednewton.policies import complement as complement_module
 from dampednewton.policies import criteria as criteria_module
 from dampednewton.policies import damping as damping_module

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dampednewton.factors import DenseFactor, LinearFactor, mean_products_via_kernel
-from dampednewton.shared_factors import SharedLinearFactor, prefers_structured
+from dampednewton.math.cost import mean_products_via_kernel, prefers_structured
+from dampednewton.math.factors import DenseFactor, LayerCache
+from dampednewton.math.linear_factors import LinearFactor, SharedLinearFactor
 from tests.assertions import assert_close
 
 
@@ -94,11 +95,11 @@ def test_both_routes_to_mean_gradient_products_agree(shapes, with_kernel):
     tensors = _draw(shapes)
     explicit = _explicit(*tensors)
     structured = _structured(*tensors, with_kernel=with_kernel)
-    shared: dict = {}
+    cache = LayerCache()
     for dense, factor in zip(explicit, structured, strict=True):
         mean_gradient = dense.gradients.mean(0).reshape(dense.shape)
         expected = dense.mean_gradient_products(mean_gradient)
-        actual = factor.mean_gradient_products(mean_gradient, shared)
+        actual = factor.mean_gradient_products(mean_gradient, cache)
         assert_close(actual, expected, name="ḡᵀV")
 
 
@@ -125,12 +126,12 @@ def test_apply_equals_explicit_map_and_shares_work(shapes):
         torch.randn(columns, generator=generator, dtype=torch.float64),
         torch.randn(columns, 3, generator=generator, dtype=torch.float64),
     ):
-        shared: dict = {}
+        cache = LayerCache()
         for dense, factor in zip(
             _explicit(*tensors), _structured(*tensors, with_kernel=False), strict=True
         ):
-            assert_close(factor.apply(vectors, shared), dense.apply(vectors), name="Vβ")
-        assert len(shared) == 1  # the bias reused the weight's combination
+            assert_close(factor.apply(vectors, cache), dense.apply(vectors), name="Vβ")
+        assert len(cache) == 1  # the bias reused the weight's combination
 
 
 def test_cost_model_picks_the_kernel_for_wide_inputs_only():

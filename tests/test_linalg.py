@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dampednewton.linalg import symmetric_eigh, symmetric_eigvalsh, top_eigh
+from dampednewton.math.linalg import symmetric_eigh, symmetric_eigvalsh, top_eigh
 from tests.assertions import assert_close, assert_close_up_to_sign
 
 SPECTRA = {

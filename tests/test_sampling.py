@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from dampednewton.finite import all_finite
-from dampednewton.sampling import sampled_cross_entropy_gradients
+from dampednewton.math.finite import all_finite
+from dampednewton.math.sampling import sampled_cross_entropy_gradients
 from tests.assertions import assert_close
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dampednewton import DampedNewton, threads
-from dampednewton.linalg import symmetric_eigh
+from dampednewton.math.linalg import symmetric_eigh
 from tests.conftest import build_case
 from tests.optimizer.support import assert_parameters_equal, make_closure
 from tests.problems import PROBLEMS

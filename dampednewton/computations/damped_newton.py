@@ -7,12 +7,15 @@ from dataclasses import dataclass
 
 from torch import Generator, Tensor
 
-from dampednewton.computations.base import Block
-from dampednewton.computations.directional_derivatives import (
-    DirectionalDerivativesComputation,
+from dampednewton.computations.block import (
+    Block,
+    mean_gradient_products,
+    to_parameter_space,
 )
-from dampednewton.computations.directions import select_directions, to_parameter_space
-from dampednewton.directional import gram_space_step, newton_coefficients
+from dampednewton.computations.directional_derivatives import slopes_and_curvatures
+from dampednewton.computations.engine import GGNComputation, GGNEngine, GGNSettings
+from dampednewton.computations.selection import select_directions
+from dampednewton.math.gram_space import gram_space_step, newton_coefficients
 from dampednewton.policies.damping import as_damping, checked_damping
 
 
@@ -38,7 +41,7 @@ class NewtonStep:
     coefficients: Tensor
 
 
-class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
+class DirectionalDampedNewtonComputation(GGNComputation[NewtonStep]):
     r"""BackPACK extensions and hook for directionally damped Newton steps.
 
     With ``e_k`` the selected GGN eigenvectors, ``γ̄_k``/``λ̄_k`` the mean first/second
@@ -58,9 +61,6 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
 
     The loss must use ``reduction='mean'``.
     """
-
-    required_group_keys = ("criterion", "damping")
-    keeps_factors = True
 
     def __init__(
         self,
@@ -102,22 +102,56 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
                 "subsampling_grad needs per_sample_gradients=True: the mean gradient "
                 "comes from .grad, which holds the whole batch."
             )
-        super().__init__(
-            subsampling_grad,
-            subsampling_ggn,
-            mc_samples_ggn,
-            verbose,
-            warn_small_eigvals,
+        settings = GGNSettings(
+            subsampling_ggn=subsampling_ggn,
+            subsampling_grad=subsampling_grad,
+            mc_samples=mc_samples_ggn,
+            verbose=verbose,
+            warn_small_eigvals=warn_small_eigvals,
             generator=generator,
             structured=structured,
         )
-        self.needs_gradients = per_sample_gradients
-        self.defers_finish = not per_sample_gradients
+        # A subclass's _finish (the optimizer's) is the one the engine calls.
+        self._engine = GGNEngine(
+            settings,
+            self._finish,
+            required_group_keys=("criterion", "damping"),
+            keeps_factors=True,
+            needs_gradients=per_sample_gradients,
+            defers_finish=not per_sample_gradients,
+        )
+
+    @property
+    def needs_gradients(self) -> bool:
+        """Whether per-sample gradients are computed (``per_sample_gradients``)."""
+        return self._engine.needs_gradients
+
+    @property
+    def defers_finish(self) -> bool:
+        """Whether blocks are finished in :meth:`get_result` rather than in the hook.
+
+        Subclasses that read ``.grad`` when finishing set it to ``True``.
+        """
+        return self._engine.defers_finish
+
+    @defers_finish.setter
+    def defers_finish(self, value: bool) -> None:
+        self._engine.defers_finish = value
+
+    @property
+    def _warn_small_eigvals(self) -> float:
+        return self._engine.settings.warn_small_eigvals
+
+    @property
+    def _subsampling_grad(self) -> list[int] | None:
+        return self._engine.settings.subsampling_grad
 
     def _finish(self, block: Block) -> NewtonStep:
         directions = select_directions(block, self._warn_small_eigvals)
         evals, gram_evecs = directions.evals, directions.gram_evecs
-        gammas, lambdas = self._derivatives(block, directions)
+        gammas, lambdas = slopes_and_curvatures(
+            block, directions, self._gradient_products(block)
+        )
         policy = as_damping(block.group["damping"])
         damping = checked_damping(
             policy(evals, gram_evecs, gammas, lambdas), evals.numel()
@@ -137,14 +171,10 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
         )
 
     def _gradient_products(self, block: Block) -> Tensor:
+        """``[N', C·N]`` per-sample products, or ``[1, C·N]`` of the mean gradient."""
         if self.needs_gradients:
             return block.gradient_products
-        shared: dict = {}  # a layer's weight and bias share products
-        return sum(
-            block.factors[id(p)].mean_gradient_products(_gradient_of(p), shared)
-            for p in block.group["params"]
-            if id(p) in block.factors
-        )
+        return mean_gradient_products(block, _gradient_of)
 
     def get_result(self, group: dict) -> tuple[Tensor, ...]:
         """Return a block's damped Newton step in parameter format.
@@ -158,7 +188,7 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
         Raises:
             KeyError: If there is no result for the group.
         """
-        return super().get_result(group).step
+        return self._result(group).step
 
     def get_details(self, group: dict) -> NewtonStep:
         """Return the step with its eigenvalues, slopes, curvatures and damping.
@@ -172,7 +202,7 @@ class DirectionalDampedNewtonComputation(DirectionalDerivativesComputation):
         Raises:
             KeyError: If there is no result for the group.
         """
-        return super().get_result(group)
+        return self._result(group)
 
 
 def _gradient_of(param: Tensor) -> Tensor:

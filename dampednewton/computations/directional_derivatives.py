@@ -6,12 +6,13 @@ from collections.abc import Sequence
 
 from torch import Generator, Tensor
 
-from dampednewton.computations.base import Block, GGNComputation
-from dampednewton.computations.directions import Directions, select_directions
-from dampednewton.directional import directional_curvatures, directional_gradients
+from dampednewton.computations.block import Block
+from dampednewton.computations.engine import GGNComputation, GGNEngine, GGNSettings
+from dampednewton.computations.selection import Directions, select_directions
+from dampednewton.math.gram_space import directional_curvatures, directional_gradients
 
 
-class DirectionalDerivativesComputation(GGNComputation):
+class DirectionalDerivativesComputation(GGNComputation[tuple[Tensor, Tensor]]):
     """BackPACK extensions and hook for ``γ_nk`` and ``λ_nk`` along GGN eigenvectors.
 
     ``γ_nk = ∇ℓ_nᵀ e_k`` is the slope of sample ``n``'s loss ``ℓ_n`` (not ``ℓ_n/N``),
@@ -24,9 +25,6 @@ class DirectionalDerivativesComputation(GGNComputation):
 
     The loss must use ``reduction='mean'``.
     """
-
-    required_group_keys = ("criterion",)
-    needs_gradients = True
 
     def __init__(
         self,
@@ -51,7 +49,7 @@ class DirectionalDerivativesComputation(GGNComputation):
             structured: Exploit ``nn.Linear``'s Kronecker structure (``False``:
                 materialize square roots and individual gradients, the reference).
         """
-        super().__init__(
+        settings = GGNSettings(
             subsampling_ggn=subsampling_ggn,
             subsampling_grad=subsampling_grad,
             mc_samples=mc_samples_ggn,
@@ -60,29 +58,16 @@ class DirectionalDerivativesComputation(GGNComputation):
             generator=generator,
             structured=structured,
         )
+        self._engine = GGNEngine(
+            settings,
+            self._finish,
+            required_group_keys=("criterion",),
+            needs_gradients=True,
+        )
 
     def _finish(self, block: Block) -> tuple[Tensor, Tensor]:
-        return self._derivatives(
-            block, select_directions(block, self._warn_small_eigvals)
-        )
-
-    def _derivatives(
-        self, block: Block, directions: Directions
-    ) -> tuple[Tensor, Tensor]:
-        """Per-sample slopes ``γ`` and curvatures ``λ`` along the directions."""
-        gammas = directional_gradients(
-            self._gradient_products(block), directions.gram_evecs, directions.lengths
-        )
-        lambdas = directional_curvatures(
-            directions.gram_images,
-            directions.lengths,
-            block.num_outputs,
-            block.num_samples,
-        )
-        return gammas, lambdas
-
-    def _gradient_products(self, block: Block) -> Tensor:
-        return block.gradient_products
+        directions = select_directions(block, self._engine.settings.warn_small_eigvals)
+        return slopes_and_curvatures(block, directions, block.gradient_products)
 
     def get_result(self, group: dict) -> tuple[Tensor, Tensor]:
         """Return the directional derivatives of a block.
@@ -96,4 +81,30 @@ class DirectionalDerivativesComputation(GGNComputation):
         Raises:
             KeyError: If there is no result for the group.
         """
-        return super().get_result(group)
+        return self._result(group)
+
+
+def slopes_and_curvatures(
+    block: Block, directions: Directions, gradient_products: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Per-sample slopes ``γ`` and curvatures ``λ`` along a block's directions.
+
+    Args:
+        block: A block whose parameters were all reduced.
+        directions: Its selected directions.
+        gradient_products: ``[N', C·N]`` products ``gₙᵀ V`` (or ``[1, C·N]`` of the
+            mean gradient).
+
+    Returns:
+        ``γ`` as ``[N', K]`` and ``λ`` as ``[N_ggn, K]`` tensors.
+    """
+    gammas = directional_gradients(
+        gradient_products, directions.gram_evecs, directions.lengths
+    )
+    lambdas = directional_curvatures(
+        directions.gram_images,
+        directions.lengths,
+        block.num_outputs,
+        block.num_samples,
+    )
+    return gammas, lambdas

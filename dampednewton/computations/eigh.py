@@ -7,11 +7,12 @@ from collections.abc import Sequence
 import torch
 from torch import Generator, Tensor
 
-from dampednewton.computations.base import Block, GGNComputation
-from dampednewton.computations.directions import select_directions, to_parameter_space
+from dampednewton.computations.block import Block, to_parameter_space
+from dampednewton.computations.engine import GGNComputation, GGNEngine, GGNSettings
+from dampednewton.computations.selection import select_directions
 
 
-class EighComputation(GGNComputation):
+class EighComputation(GGNComputation[tuple[Tensor, list[Tensor]]]):
     """BackPACK extension and hook that compute GGN eigenpairs.
 
     Each group needs ``'params'`` (one GGN block) and ``'criterion'`` (ascending
@@ -26,9 +27,6 @@ class EighComputation(GGNComputation):
 
     The loss must use ``reduction='mean'``.
     """
-
-    required_group_keys = ("criterion",)
-    keeps_factors = True
 
     def __init__(
         self,
@@ -53,7 +51,7 @@ class EighComputation(GGNComputation):
             structured: Exploit ``nn.Linear``'s Kronecker structure (``False``:
                 materialize square roots and individual gradients, the reference).
         """
-        super().__init__(
+        settings = GGNSettings(
             subsampling_ggn=subsampling,
             mc_samples=mc_samples,
             verbose=verbose,
@@ -61,9 +59,15 @@ class EighComputation(GGNComputation):
             generator=generator,
             structured=structured,
         )
+        self._engine = GGNEngine(
+            settings,
+            self._finish,
+            required_group_keys=("criterion",),
+            keeps_factors=True,
+        )
 
     def _finish(self, block: Block) -> tuple[Tensor, list[Tensor]]:
-        directions = select_directions(block, self._warn_small_eigvals)
+        directions = select_directions(block, self._engine.settings.warn_small_eigvals)
         return directions.evals, unit_columns(
             to_parameter_space(block, directions.gram_evecs)
         )
@@ -81,7 +85,7 @@ class EighComputation(GGNComputation):
         Raises:
             KeyError: If there is no result for the group.
         """
-        return super().get_result(group)
+        return self._result(group)
 
 
 def unit_columns(vectors: list[Tensor]) -> list[Tensor]:

@@ -6,11 +6,12 @@ from collections.abc import Sequence
 
 from torch import Generator, Tensor
 
-from dampednewton.computations.base import Block, GGNComputation
-from dampednewton.linalg import symmetric_eigvalsh
+from dampednewton.computations.block import Block
+from dampednewton.computations.engine import GGNComputation, GGNEngine, GGNSettings
+from dampednewton.math.linalg import symmetric_eigvalsh
 
 
-class EigvalshComputation(GGNComputation):
+class EigvalshComputation(GGNComputation[Tensor]):
     """BackPACK extension and hook that compute GGN eigenvalues.
 
     Each parameter group is one GGN block; its Gram matrix ``VᵀV`` (size ``C·N``) has
@@ -40,13 +41,14 @@ class EigvalshComputation(GGNComputation):
             structured: Exploit ``nn.Linear``'s Kronecker structure (``False``:
                 materialize square roots and individual gradients, the reference).
         """
-        super().__init__(
+        settings = GGNSettings(
             subsampling_ggn=subsampling,
             mc_samples=mc_samples,
             verbose=verbose,
             generator=generator,
             structured=structured,
         )
+        self._engine = GGNEngine(settings, self._finish)
 
     def _finish(self, block: Block) -> Tensor:
         return symmetric_eigvalsh(block.gram)
@@ -63,4 +65,4 @@ class EigvalshComputation(GGNComputation):
         Raises:
             KeyError: If there is no result for the group.
         """
-        return super().get_result(group)
+        return self._result(group)

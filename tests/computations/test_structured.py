@@ -182,7 +182,7 @@ def test_mc1_mean_mode_takes_the_kernel_route_on_wide_inputs():
         generator=torch.Generator().manual_seed(0),
         per_sample_gradients=False,
     )
-    (block,) = computation._ready.values()
+    (block,) = computation._engine._ready.values()
     first_weight = groups[0]["params"][0]
     assert block.factors[id(first_weight)].output_gradients is not None
     computation.get_result(groups[0])

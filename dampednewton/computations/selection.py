@@ -1,4 +1,4 @@
-"""Eigendecomposition of a finished block and selection of its directions."""
+"""Selection of a finished block's directions: eigendecomposition and criterion."""
 
 from __future__ import annotations
 
@@ -8,20 +8,17 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dampednewton.computations.base import Block
-from dampednewton.directional import direction_lengths
-from dampednewton.finite import all_finite
-from dampednewton.linalg import symmetric_eigh, top_eigh
+from dampednewton.computations.block import Block
+from dampednewton.math.cost import prefers_partial_eigensolver
+from dampednewton.math.finite import all_finite
+from dampednewton.math.gram_space import direction_lengths
+from dampednewton.math.linalg import symmetric_eigh, top_eigh
 from dampednewton.policies.criteria import (
     TopK,
     as_criterion,
     numerical_zero,
     selected_indices,
 )
-
-# The partial eigensolver pays off for large Gram matrices and few directions.
-PARTIAL_MIN_SIZE = 512
-PARTIAL_MAX_FRACTION = 1 / 16
 
 
 @dataclass
@@ -112,43 +109,11 @@ def select_directions(block: Block, warn_small_eigvals: float) -> Directions:
 
 def _eigenpairs(gram: Tensor, criterion) -> tuple[Tensor, Tensor]:
     """All eigenpairs, or only the leading ones when a top-k criterion allows it."""
-    size = gram.shape[0]
-    if (
-        isinstance(criterion, TopK)
-        and size >= PARTIAL_MIN_SIZE
-        and criterion.k <= PARTIAL_MAX_FRACTION * size
+    if isinstance(criterion, TopK) and prefers_partial_eigensolver(
+        gram.shape[0], criterion.k
     ):
         generator = torch.Generator().manual_seed(0)
         partial = top_eigh(gram, criterion.k, generator=generator)
         if partial is not None:
             return partial
     return symmetric_eigh(gram)
-
-
-def to_parameter_space(block: Block, gram_vectors: Tensor) -> list[Tensor]:
-    """Map Gram-space vectors ``[C·N(, K)]`` to each parameter of the block.
-
-    Parameters that do not require gradients are outside the GGN block: they get
-    zeros.
-
-    Args:
-        block: A finished block that kept its factors.
-        gram_vectors: Vector ``[C·N]`` or matrix ``[C·N, K]``.
-
-    Returns:
-        One tensor per parameter, shaped ``p.shape`` (or ``[K, *p.shape]``).
-    """
-    leading = tuple(gram_vectors.shape[1:])
-    shared: dict = {}  # a layer's weight and bias share work
-    mapped = []
-    for param in block.group["params"]:
-        factor = block.factors.get(id(param))
-        if factor is None:
-            mapped.append(
-                torch.zeros(
-                    *leading, *param.shape, dtype=param.dtype, device=param.device
-                )
-            )
-        else:
-            mapped.append(factor.apply(gram_vectors, shared))
-    return mapped

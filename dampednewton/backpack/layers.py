@@ -1,14 +1,15 @@
-"""BackPACK module extensions that keep the Kronecker structure of linear layers.
+"""The layers with structured square roots: the :data:`LAYERS` registry.
 
-Instead of materializing ``[C, N, *weight.shape]`` square roots, the square-root
-extensions store what the factors of :mod:`dampednewton.factors` and
-:mod:`dampednewton.shared_factors` need: back-propagated square roots, layer inputs and
-output gradients.
+Instead of materializing ``[C, N, *weight.shape]`` square roots, the structured
+square-root module extensions store :mod:`~dampednewton.backpack.buffers`
+(back-propagated square roots, layer inputs and output gradients), which become the
+factors of :mod:`dampednewton.math.linear_factors`. Adding a layer type takes one
+entry in :data:`LAYERS` (and buffers and a factor, if the existing ones do not fit).
 
 * ``nn.Linear`` on ``[N, d_in]`` inputs: always :class:`LinearBuffers`.
 * ``nn.Linear`` on ``[N, *positions, d_in]`` inputs and ``nn.Conv1d/2d/3d`` (one group,
   zero padding given by numbers) share the weight over positions: per layer,
-  :func:`~dampednewton.shared_factors.prefers_structured` decides between
+  :func:`~dampednewton.math.cost.prefers_structured` decides between
   :class:`SharedLinearBuffers` and BackPACK's materialized square root. Their biases
   always store :class:`LinearBuffers` of the position-summed square root.
 
@@ -18,61 +19,30 @@ the square-root extension) skip every parameter that has them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from backpack.core.derivatives.conv1d import Conv1DDerivatives
 from backpack.core.derivatives.conv2d import Conv2DDerivatives
 from backpack.core.derivatives.conv3d import Conv3DDerivatives
+from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.firstorder.batch_grad.conv1d import BatchGradConv1d
 from backpack.extensions.firstorder.batch_grad.conv2d import BatchGradConv2d
 from backpack.extensions.firstorder.batch_grad.conv3d import BatchGradConv3d
 from backpack.extensions.firstorder.batch_grad.linear import BatchGradLinear
+from backpack.extensions.module_extension import ModuleExtension
 from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
 from backpack.extensions.secondorder.sqrt_ggn.linear import SqrtGGNLinear
 from backpack.utils.conv import unfold_input
 from backpack.utils.subsampling import subsample
-from torch import Size, Tensor
+from torch import Tensor
 from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module
 
-from dampednewton.shared_factors import prefers_structured
-
-
-@dataclass
-class LinearBuffers:
-    """What a structured square-root extension stores on a linear weight or bias.
-
-    Attributes:
-        backproped: Back-propagated square root at the layer output ``[C, N, d_out]``
-            (summed over positions for the bias of a shared weight).
-        inputs: Layer inputs of the GGN samples ``[N, d_in]``; ``None`` for a bias.
-        output_gradients: Output gradients of the mean loss for the whole batch
-            ``[N_batch, d_out]`` (summed over positions likewise).
-        layer_inputs: Layer inputs of the whole batch; ``None`` for a bias.
-    """
-
-    backproped: Tensor
-    inputs: Tensor | None
-    output_gradients: Tensor
-    layer_inputs: Tensor | None = None
-
-
-@dataclass
-class SharedLinearBuffers:
-    """What a structured square-root extension stores on a weight shared over positions.
-
-    Attributes:
-        backproped: Back-propagated square root ``[C, N, P, d_out]``.
-        inputs: Inputs of the GGN samples ``[N, P, d_in]`` (unfolded for convolutions).
-        output_gradients: Output gradients of the mean loss ``[N_batch, P, d_out]``.
-        layer_inputs: Inputs of the whole batch ``[N_batch, P, d_in]``.
-        shape: The weight's shape.
-    """
-
-    backproped: Tensor
-    inputs: Tensor
-    output_gradients: Tensor
-    layer_inputs: Tensor
-    shape: Size
+from dampednewton.backpack.buffers import LinearBuffers, SharedLinearBuffers
+from dampednewton.backpack.private import default_param_function
+from dampednewton.backpack.savefields import SQRT_GGNS
+from dampednewton.math.cost import prefers_structured
 
 
 def _shared_or_dense(extension, ext, module, g_inp, g_out, backproped, *, layout):
@@ -98,7 +68,7 @@ def _shared_or_dense(extension, ext, module, g_inp, g_out, backproped, *, layout
             inputs,
             module.weight.shape,
         )
-    return extension._make_param_function("weight")(
+    return default_param_function(extension, "weight")(
         ext, module, g_inp, g_out, backproped
     )
 
@@ -144,23 +114,19 @@ class StructuredSqrtGGNLinear(SqrtGGNLinear):
 class StructuredSqrtGGNConv(SqrtGGNBaseModule):
     """Square-root extension for ``nn.Conv1d/2d/3d`` deciding per layer."""
 
-    def __init__(self, module_class: type[Conv1d | Conv2d | Conv3d]):
+    def __init__(self, derivatives: type):
         """Use BackPACK's derivatives of the convolution's dimension.
 
         Args:
-            module_class: ``nn.Conv1d``, ``nn.Conv2d`` or ``nn.Conv3d``.
+            derivatives: BackPACK's derivatives class of the convolution, e.g.
+                ``Conv2DDerivatives``.
         """
-        derivatives = {
-            Conv1d: Conv1DDerivatives,
-            Conv2d: Conv2DDerivatives,
-            Conv3d: Conv3DDerivatives,
-        }[module_class]()
-        super().__init__(derivatives, params=["bias", "weight"])
+        super().__init__(derivatives(), params=["bias", "weight"])
 
     def weight(self, ext, module, g_inp, g_out, backproped):
         """Return shared-weight buffers, or BackPACK's dense square root."""
         if not _unfoldable(module):
-            return self._make_param_function("weight")(
+            return default_param_function(self, "weight")(
                 ext, module, g_inp, g_out, backproped
             )
         return _shared_or_dense(
@@ -184,7 +150,7 @@ def _carries_gradients(param: Tensor) -> bool:
     """Whether the square-root extension (run first) left buffers with gradients."""
     return any(
         isinstance(getattr(param, savefield, None), LinearBuffers | SharedLinearBuffers)
-        for savefield in ("sqrt_ggn_exact", "sqrt_ggn_mc")
+        for savefield in SQRT_GGNS
     )
 
 
@@ -192,7 +158,9 @@ def _gradients_unless_carried(name: str):
     def individual_gradients(self, ext, module, g_inp, g_out, bp_quantities):
         if _carries_gradients(getattr(module, name)):
             return None
-        return self._make_param_function(name)(ext, module, g_inp, g_out, bp_quantities)
+        return default_param_function(self, name)(
+            ext, module, g_inp, g_out, bp_quantities
+        )
 
     individual_gradients.__doc__ = (
         f"Return the {name}'s individual gradients, or ``None`` when the square-root "
@@ -215,10 +183,55 @@ def _skipping_carried(base: type) -> type:
     )
 
 
-STRUCTURED_BATCH_GRAD: dict[type[Module], type] = {
-    Linear: _skipping_carried(BatchGradLinear),
-    Conv1d: _skipping_carried(BatchGradConv1d),
-    Conv2d: _skipping_carried(BatchGradConv2d),
-    Conv3d: _skipping_carried(BatchGradConv3d),
+@dataclass(frozen=True)
+class Layer:
+    """How the structured route handles one module type.
+
+    Attributes:
+        sqrt_ggn: Makes the square-root module extension that stores buffers.
+        individual_gradients: Makes the individual-gradient module extension that
+            skips parameters whose buffers carry their gradients.
+    """
+
+    sqrt_ggn: Callable[[], ModuleExtension]
+    individual_gradients: Callable[[], ModuleExtension]
+
+
+LAYERS: dict[type[Module], Layer] = {
+    Linear: Layer(StructuredSqrtGGNLinear, _skipping_carried(BatchGradLinear)),
+    Conv1d: Layer(
+        partial(StructuredSqrtGGNConv, Conv1DDerivatives),
+        _skipping_carried(BatchGradConv1d),
+    ),
+    Conv2d: Layer(
+        partial(StructuredSqrtGGNConv, Conv2DDerivatives),
+        _skipping_carried(BatchGradConv2d),
+    ),
+    Conv3d: Layer(
+        partial(StructuredSqrtGGNConv, Conv3DDerivatives),
+        _skipping_carried(BatchGradConv3d),
+    ),
 }
-"""Individual-gradient module extensions to register next to the structured ones."""
+"""Module types whose square roots are stored as buffers, not materialized."""
+
+
+def use_structured_sqrt_ggn(extension: BackpropExtension) -> None:
+    """Register the structured square roots of :data:`LAYERS` on an extension.
+
+    Args:
+        extension: A square-root extension (exact or Monte-Carlo).
+    """
+    for module_class, layer in LAYERS.items():
+        extension.set_module_extension(module_class, layer.sqrt_ggn(), overwrite=True)
+
+
+def use_structured_individual_gradients(extension: BackpropExtension) -> None:
+    """Register the gradient extensions of :data:`LAYERS` that skip carried ones.
+
+    Args:
+        extension: An individual-gradient extension, run after the square roots.
+    """
+    for module_class, layer in LAYERS.items():
+        extension.set_module_extension(
+            module_class, layer.individual_gradients(), overwrite=True
+        )

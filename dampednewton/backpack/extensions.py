@@ -18,15 +18,15 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
 from torch.random import fork_rng
 
-from dampednewton.finite import all_finite
-from dampednewton.sampling import sampled_cross_entropy_gradients
+from dampednewton.backpack.private import registered_module_types
+from dampednewton.math.finite import all_finite
+from dampednewton.math.sampling import sampled_cross_entropy_gradients
 
 DEFAULT_IGNORE_INDEX = -100
 
 
 def _supported_modules(extension: BackpropExtension) -> list[str]:
-    registry = getattr(extension, "_BackpropExtension__module_extensions", {})
-    return sorted(cls.__name__ for cls in registry)
+    return sorted(cls.__name__ for cls in registered_module_types(extension))
 
 
 def check_loss_options(loss: _Loss) -> None:
@@ -159,7 +159,7 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
     BackPACK samples the loss Hessian's square root with the global random state. With a
     ``generator``, results are reproducible and the user's global random stream is
     untouched: the cross-entropy draws its labels from the generator directly
-    (:func:`~dampednewton.sampling.sampled_cross_entropy_gradients`); the other
+    (:func:`~dampednewton.math.sampling.sampled_cross_entropy_gradients`); the other
     losses sample inside a forked random state seeded from the generator, whose state
     then advances.
     """

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from dampednewton.finite import all_finite
+from dampednewton.math.finite import all_finite
 from dampednewton.threads import small_matrix_threads
 
 # Diagonal shifts tried, relative to the largest entry, when LAPACK fails to converge.

@@ -1,0 +1,201 @@
+"""What the structured extensions store on a parameter, and the factor it becomes.
+
+BackPACK's square-root extensions store ``[C, N, *p.shape]`` tensors; the structured
+module extensions of :mod:`~dampednewton.backpack.layers` store buffers instead.
+:func:`make_factor` turns either into a rescaled
+:class:`~dampednewton.math.factors.Factor`.
+
+BackPACK scales square roots by ``1/√N`` for the whole batch, whereas a sub-sample's
+GGN is its own mean: factors are rescaled by ``√(N/N_ggn)``. Gradients are rescaled
+from ``∇ℓ_n/N`` (or output gradients of the mean loss) to those of ``ℓ_n``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from backpack.utils.subsampling import subsample
+from torch import Size, Tensor
+
+from dampednewton.math.cost import mean_products_via_kernel
+from dampednewton.math.factors import (
+    DenseFactor,
+    Factor,
+    LayerCache,
+    Product,
+    cached,
+    flatten_sqrt_ggn,
+)
+from dampednewton.math.linear_factors import LinearFactor, SharedLinearFactor
+
+
+@dataclass
+class LinearBuffers:
+    """What a structured square-root extension stores on a linear weight or bias.
+
+    Attributes:
+        backproped: Back-propagated square root at the layer output ``[C, N, d_out]``
+            (summed over positions for the bias of a shared weight).
+        inputs: Layer inputs of the GGN samples ``[N, d_in]``; ``None`` for a bias.
+        output_gradients: Output gradients of the mean loss for the whole batch
+            ``[N_batch, d_out]`` (summed over positions likewise).
+        layer_inputs: Layer inputs of the whole batch; ``None`` for a bias.
+    """
+
+    backproped: Tensor
+    inputs: Tensor | None
+    output_gradients: Tensor
+    layer_inputs: Tensor | None = None
+
+    def to_factor(
+        self,
+        batch_size: int,
+        subsampling_grad: list[int] | None,
+        with_gradients: bool,
+        cache: LayerCache,
+    ) -> LinearFactor:
+        """The rescaled factor; see :func:`make_factor`.
+
+        It keeps output gradients and input kernel when per-sample gradients are
+        needed, or when they are the cheaper route to the mean gradient's products
+        (:func:`~dampednewton.math.cost.mean_products_via_kernel`).
+        """
+        backproped = _rescaled(self.backproped, batch_size, cache)
+        num_outputs, num_samples, out_features = backproped.shape
+        keeps_gradients = with_gradients
+        if self.inputs is not None:
+            gradient_inputs = subsample(self.layer_inputs, subsampling=subsampling_grad)
+            kernel_shared = gradient_inputs is self.inputs  # no subsampling at all
+            keeps_gradients = keeps_gradients or mean_products_via_kernel(
+                num_outputs,
+                num_samples,
+                gradient_inputs.shape[0],
+                gradient_inputs.shape[1],
+                out_features,
+                kernel_shared=kernel_shared,
+            )
+        if not keeps_gradients:
+            return LinearFactor(backproped, self.inputs)
+        output_gradients = cache.get(
+            Product.OUTPUT_GRADIENTS,
+            (self.output_gradients,),
+            lambda: (
+                subsample(self.output_gradients, subsampling=subsampling_grad)
+                * batch_size
+            ),
+        )
+        kernel = None
+        if self.inputs is not None:
+            inputs = self.inputs
+            # The Gram matrix's kernel when the samples agree, so it is formed once.
+            if kernel_shared:
+                kernel = cache.get(
+                    Product.INPUT_KERNEL, (inputs,), lambda: inputs @ inputs.T
+                )
+            else:
+                kernel = cache.get(
+                    Product.CROSS_KERNEL,
+                    (gradient_inputs, inputs),
+                    lambda: gradient_inputs @ inputs.T,
+                )
+        return LinearFactor(backproped, self.inputs, output_gradients, kernel)
+
+
+@dataclass
+class SharedLinearBuffers:
+    """What a structured square-root extension stores on a weight shared over positions.
+
+    Attributes:
+        backproped: Back-propagated square root ``[C, N, P, d_out]``.
+        inputs: Inputs of the GGN samples ``[N, P, d_in]`` (unfolded for convolutions).
+        output_gradients: Output gradients of the mean loss ``[N_batch, P, d_out]``.
+        layer_inputs: Inputs of the whole batch ``[N_batch, P, d_in]``.
+        shape: The weight's shape.
+    """
+
+    backproped: Tensor
+    inputs: Tensor
+    output_gradients: Tensor
+    layer_inputs: Tensor
+    shape: Size
+
+    def to_factor(
+        self,
+        batch_size: int,
+        subsampling_grad: list[int] | None,
+        with_gradients: bool,
+        cache: LayerCache,
+    ) -> SharedLinearFactor:
+        """The rescaled factor; see :func:`make_factor`."""
+        factor = SharedLinearFactor(
+            _rescaled(self.backproped, batch_size, None), self.inputs, self.shape
+        )
+        if with_gradients:
+            factor.output_gradients = (
+                subsample(self.output_gradients, subsampling=subsampling_grad)
+                * batch_size
+            )
+            factor.gradient_inputs = subsample(
+                self.layer_inputs, subsampling=subsampling_grad
+            )
+        return factor
+
+
+Buffers = LinearBuffers | SharedLinearBuffers
+"""Everything the structured square-root extensions store."""
+
+
+def make_factor(
+    sqrt_ggn: Tensor | Buffers,
+    grad_batch: Tensor | None,
+    *,
+    batch_size: int,
+    subsampling_grad: list[int] | None,
+    with_gradients: bool,
+    cache: LayerCache,
+) -> Factor:
+    """Turn BackPACK's buffers of one parameter into a rescaled factor.
+
+    Args:
+        sqrt_ggn: What the square-root extension stored on the parameter.
+        grad_batch: What the individual-gradient extension stored (or ``None``).
+        batch_size: ``N``, the mini-batch size.
+        subsampling_grad: Samples of the gradients (``None``: all).
+        with_gradients: Whether per-sample gradients are needed.
+        cache: Cache of the parameter's layer, so that its weight and bias factors
+            share the rescaled tensors (and, later, their products).
+
+    Returns:
+        The parameter's factor.
+    """
+    if isinstance(sqrt_ggn, LinearBuffers | SharedLinearBuffers):
+        return sqrt_ggn.to_factor(batch_size, subsampling_grad, with_gradients, cache)
+    scale = math.sqrt(batch_size / sqrt_ggn.shape[1])
+    gradients = grad_batch.flatten(start_dim=1) * batch_size if with_gradients else None
+    return DenseFactor(
+        flatten_sqrt_ggn(sqrt_ggn) * scale, sqrt_ggn.shape[2:], gradients
+    )
+
+
+def factor_size(sqrt_ggn: Tensor | Buffers) -> tuple[int, int]:
+    """``C`` and ``N`` of what a square-root extension stored.
+
+    Args:
+        sqrt_ggn: BackPACK's square root ``[C, N, …]`` or structured buffers.
+
+    Returns:
+        Square-root columns per sample ``C`` and GGN samples ``N``.
+    """
+    tensor = sqrt_ggn if isinstance(sqrt_ggn, Tensor) else sqrt_ggn.backproped
+    num_outputs, num_samples = tensor.shape[:2]
+    return num_outputs, num_samples
+
+
+def _rescaled(backproped: Tensor, batch_size: int, cache: LayerCache | None) -> Tensor:
+    """Square root of the GGN samples' own mean: ``√(N/N_ggn)`` times BackPACK's."""
+    num_samples = backproped.shape[1]
+    if num_samples == batch_size:
+        return backproped
+    scale = math.sqrt(batch_size / num_samples)
+    return cached(cache, Product.RESCALED, (backproped,), lambda: backproped * scale)

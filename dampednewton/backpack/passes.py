@@ -1,0 +1,96 @@
+"""One BackPACK backward pass shared by several consumers.
+
+Computations and diagnostics each bring extensions and an ``extension_hook`` that
+reduces a module's BackPACK quantities as backward reaches it. One pass serves them
+all: :func:`merge_extensions` keeps one extension per savefield, :func:`chained`
+runs the hooks in order and then frees the quantities of the module's parameters, so
+per-sample tensors live for one layer only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+from backpack import backpack
+from backpack.extensions.backprop_extension import BackpropExtension
+from torch.nn import Module
+
+from dampednewton.backward import quiet_backward_hook_warning
+
+Hook = Callable[[Module], None]
+"""BackPACK's ``extension_hook``: runs on each module after its extensions."""
+
+
+def free_quantities(module: Module, savefields: Iterable[str]) -> None:
+    """Delete the BackPACK quantities ``savefields`` of a module's own parameters.
+
+    Args:
+        module: The module backward just reached.
+        savefields: Attribute names to delete where present.
+    """
+    savefields = tuple(savefields)
+    for param in module.parameters(recurse=False):
+        for savefield in savefields:
+            if hasattr(param, savefield):
+                delattr(param, savefield)
+
+
+def chained(hooks: Sequence[Hook | None], savefields: Iterable[str]) -> Hook:
+    """One hook that runs ``hooks`` in order, then frees ``savefields``.
+
+    Args:
+        hooks: Hooks of the consumers (``None`` entries are skipped); each may read
+            the quantities, none deletes those the next one needs.
+        savefields: Quantities to free once every hook ran on the module.
+
+    Returns:
+        The hook to pass as ``extension_hook``.
+    """
+    active = [hook for hook in hooks if hook is not None]
+    savefields = tuple(savefields)
+
+    def run_then_free(module: Module) -> None:
+        for hook in active:
+            hook(module)
+        free_quantities(module, savefields)
+
+    return run_then_free
+
+
+def merge_extensions(
+    *consumers: Sequence[BackpropExtension],
+) -> list[BackpropExtension]:
+    """One extension per savefield; the first consumer's wins, order is kept.
+
+    Args:
+        *consumers: Each consumer's extensions, in the order they must run.
+
+    Returns:
+        The extensions for one ``backpack(...)`` context.
+    """
+    merged: dict[str, BackpropExtension] = {}
+    for extensions in consumers:
+        for extension in extensions:
+            merged.setdefault(extension.savefield, extension)
+    return list(merged.values())
+
+
+@contextmanager
+def backward_pass(
+    extensions: Sequence[BackpropExtension], hooks: Sequence[Hook | None]
+) -> Iterator[None]:
+    """Context for ``loss.backward()`` with the extensions and chained hooks.
+
+    Every quantity of ``extensions`` is freed layer by layer, after the hooks ran.
+
+    Args:
+        extensions: Extensions of one pass (see :func:`merge_extensions`).
+        hooks: The consumers' hooks, in order.
+
+    Yields:
+        Nothing; run the backward pass inside.
+    """
+    hook = chained(hooks, (extension.savefield for extension in extensions))
+    with quiet_backward_hook_warning(), backpack(*extensions, extension_hook=hook):
+        yield

@@ -1,0 +1,46 @@
+"""The only uses of BackPACK's private API, one function each.
+
+BackPACK (1.x) exposes neither of these publicly. If a BackPACK release changes
+them, this module is the one place to adapt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from backpack.extensions.backprop_extension import BackpropExtension
+from backpack.extensions.module_extension import ModuleExtension
+
+
+def default_param_function(
+    module_extension: ModuleExtension, param_name: str
+) -> Callable:
+    """BackPACK's own per-parameter computation of a module extension.
+
+    The structured module extensions fall back to it for configurations they do not
+    handle (e.g. grouped convolutions). BackPACK builds it with the protected
+    ``_make_param_function``; there is no public way to call the default.
+
+    Args:
+        module_extension: The module extension (a subclass of BackPACK's).
+        param_name: ``"weight"`` or ``"bias"``.
+
+    Returns:
+        A function ``(ext, module, g_inp, g_out, backproped) -> quantity``.
+    """
+    return module_extension._make_param_function(param_name)
+
+
+def registered_module_types(extension: BackpropExtension) -> list[type]:
+    """The module types an extension has module extensions for.
+
+    Only used for error messages. BackPACK keeps its registry in the name-mangled
+    attribute ``_BackpropExtension__module_extensions`` and has no accessor.
+
+    Args:
+        extension: A BackPACK extension.
+
+    Returns:
+        The registered module classes (empty should BackPACK rename the attribute).
+    """
+    return list(getattr(extension, "_BackpropExtension__module_extensions", {}))

@@ -1,0 +1,85 @@
+"""A GGN block: its running reductions, and the map from Gram to parameter space."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dampednewton.math.factors import Factor, LayerCache
+
+
+@dataclass
+class Block:
+    """Running reductions of one GGN block during a backward pass.
+
+    Attributes:
+        group: The parameter group that defines the block.
+        pending: ``id``s of trainable parameters not reached yet.
+        gram: Running Gram matrix ``VᵀV`` (``[C·N, C·N]``).
+        gradient_products: Running ``[N', C·N]`` products of per-sample gradients with
+            ``V``, when gradients are needed.
+        factors: Square-root factors by parameter ``id``, kept only when eigenvectors
+            or steps are mapped back to parameter space.
+        num_outputs: ``C``, square-root columns per sample (classes or MC samples).
+        num_samples: ``N``, the samples that built the Gram matrix.
+    """
+
+    group: dict
+    pending: set[int]
+    gram: Tensor | None = None
+    gradient_products: Tensor | None = None
+    factors: dict[int, Factor] = field(default_factory=dict)
+    num_outputs: int = 0
+    num_samples: int = 0
+
+
+def to_parameter_space(block: Block, gram_vectors: Tensor) -> list[Tensor]:
+    """Map Gram-space vectors ``[C·N(, K)]`` to each parameter of the block.
+
+    Parameters that do not require gradients are outside the GGN block: they get
+    zeros.
+
+    Args:
+        block: A finished block that kept its factors.
+        gram_vectors: Vector ``[C·N]`` or matrix ``[C·N, K]``.
+
+    Returns:
+        One tensor per parameter, shaped ``p.shape`` (or ``[K, *p.shape]``).
+    """
+    leading = tuple(gram_vectors.shape[1:])
+    cache = LayerCache()  # a layer's weight and bias share work
+    mapped = []
+    for param in block.group["params"]:
+        factor = block.factors.get(id(param))
+        if factor is None:
+            mapped.append(
+                torch.zeros(
+                    *leading, *param.shape, dtype=param.dtype, device=param.device
+                )
+            )
+        else:
+            mapped.append(factor.apply(gram_vectors, cache))
+    return mapped
+
+
+def mean_gradient_products(
+    block: Block, gradient_of: Callable[[Tensor], Tensor]
+) -> Tensor:
+    """``ḡᵀV`` (``[1, C·N]``) of the block's factors for the mean gradient ``ḡ``.
+
+    Args:
+        block: A finished block that kept its factors.
+        gradient_of: The mean gradient of a parameter (shaped like it).
+
+    Returns:
+        The products summed over the block's parameters.
+    """
+    cache = LayerCache()  # a layer's weight and bias share products
+    return sum(
+        block.factors[id(p)].mean_gradient_products(gradient_of(p), cache)
+        for p in block.group["params"]
+        if id(p) in block.factors
+    )
