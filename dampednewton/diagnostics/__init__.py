@@ -1,6 +1,7 @@
 """Training diagnostics computed inside one BackPACK backward pass.
 
-* What to compute (:mod:`~dampednewton.diagnostics.specs`): :class:`GSNR`,
+* What to compute (:mod:`~dampednewton.diagnostics.specs`, each spec with its
+  reducer, :mod:`~dampednewton.diagnostics.reducer`): :class:`GSNR`,
   :class:`NoiseScale`, :class:`GradientHistogram`,
   :class:`GradientParameterHistogram`, :class:`CurvatureTrace`, each with a
   schedule (:class:`EveryKSteps`, :class:`DecadeSchedule`,
@@ -23,7 +24,7 @@ from dampednewton.diagnostics.bin_adaptation import (
 )
 from dampednewton.diagnostics.log import DiagnosticsLog
 from dampednewton.diagnostics.monitor import DiagnosticsMonitor
-from dampednewton.diagnostics.reducers import MissingQuantityError
+from dampednewton.diagnostics.reducer import MissingQuantityError
 from dampednewton.diagnostics.schedules import (
     DecadeSchedule,
     EveryKSteps,

@@ -36,15 +36,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
-from backpack import backpack
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor, nn
 
-from dampednewton.backward import quiet_backward_hook_warning
+from dampednewton.backpack.passes import backward_pass
+from dampednewton.backpack.savefields import DIAGONALS, GRAD_BATCH, SUM_GRAD_SQUARED
 from dampednewton.diagnostics.log import DiagnosticsLog, Record
-from dampednewton.diagnostics.reducers import Reducer, make_reducer
-from dampednewton.diagnostics.specs import CurvatureTrace, Diagnostic
-from dampednewton.diagnostics.trace import CURVATURES
+from dampednewton.diagnostics.reducer import DiagnosticSpec, Reducer
+from dampednewton.diagnostics.specs import CurvatureTrace
 
 _USAGE = (
     "Run loss.backward() inside `with monitor.backward_context(step):`, or pass "
@@ -90,7 +89,7 @@ class DiagnosticsMonitor:
 
     def __init__(
         self,
-        diagnostics: Sequence[Diagnostic],
+        diagnostics: Sequence[DiagnosticSpec],
         named_parameters: NamedParameters | None = None,
         log: DiagnosticsLog | None = None,
     ) -> None:
@@ -107,6 +106,7 @@ class DiagnosticsMonitor:
         Raises:
             ValueError: If there are no diagnostics, two share a label, or two
                 Monte-Carlo traces ask for different numbers of samples.
+            TypeError: If a diagnostic is not a spec (has no ``make_reducer``).
         """
         self.diagnostics = list(diagnostics)
         if not self.diagnostics:
@@ -128,7 +128,7 @@ class DiagnosticsMonitor:
                 "BackPACK runs one DiagGGNMC per backward pass, but the traces ask "
                 f"for mc_samples {sorted(mc_samples)}; use one value."
             )
-        self._reducers = [make_reducer(spec) for spec in self.diagnostics]
+        self._reducers = [_reducer_of(spec) for spec in self.diagnostics]
         # Extensions are stateless between passes: build them once, not every step.
         self._extensions = {id(r): r.extensions() for r in self._reducers}
         if isinstance(named_parameters, Mapping):
@@ -233,20 +233,8 @@ class DiagnosticsMonitor:
         if not extensions:
             yield
             return
-        savefields = [extension.savefield for extension in extensions]
-
-        def hook_then_free(module: nn.Module) -> None:
-            hook(module)
-            for param in module.parameters(recurse=False):
-                for savefield in savefields:
-                    if hasattr(param, savefield):
-                        delattr(param, savefield)
-
         try:
-            with (
-                quiet_backward_hook_warning(),
-                backpack(*extensions, extension_hook=hook_then_free),
-            ):
+            with backward_pass(extensions, [hook]):
                 yield
         except AssertionError as error:
             if "backpropagation quantity" not in str(error):
@@ -338,11 +326,22 @@ class DiagnosticsMonitor:
         return self.log[replaced]
 
 
+def _reducer_of(spec: DiagnosticSpec) -> Reducer:
+    make_reducer = getattr(spec, "make_reducer", None)
+    if not callable(make_reducer):
+        raise TypeError(
+            f"Unknown diagnostic {spec!r}; use one of GSNR, NoiseScale, "
+            "GradientHistogram, GradientParameterHistogram, CurvatureTrace (or a "
+            "spec with make_reducer())."
+        )
+    return make_reducer()
+
+
 def _batch_size(module: nn.Module, param: Tensor) -> int | None:
     """Number of samples of the module's last input, if BackPACK processed it."""
     if not any(
         hasattr(param, savefield)
-        for savefield in ("grad_batch", "sum_grad_squared", *CURVATURES)
+        for savefield in (GRAD_BATCH, SUM_GRAD_SQUARED, *DIAGONALS)
     ):
         return None
     # The module input gives the full batch even if another party's BatchGrad
@@ -350,7 +349,7 @@ def _batch_size(module: nn.Module, param: Tensor) -> int | None:
     module_input = getattr(module, "input0", None)
     if module_input is not None:
         return module_input.shape[0]
-    grad_batch = getattr(param, "grad_batch", None)
+    grad_batch = getattr(param, GRAD_BATCH, None)
     return None if grad_batch is None else grad_batch.shape[0]
 
 

@@ -23,7 +23,9 @@ from backpack.extensions import DiagGGNExact, DiagGGNMC, DiagHessian
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor
 
-CURVATURES: tuple[str, ...] = ("diag_h", "diag_ggn_exact", "diag_ggn_mc")
+from dampednewton.backpack.savefields import DIAGONALS
+
+CURVATURES: tuple[str, ...] = DIAGONALS
 """Supported curvature names; each is also the attribute BackPACK writes."""
 
 

@@ -38,7 +38,7 @@ from dampednewton.diagnostics.gsnr import (
     unbiased_noise_scale,
 )
 from dampednewton.diagnostics.histogram import uniform_bin_edges
-from dampednewton.diagnostics.reducers import MissingQuantityError
+from dampednewton.diagnostics.reducer import MissingQuantityError
 from tests import reference
 from tests.assertions import assert_close
 from tests.conftest import Case, build_case

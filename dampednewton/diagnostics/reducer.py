@@ -1,0 +1,111 @@
+"""The contract between a diagnostic spec, its reducer and the monitor.
+
+A spec (a frozen dataclass in :mod:`~dampednewton.diagnostics.specs`) says what to
+compute and when; its :meth:`~DiagnosticSpec.make_reducer` creates the
+:class:`Reducer` that does the per-step plumbing. During backward,
+:meth:`Reducer.reduce` turns one parameter's BackPACK quantities into small pieces
+(counts, sums, references to parameter-sized tensors) so the per-sample tensors can be
+freed layer by layer; it never deletes BackPACK's attributes. After backward,
+:meth:`Reducer.assemble` builds the record entries (tensors, still on the device)
+from those pieces and ``p.grad``. Reducers hold the state of one step at a time
+(:meth:`Reducer.begin`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from backpack.extensions.backprop_extension import BackpropExtension
+from torch import Tensor
+
+from dampednewton.diagnostics.schedules import Schedule
+
+NamedParams = Sequence[tuple[str, Tensor]]
+"""``(name, parameter)`` pairs with gradients."""
+
+Entries = dict[str, Tensor]
+"""Record entries of one diagnostic, by key."""
+
+
+class MissingQuantityError(RuntimeError):
+    """BackPACK did not compute a quantity that a diagnostic needs."""
+
+
+class Reducer(Protocol):
+    """Plumbing of one diagnostic for one step at a time."""
+
+    spec: DiagnosticSpec
+
+    def extensions(self) -> list[BackpropExtension]:
+        """BackPACK extensions this diagnostic needs."""
+        ...
+
+    def begin(self) -> None:
+        """Forget the pieces of the previous step."""
+        ...
+
+    def reduce(self, param: Tensor, batch_size: int) -> None:
+        """Reduce the BackPACK quantities of ``param`` (inside the backward hook)."""
+        ...
+
+    def assemble(self, named_params: NamedParams, batch_size: int) -> Entries:
+        """Record entries for the parameters ``named_params`` (after backward)."""
+        ...
+
+
+class DiagnosticSpec(Protocol):
+    """What every diagnostic spec provides."""
+
+    @property
+    def schedule(self) -> Schedule:
+        """When to compute."""
+        ...
+
+    @property
+    def label(self) -> str:
+        """Prefix of the record keys."""
+        ...
+
+    def make_reducer(self) -> Reducer:
+        """Create the reducer that computes this diagnostic."""
+        ...
+
+
+def quantity(param: Tensor, savefield: str) -> Tensor | None:
+    """The BackPACK quantity ``savefield`` of ``param``, detached, if present.
+
+    Args:
+        param: A parameter whose module's backward just ran.
+        savefield: The attribute BackPACK writes.
+
+    Returns:
+        The quantity, or ``None``.
+    """
+    value = getattr(param, savefield, None)
+    return None if value is None else value.detach()
+
+
+def pieces_of(pieces: dict[int, object], name: str, param: Tensor, savefield: str):
+    """A parameter's reduced pieces, or an error naming what BackPACK did not compute.
+
+    Args:
+        pieces: Pieces by parameter ``id``.
+        name: The parameter's name, for the message.
+        param: The parameter.
+        savefield: The quantity the pieces come from, for the message.
+
+    Returns:
+        The parameter's pieces.
+
+    Raises:
+        MissingQuantityError: If the parameter has none.
+    """
+    try:
+        return pieces[id(param)]
+    except KeyError:
+        raise MissingQuantityError(
+            f"BackPACK computed no '{savefield}' for parameter '{name}' although it "
+            "has a gradient. Is its module extended with backpack.extend and "
+            "supported by BackPACK's extensions?"
+        ) from None

@@ -1,0 +1,116 @@
+"""Curvature traces from BackPACK's diagonal curvature extensions.
+
+Math and the extension per curvature in :mod:`dampednewton.diagnostics.trace`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backpack.extensions.backprop_extension import BackpropExtension
+from torch import Tensor
+
+from dampednewton.diagnostics.reducer import Entries, NamedParams, pieces_of, quantity
+from dampednewton.diagnostics.schedules import EveryKSteps, Schedule
+from dampednewton.diagnostics.specs.checks import (
+    check_count,
+    check_label,
+    check_schedule,
+)
+from dampednewton.diagnostics.trace import (
+    check_curvature,
+    curvature_extension,
+    diagonal_trace,
+    total_trace,
+)
+
+
+@dataclass(frozen=True)
+class CurvatureTrace:
+    """Trace of a diagonal curvature (Hessian, exact or Monte-Carlo GGN).
+
+    Record keys: ``{label}/trace`` (total) and ``{label}/trace/{name}``.
+
+    Attributes:
+        schedule: When to compute.
+        curvature: ``"diag_h"``, ``"diag_ggn_exact"`` or ``"diag_ggn_mc"``.
+        mc_samples: Monte-Carlo samples of ``diag_ggn_mc``.
+        label: Key prefix; ``None`` uses the curvature name.
+    """
+
+    schedule: Schedule = field(default_factory=EveryKSteps)
+    curvature: str = "diag_ggn_exact"
+    mc_samples: int = 1
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        """Validate the fields and fill in the default label.
+
+        Raises:
+            ValueError: If the curvature, ``mc_samples`` or the label is invalid.
+        """
+        check_schedule(self.schedule)
+        check_curvature(self.curvature)
+        check_count("mc_samples", self.mc_samples)
+        if self.label is None:
+            object.__setattr__(self, "label", self.curvature)
+        check_label(self.label)
+
+    def make_reducer(self) -> CurvatureTraceReducer:
+        """Create the reducer that computes this diagnostic.
+
+        Returns:
+            A fresh :class:`CurvatureTraceReducer`.
+        """
+        return CurvatureTraceReducer(self)
+
+
+class CurvatureTraceReducer:
+    """Traces of a diagonal curvature, per parameter and total."""
+
+    def __init__(self, spec: CurvatureTrace) -> None:
+        """Create the reducer.
+
+        Args:
+            spec: The trace diagnostic.
+        """
+        self.spec = spec
+        self._pieces: dict[int, Tensor] = {}
+
+    def extensions(self) -> list[BackpropExtension]:
+        """Return the diagonal curvature extension of the spec."""
+        return [curvature_extension(self.spec.curvature, self.spec.mc_samples)]
+
+    def begin(self) -> None:
+        """Forget the pieces of the previous step."""
+        self._pieces = {}
+
+    def reduce(self, param: Tensor, batch_size: int) -> None:
+        """Sum the parameter's diagonal curvature.
+
+        Args:
+            param: Parameter whose module's backward just ran.
+            batch_size: Number of samples (unused).
+        """
+        diagonal = quantity(param, self.spec.curvature)
+        if diagonal is not None:
+            self._pieces[id(param)] = diagonal_trace(diagonal)
+
+    def assemble(self, named_params: NamedParams, batch_size: int) -> Entries:
+        """Per-parameter traces and their total.
+
+        Args:
+            named_params: ``(name, param)`` pairs with gradients.
+            batch_size: Number of samples (unused).
+
+        Returns:
+            Record entries (0-dim tensors).
+        """
+        key = f"{self.spec.label}/trace"
+        traces = {
+            name: pieces_of(self._pieces, name, param, self.spec.curvature)
+            for name, param in named_params
+        }
+        entries: Entries = {f"{key}/{name}": trace for name, trace in traces.items()}
+        entries[key] = total_trace(traces.values())
+        return entries
