@@ -30,6 +30,21 @@ from dampednewton.math.factors import (
 from dampednewton.math.linear_factors import LinearFactor, SharedLinearFactor
 
 
+@dataclass(frozen=True)
+class Assembly:
+    """What the factors of one backward pass are assembled for.
+
+    Attributes:
+        batch_size: ``N``, the mini-batch size.
+        subsampling_grad: Samples of the gradients (``None``: all).
+        with_gradients: Whether per-sample gradients are needed.
+    """
+
+    batch_size: int
+    subsampling_grad: list[int] | None
+    with_gradients: bool
+
+
 @dataclass
 class LinearBuffers:
     """What a structured square-root extension stores on a linear weight or bias.
@@ -48,22 +63,17 @@ class LinearBuffers:
     output_gradients: Tensor
     layer_inputs: Tensor | None = None
 
-    def to_factor(
-        self,
-        batch_size: int,
-        subsampling_grad: list[int] | None,
-        with_gradients: bool,
-        cache: LayerCache,
-    ) -> LinearFactor:
+    def to_factor(self, assembly: Assembly, cache: LayerCache) -> LinearFactor:
         """The rescaled factor; see :func:`make_factor`.
 
         It keeps output gradients and input kernel when per-sample gradients are
         needed, or when they are the cheaper route to the mean gradient's products
         (:func:`~dampednewton.math.cost.mean_products_via_kernel`).
         """
+        batch_size, subsampling_grad = assembly.batch_size, assembly.subsampling_grad
         backproped = _rescaled(self.backproped, batch_size, cache)
         num_outputs, num_samples, out_features = backproped.shape
-        keeps_gradients = with_gradients
+        keeps_gradients = assembly.with_gradients
         if self.inputs is not None:
             gradient_inputs = subsample(self.layer_inputs, subsampling=subsampling_grad)
             kernel_shared = gradient_inputs is self.inputs  # no subsampling at all
@@ -120,18 +130,13 @@ class SharedLinearBuffers:
     layer_inputs: Tensor
     shape: Size
 
-    def to_factor(
-        self,
-        batch_size: int,
-        subsampling_grad: list[int] | None,
-        with_gradients: bool,
-        cache: LayerCache,
-    ) -> SharedLinearFactor:
+    def to_factor(self, assembly: Assembly, cache: LayerCache) -> SharedLinearFactor:
         """The rescaled factor; see :func:`make_factor`."""
+        batch_size, subsampling_grad = assembly.batch_size, assembly.subsampling_grad
         factor = SharedLinearFactor(
             _rescaled(self.backproped, batch_size, None), self.inputs, self.shape
         )
-        if with_gradients:
+        if assembly.with_gradients:
             factor.output_gradients = (
                 subsample(self.output_gradients, subsampling=subsampling_grad)
                 * batch_size
@@ -149,10 +154,7 @@ Buffers = LinearBuffers | SharedLinearBuffers
 def make_factor(
     sqrt_ggn: Tensor | Buffers,
     grad_batch: Tensor | None,
-    *,
-    batch_size: int,
-    subsampling_grad: list[int] | None,
-    with_gradients: bool,
+    assembly: Assembly,
     cache: LayerCache,
 ) -> Factor:
     """Turn BackPACK's buffers of one parameter into a rescaled factor.
@@ -160,9 +162,7 @@ def make_factor(
     Args:
         sqrt_ggn: What the square-root extension stored on the parameter.
         grad_batch: What the individual-gradient extension stored (or ``None``).
-        batch_size: ``N``, the mini-batch size.
-        subsampling_grad: Samples of the gradients (``None``: all).
-        with_gradients: Whether per-sample gradients are needed.
+        assembly: Batch size, gradient samples, and whether gradients are needed.
         cache: Cache of the parameter's layer, so that its weight and bias factors
             share the rescaled tensors (and, later, their products).
 
@@ -170,9 +170,14 @@ def make_factor(
         The parameter's factor.
     """
     if isinstance(sqrt_ggn, LinearBuffers | SharedLinearBuffers):
-        return sqrt_ggn.to_factor(batch_size, subsampling_grad, with_gradients, cache)
+        return sqrt_ggn.to_factor(assembly, cache)
+    batch_size = assembly.batch_size
     scale = math.sqrt(batch_size / sqrt_ggn.shape[1])
-    gradients = grad_batch.flatten(start_dim=1) * batch_size if with_gradients else None
+    gradients = (
+        grad_batch.flatten(start_dim=1) * batch_size
+        if assembly.with_gradients
+        else None
+    )
     return DenseFactor(
         flatten_sqrt_ggn(sqrt_ggn) * scale, sqrt_ggn.shape[2:], gradients
     )

@@ -22,7 +22,7 @@ from torch import Generator, Tensor
 from torch.nn import Module
 from torch.nn.modules.loss import _Loss
 
-from dampednewton.backpack.buffers import factor_size, make_factor
+from dampednewton.backpack.buffers import Assembly, factor_size, make_factor
 from dampednewton.backpack.extensions import (
     ExactSqrtGGN,
     IndividualGradients,
@@ -274,13 +274,13 @@ class GGNEngine:
         self, block: Block, param: Tensor, module: Module, cache: LayerCache
     ) -> None:
         sqrt_ggn = getattr(param, self.savefields[0])
-        factor = make_factor(
-            sqrt_ggn,
-            getattr(param, GRAD_BATCH, None),
+        assembly = Assembly(
             batch_size=self._batch_size or module.input0.shape[0],
             subsampling_grad=self.settings.subsampling_grad,
             with_gradients=self.needs_gradients,
-            cache=cache,
+        )
+        factor = make_factor(
+            sqrt_ggn, getattr(param, GRAD_BATCH, None), assembly, cache
         )
         block.num_outputs, block.num_samples = factor_size(sqrt_ggn)
         block.gram = _add(block.gram, factor.gram(cache))

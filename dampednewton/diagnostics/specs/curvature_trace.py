@@ -57,11 +57,7 @@ class CurvatureTrace:
         check_label(self.label)
 
     def make_reducer(self) -> CurvatureTraceReducer:
-        """Create the reducer that computes this diagnostic.
-
-        Returns:
-            A fresh :class:`CurvatureTraceReducer`.
-        """
+        """A fresh :class:`CurvatureTraceReducer` that computes this diagnostic."""
         return CurvatureTraceReducer(self)
 
 

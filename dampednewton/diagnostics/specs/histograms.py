@@ -161,11 +161,7 @@ class GradientHistogram:
         return histogram1d(axes[0], low, high, self.bins, out_of_range=out_of_range)
 
     def make_reducer(self) -> HistogramReducer:
-        """Create the reducer that computes this diagnostic.
-
-        Returns:
-            A fresh :class:`HistogramReducer`.
-        """
+        """A fresh :class:`HistogramReducer` that computes this diagnostic."""
         return HistogramReducer(self, pairs_with_values=False)
 
 
@@ -249,11 +245,7 @@ class GradientParameterHistogram:
         )
 
     def make_reducer(self) -> HistogramReducer:
-        """Create the reducer that computes this diagnostic.
-
-        Returns:
-            A fresh :class:`HistogramReducer`.
-        """
+        """A fresh :class:`HistogramReducer` that computes this diagnostic."""
         return HistogramReducer(self, pairs_with_values=True)
 
 

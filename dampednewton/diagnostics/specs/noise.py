@@ -60,11 +60,7 @@ class GSNR:
         check_label(self.label)
 
     def make_reducer(self) -> GSNRReducer:
-        """Create the reducer that computes this diagnostic.
-
-        Returns:
-            A fresh :class:`GSNRReducer`.
-        """
+        """A fresh :class:`GSNRReducer` that computes this diagnostic."""
         return GSNRReducer(self)
 
 
@@ -95,11 +91,7 @@ class NoiseScale:
         check_label(self.label)
 
     def make_reducer(self) -> NoiseScaleReducer:
-        """Create the reducer that computes this diagnostic.
-
-        Returns:
-            A fresh :class:`NoiseScaleReducer`.
-        """
+        """A fresh :class:`NoiseScaleReducer` that computes this diagnostic."""
         return NoiseScaleReducer(self)
 
 
