@@ -8,6 +8,8 @@ training mode, loss not extended) and let Monte-Carlo sampling draw from a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from backpack.core.derivatives.crossentropyloss import CrossEntropyLossDerivatives
 from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
 from backpack.extensions.backprop_extension import BackpropExtension
@@ -167,7 +169,7 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
     def __init__(
         self,
         mc_samples: int,
-        subsampling: list[int] | None = None,
+        subsampling: Sequence[int] | None = None,
         generator: Generator | None = None,
     ):
         """Store the sampling settings.

@@ -13,7 +13,7 @@ from those pieces and ``p.grad``. Reducers hold the state of one step at a time
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from backpack.extensions.backprop_extension import BackpropExtension
@@ -86,7 +86,7 @@ def quantity(param: Tensor, savefield: str) -> Tensor | None:
     return None if value is None else value.detach()
 
 
-def pieces_of(pieces: dict[int, object], name: str, param: Tensor, savefield: str):
+def pieces_of(pieces: Mapping[int, object], name: str, param: Tensor, savefield: str):
     """A parameter's reduced pieces, or an error naming what BackPACK did not compute.
 
     Args:

@@ -240,8 +240,14 @@ class GradientParameterHistogram:
     ) -> Histogram2d:
         """2D histogram of (gradient element, parameter value) pairs in ``ranges``."""
         gradients, values = axes
+        gradient_range, parameter_range = ranges
         return histogram2d(
-            gradients, values, *ranges, self.bins, out_of_range=out_of_range
+            gradients,
+            values,
+            gradient_range,
+            parameter_range,
+            self.bins,
+            out_of_range=out_of_range,
         )
 
     def make_reducer(self) -> HistogramReducer:
