@@ -40,7 +40,12 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor, nn
 
 from dampednewton.backpack.passes import backward_pass
-from dampednewton.backpack.savefields import DIAGONALS, GRAD_BATCH, SUM_GRAD_SQUARED
+from dampednewton.backpack.savefields import (
+    DIAG_GGN_MC,
+    DIAGONALS,
+    GRAD_BATCH,
+    SUM_GRAD_SQUARED,
+)
 from dampednewton.diagnostics.log import DiagnosticsLog, Record
 from dampednewton.diagnostics.reducer import DiagnosticSpec, Reducer
 from dampednewton.diagnostics.specs import CurvatureTrace
@@ -121,7 +126,7 @@ class DiagnosticsMonitor:
         mc_samples = {
             spec.mc_samples
             for spec in self.diagnostics
-            if isinstance(spec, CurvatureTrace) and spec.curvature == "diag_ggn_mc"
+            if isinstance(spec, CurvatureTrace) and spec.curvature == DIAG_GGN_MC
         }
         if len(mc_samples) > 1:
             raise ValueError(

@@ -23,7 +23,7 @@ from backpack.extensions import DiagGGNExact, DiagGGNMC, DiagHessian
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor
 
-from dampednewton.backpack.savefields import DIAGONALS
+from dampednewton.backpack.savefields import DIAG_GGN_EXACT, DIAG_H, DIAGONALS
 
 CURVATURES: tuple[str, ...] = DIAGONALS
 """Supported curvature names; each is also the attribute BackPACK writes."""
@@ -58,9 +58,9 @@ def curvature_extension(curvature: str, mc_samples: int = 1) -> BackpropExtensio
         ValueError: If ``curvature`` is unknown.
     """
     check_curvature(curvature)
-    if curvature == "diag_h":
+    if curvature == DIAG_H:
         return DiagHessian()
-    if curvature == "diag_ggn_exact":
+    if curvature == DIAG_GGN_EXACT:
         return DiagGGNExact()
     return DiagGGNMC(mc_samples=mc_samples)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor
 
+from dampednewton.backpack.savefields import DIAG_GGN_EXACT
 from dampednewton.diagnostics.reducer import Entries, NamedParams, pieces_of, quantity
 from dampednewton.diagnostics.schedules import EveryKSteps, Schedule
 from dampednewton.diagnostics.specs.checks import (
@@ -39,7 +40,7 @@ class CurvatureTrace:
     """
 
     schedule: Schedule = field(default_factory=EveryKSteps)
-    curvature: str = "diag_ggn_exact"
+    curvature: str = DIAG_GGN_EXACT
     mc_samples: int = 1
     label: str | None = None
 
