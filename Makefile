@@ -27,7 +27,7 @@ test: lint
 # The sweep prints its job count and expected time first, and ends with the report and
 # a trade-off paragraph (steps to a target against time per step) from its own results.
 bench: $(STAMP)
-	$(PY) benchmarks/run.py --multirun +sweep=default
+	$(PY) -m benchmarks.run --multirun +sweep=default
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

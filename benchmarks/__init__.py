@@ -1,1 +1,1 @@
-"""Optimizer benchmarks configured by Hydra (entry point: ``benchmarks/run.py``)."""
+"""Optimizer benchmarks configured by Hydra: ``python -m benchmarks.run``."""

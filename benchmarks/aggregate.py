@@ -36,7 +36,7 @@ def load_results(sweep_dir: Path) -> list[dict[str, Any]]:
     paths = sorted(Path(sweep_dir).rglob(RESULT_FILE))
     if not paths:
         raise FileNotFoundError(
-            f"No {RESULT_FILE} below {sweep_dir}: run `python benchmarks/run.py "
+            f"No {RESULT_FILE} below {sweep_dir}: run `python -m benchmarks.run "
             "--multirun ...` first, or pass the sweep directory it printed."
         )
     results = []

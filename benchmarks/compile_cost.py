@@ -13,24 +13,19 @@ Run each optimizer in its own process: TorchDynamo does not guard on module hook
 (``torch._dynamo.config.skip_nnmodule_hook_guards``), so a graph compiled for a
 plain model of a class is reused for an extended one, skipping BackPACK's hooks.
 
-    python benchmarks/compile_cost.py --threads 1
-    python benchmarks/compile_cost.py --threads 1 --optimizer sgd
+    python -m benchmarks.compile_cost --threads 1
+    python -m benchmarks.compile_cost --threads 1 --optimizer sgd
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from backpack import extend
 from torch import nn
-
-# Running this file puts benchmarks/ on the path; the repository root is needed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.step_cost import MODELS, NUM_CLASSES, round_robin_medians
 from dampednewton import DampedNewton

@@ -12,7 +12,7 @@ same backward pass, ``DampedNewton(monitor=...)``) to the same step without.
 
 Usage::
 
-    python benchmarks/diagnostics_cost.py [--rounds 3] [--repeats 10] [--warmup 2]
+    python -m benchmarks.diagnostics_cost [--rounds 3] [--repeats 10] [--warmup 2]
         [--device cpu] [--threads 1]
 """
 

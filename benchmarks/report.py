@@ -3,7 +3,7 @@
 Written into ``<sweep dir>/report`` automatically at the end of every multirun (Hydra
 callback); run it by hand to regenerate::
 
-    python benchmarks/report.py [SWEEP_DIR]   # default: the newest one under multirun/
+    python -m benchmarks.report [SWEEP_DIR]   # default: the newest one under multirun/
 """
 
 from __future__ import annotations
@@ -12,12 +12,8 @@ import argparse
 import csv
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
-
-if __package__ in (None, ""):  # `python benchmarks/report.py` from the repository root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.aggregate import (
     Setting,
@@ -493,8 +489,8 @@ def latest_sweep(root: Path = Path("multirun")) -> Path:
     candidates = {p.parent.parent for p in root.rglob("result.json")}
     if not candidates:
         raise FileNotFoundError(
-            f"No sweep with results under {root.resolve()}: run `python "
-            "benchmarks/run.py --multirun +sweep=default` first."
+            f"No sweep with results under {root.resolve()}: run `python -m "
+            "benchmarks.run --multirun +sweep=default` first."
         )
     return max(candidates, key=lambda p: p.stat().st_mtime)
 

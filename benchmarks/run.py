@@ -2,19 +2,15 @@
 
 Examples (from the repository root)::
 
-    python benchmarks/run.py                                  # digits_mlp, SGD
-    python benchmarks/run.py problem=mnist1d_mlp optimizer=adam optimizer.lr=1e-3
-    python benchmarks/run.py --multirun +sweep=default         # the default comparison
+    python -m benchmarks.run                                  # digits_mlp, SGD
+    python -m benchmarks.run problem=mnist1d_mlp optimizer=adam optimizer.lr=1e-3
+    python -m benchmarks.run --multirun +sweep=default         # the default comparison
 
 Every job writes ``result.json`` into its Hydra job directory; a multirun ends with
 a report (CSV, Markdown tables, plots) in ``<sweep dir>/report``.
 """
 
-import sys
 from pathlib import Path
-
-# `python benchmarks/run.py` puts benchmarks/ (not the repository root) on sys.path.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra
 from hydra.core.hydra_config import HydraConfig

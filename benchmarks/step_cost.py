@@ -10,8 +10,8 @@ steps, top-20, complement, trust region), and their ratios to SGD. With
 (growth of the resident-set peak during the steps on CPU,
 ``torch.cuda.max_memory_allocated`` on GPU).
 
-    python benchmarks/step_cost.py                       # MLP and CNN, N=128
-    python benchmarks/step_cost.py --models mlp mlp-large cnn --batch-sizes 32 128 512
+    python -m benchmarks.step_cost                       # MLP and CNN, N=128
+    python -m benchmarks.step_cost --models mlp mlp-large cnn --batch-sizes 32 128 512
 """
 
 from __future__ import annotations
@@ -24,14 +24,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from backpack import backpack, extend
 from torch import nn
-
-# Running this file puts benchmarks/ on the path; the repository root is needed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.models import mlp
 from dampednewton import DampedNewton, DirectionalDampedNewtonComputation
@@ -168,7 +164,14 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
 
 def peak_memory_mib(variant, model_name, batch_size, device_name) -> float:
     """Peak memory of one variant, measured in a fresh process."""
-    command = [sys.executable, __file__, "--single", variant, model_name]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.step_cost",
+        "--single",
+        variant,
+        model_name,
+    ]
     command += [str(batch_size), device_name]
     output = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(output.stdout.strip().splitlines()[-1])["peak_mib"]

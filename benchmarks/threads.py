@@ -17,8 +17,8 @@ Settings: the package's defaults, ViViT's step on the MC-1 and on the exact GGN,
 machine reproducibly (the case that motivated the bound: all cores busy with other
 work). Prints median milliseconds per step and the ratios to ``helper``.
 
-    python benchmarks/threads.py                 # as the machine is
-    python benchmarks/threads.py --busy 2        # two cores' worth of other work
+    python -m benchmarks.threads                 # as the machine is
+    python -m benchmarks.threads --busy 2        # two cores' worth of other work
 """
 
 from __future__ import annotations
@@ -28,14 +28,10 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from backpack import extend
 from torch import nn
-
-# Running this file puts benchmarks/ on the path; the repository root is needed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.step_cost import MODELS, NUM_CLASSES, round_robin_medians
 from dampednewton import DampedNewton, threads

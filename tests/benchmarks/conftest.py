@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -12,9 +11,6 @@ from omegaconf import DictConfig
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "conf"
-# `benchmarks` is a top-level folder of the repository, not an installed package.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 
 def _members(group: str) -> list[str]:

@@ -72,7 +72,8 @@ def sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     sweep_dir = tmp_path_factory.mktemp("extension")
     command = [
         sys.executable,
-        "benchmarks/run.py",
+        "-m",
+        "benchmarks.run",
         "--multirun",
         f"hydra.sweep.dir={sweep_dir}",
         "problem=digits_logreg",

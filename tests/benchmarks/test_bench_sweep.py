@@ -24,7 +24,8 @@ def sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     sweep_dir = tmp_path_factory.mktemp("sweep")
     command = [
         sys.executable,
-        "benchmarks/run.py",
+        "-m",
+        "benchmarks.run",
         "--multirun",
         f"hydra.sweep.dir={sweep_dir}",
         "problem=digits_logreg",
@@ -88,7 +89,8 @@ def test_failed_jobs_are_listed_after_the_report(sweep):
 def _single_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     command = [
         sys.executable,
-        "benchmarks/run.py",
+        "-m",
+        "benchmarks.run",
         f"hydra.run.dir={tmp_path}",
         "problem=digits_logreg",
         "problem.steps=2",
@@ -151,7 +153,7 @@ def test_report_script_without_results_says_so_and_exits_2(tmp_path, missing):
     if missing == "empty_dir":
         sweep_dir.mkdir()
     process = subprocess.run(
-        [sys.executable, "benchmarks/report.py", str(sweep_dir)],
+        [sys.executable, "-m", "benchmarks.report", str(sweep_dir)],
         cwd=REPO,
         capture_output=True,
         text=True,

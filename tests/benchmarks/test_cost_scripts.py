@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> str:
-    command = [sys.executable, str(ROOT / "benchmarks" / args[0]), *args[1:]]
+    command = [sys.executable, "-m", f"benchmarks.{args[0]}", *args[1:]]
     result = subprocess.run(
         command, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300
     )
@@ -19,7 +19,7 @@ def _run(*args: str) -> str:
 
 def test_step_cost_prints_one_row_per_variant_with_ratios():
     output = _run(
-        "step_cost.py",
+        "step_cost",
         *("--models", "mlp", "--batch-sizes", "8", "--ggn", "mc1", "exact"),
         *("--repeats", "1", "--threads", "1"),
     )
@@ -38,7 +38,7 @@ def test_step_cost_prints_one_row_per_variant_with_ratios():
 
 def test_step_cost_memory_runs_each_variant_in_a_fresh_process():
     output = _run(
-        "step_cost.py",
+        "step_cost",
         *("--models", "mlp", "--batch-sizes", "8", "--ggn", "mc1"),
         *("--repeats", "1", "--threads", "1", "--memory", "--skip-materialized"),
     )
