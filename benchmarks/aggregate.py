@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.job import RESULT_FILE
+from benchmarks.result import RESULT_FILE, RunResult
 
 
-def load_results(sweep_dir: Path) -> list[dict[str, Any]]:
+def load_results(sweep_dir: Path) -> list[RunResult]:
     """Read every ``result.json`` below ``sweep_dir`` (skipped jobs left out).
 
     Args:
         sweep_dir: A Hydra sweep (or run) directory.
 
     Returns:
-        The results, each with its job directory under ``"job_dir"``, sorted by it.
+        The results (``job_dir`` set), sorted by job directory.
 
     Raises:
         FileNotFoundError: If there is no result file.
@@ -39,14 +39,8 @@ def load_results(sweep_dir: Path) -> list[dict[str, Any]]:
             f"No {RESULT_FILE} below {sweep_dir}: run `python -m benchmarks.run "
             "--multirun ...` first, or pass the sweep directory it printed."
         )
-    results = []
-    for path in paths:
-        with open(path) as f:
-            result = json.load(f)
-        if result["status"] != "skipped":
-            result["job_dir"] = str(path.parent)
-            results.append(result)
-    return results
+    results = [RunResult.read(path) for path in paths]
+    return [result for result in results if result.status != "skipped"]
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
@@ -76,12 +70,12 @@ class Setting:
     problem: str
     optimizer: str
     hyperparameters: dict[str, Any]
-    runs: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[RunResult] = field(default_factory=list)
 
     @property
-    def ok_runs(self) -> list[dict[str, Any]]:
+    def ok_runs(self) -> list[RunResult]:
         """Runs that neither diverged nor failed."""
-        return [r for r in self.runs if r["status"] == "ok"]
+        return [r for r in self.runs if r.status == "ok"]
 
     @property
     def complete(self) -> bool:
@@ -91,15 +85,15 @@ class Setting:
     @property
     def maximize(self) -> bool:
         """Whether the test metric is to be maximized (from any trained run)."""
-        return next((r["maximize"] for r in self.runs if "maximize" in r), True)
+        return next((r.maximize for r in self.runs if r.maximize is not None), True)
 
     def final(self, key: str) -> tuple[float, float]:
-        """Mean ± std over the successful seeds of ``final[key]``."""
-        return mean_std([r["final"][key] for r in self.ok_runs])
+        """Mean ± std over the successful seeds of ``final.<key>``."""
+        return mean_std([getattr(r.final, key) for r in self.ok_runs])
 
     def best_metric(self) -> tuple[float, float]:
         """Mean ± std over the successful seeds of the best test metric."""
-        return mean_std([r["best"]["test_metric"] for r in self.ok_runs])
+        return mean_std([r.best_test_metric for r in self.ok_runs])
 
     def to_target(self, key: str, index: int) -> tuple[float, float, int]:
         """Mean ± std of ``steps_to_target``/``time_to_target`` and how many reached.
@@ -112,12 +106,13 @@ class Setting:
             Mean and std over the successful seeds that reached the target, and
             their number.
         """
-        values = [r[key][index] for r in self.ok_runs if r[key][index] is not None]
+        reached = [getattr(r, key)[index] for r in self.ok_runs]
+        values = [value for value in reached if value is not None]
         return (*mean_std(values), len(values))
 
     def divergences(self) -> list[tuple[int, str]]:
         """``(seed, reason)`` of every diverged run."""
-        return [(r["seed"], r["divergence"]) for r in self.runs if r.get("divergence")]
+        return [(r.seed, r.divergence) for r in self.runs if r.divergence]
 
     @property
     def extended_from(self) -> dict[str, Any] | None:
@@ -125,29 +120,22 @@ class Setting:
 
         See :mod:`benchmarks.extension`.
         """
-        return next(
-            (
-                r["config"]["extended_from"]
-                for r in self.runs
-                if (r.get("config") or {}).get("extended_from")
-            ),
-            None,
-        )
+        return next((r.extended_from for r in self.runs if r.extended_from), None)
 
     def step_times(self) -> list[float]:
         """Median per-step times of the runs that trained (any status)."""
         return [
-            r["step_time"]["median"]
+            r.step_time.median
             for r in self.runs
-            if r.get("step_time") and r["step_time"]["median"] is not None
+            if r.step_time is not None and r.step_time.median is not None
         ]
 
     def peak_memory(self) -> tuple[float, str | None]:
         """Largest peak memory (MiB) over the runs, and its kind."""
-        readings = [r["memory"] for r in self.runs if r.get("memory")]
+        readings = [r.memory for r in self.runs if r.memory is not None]
         if not readings:
             return math.nan, None
-        return max(m["peak_mb"] for m in readings), readings[0]["kind"]
+        return max(m.peak_mb for m in readings), readings[0].kind
 
     def score(self) -> float:
         """Tuning score (higher wins): ±mean final test metric; −inf if incomplete."""
@@ -157,7 +145,7 @@ class Setting:
         return mean if self.maximize else -mean
 
 
-def group_settings(results: Iterable[dict[str, Any]]) -> list[Setting]:
+def group_settings(results: Iterable[RunResult]) -> list[Setting]:
     """Group results by (problem, optimizer, hyperparameters).
 
     Runs that failed before their hyperparameters were known (e.g. an invalid grid)
@@ -171,10 +159,10 @@ def group_settings(results: Iterable[dict[str, Any]]) -> list[Setting]:
     """
     settings: dict[tuple[str, str, str], Setting] = {}
     for result in results:
-        hyper = result.get("hyperparameters") or {}
-        key = (result["problem"], result["optimizer"], _key(hyper))
+        hyper = result.hyperparameters or {}
+        key = (result.problem, result.optimizer, _key(hyper))
         if key not in settings:
-            settings[key] = Setting(result["problem"], result["optimizer"], hyper)
+            settings[key] = Setting(result.problem, result.optimizer, hyper)
         settings[key].runs.append(result)
     return list(settings.values())
 

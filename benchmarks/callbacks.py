@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from benchmarks.eta import format_duration, job_kind, prior_seconds, remaining_seconds
+from benchmarks.result import RunResult
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 # tqdm's bar with the cost-weighted ETA (the postfix) in place of its rate-based one.
@@ -63,39 +64,32 @@ def _format_setting(settings: dict[str, Any]) -> str:
     )
 
 
-def summary_line(summary: dict[str, Any]) -> str:
+def summary_line(result: RunResult) -> str:
     """One line describing a finished job (from :func:`benchmarks.job.run_job`).
 
     Args:
-        summary: The job summary.
+        result: The job's record.
 
     Returns:
         E.g. ``digits_mlp sgd lr=0.1 seed=0: final test accuracy 0.9533, train 3.2 s
         (1.05 ms/step)``.
     """
-    setting = summary.get("grid_point") or summary.get("hyperparameters") or {}
+    setting = result.grid_point or result.hyperparameters or {}
     head = (
-        f"{summary['problem']} {summary['optimizer']} {_format_setting(setting)} "
-        f"seed={summary['seed']}"
+        f"{result.problem} {result.optimizer} {_format_setting(setting)} "
+        f"seed={result.seed}"
     ).replace("  ", " ")
-    status = summary["status"]
-    if status == "skipped":
+    if result.status == "skipped":
         return f"{head}: skipped (grid_point beyond this optimizer's grid)"
-    if status == "failed":
-        return (
-            f"{head}: FAILED {summary['error']} (traceback: {summary['result_file']})"
-        )
-    if status == "diverged":
-        return (
-            f"{head}: DIVERGED ({summary['divergence']}) after "
-            f"{summary['train_time']:.1f} s"
-        )
-    step = summary["step_time"]["median"]
+    if result.status == "failed":
+        return f"{head}: FAILED {result.error} (traceback: {result.result_file})"
+    if result.status == "diverged":
+        return f"{head}: DIVERGED ({result.divergence}) after {result.train_time:.1f} s"
+    step = result.step_time.median
     per_step = f" ({1e3 * step:.3g} ms/step)" if step is not None else ""
-    final = summary["final"]["test_metric"]
     return (
-        f"{head}: final test {summary['metric']} {final:.4g}, "
-        f"train {summary['train_time']:.1f} s{per_step}"
+        f"{head}: final test {result.metric} {result.final.test_metric:.4g}, "
+        f"train {result.train_time:.1f} s{per_step}"
     )
 
 
@@ -238,13 +232,8 @@ def failed_result_files(sweep_dir: Path) -> list[str]:
         The paths, in job order; diverged runs are results, not failures.
     """
     from benchmarks.aggregate import load_results
-    from benchmarks.job import RESULT_FILE
 
-    return [
-        str(Path(r["job_dir"], RESULT_FILE).resolve())
-        for r in load_results(sweep_dir)
-        if r["status"] == "failed"
-    ]
+    return [str(r.result_file) for r in load_results(sweep_dir) if r.status == "failed"]
 
 
 class SweepReport(Callback):
@@ -266,10 +255,10 @@ class SweepReport(Callback):
         """
         if job_return.status != JobStatus.COMPLETED:
             return  # Hydra reports the exception and exits 1 itself
-        summary = job_return.return_value
-        if summary["status"] == "failed":
+        result: RunResult = job_return.return_value
+        if result.status == "failed":
             raise SystemExit(1)
-        print(f"Result: {summary['result_file']}", flush=True)
+        print(f"Result: {result.result_file}", flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         """Run the grid extension, write and print the report; exit 1 on failures.

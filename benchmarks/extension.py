@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from benchmarks.aggregate import Tuned, group_settings, load_results, tune
 from benchmarks.callbacks import summary_line
 from benchmarks.job import run_job
+from benchmarks.result import RunResult
 
 #: Ratio between neighbouring grid values: half a decade.
 FACTOR = 10**0.5
@@ -51,7 +52,7 @@ class Extension:
     edge: str
     value: float
     new_value: float
-    runs: list[dict[str, Any]]
+    runs: list[RunResult]
 
 
 def _extendable(values: list[Any]) -> bool:
@@ -90,7 +91,7 @@ def extensions(tuned: dict[tuple[str, str], Tuned]) -> list[Extension]:
     return found
 
 
-def job_config(extension: Extension, run: dict[str, Any], round_: int) -> DictConfig:
+def job_config(extension: Extension, run: RunResult, round_: int) -> DictConfig:
     """The config of one extension job: a tuned run's config with the new value.
 
     Args:
@@ -101,7 +102,7 @@ def job_config(extension: Extension, run: dict[str, Any], round_: int) -> DictCo
     Returns:
         The job config.
     """
-    cfg = OmegaConf.create(run["config"])
+    cfg = OmegaConf.create(run.config)
     cfg.grid, cfg.grid_point = None, None
     OmegaConf.update(cfg.optimizer, extension.key, extension.new_value, merge=False)
     cfg.extended_from = {
@@ -146,9 +147,9 @@ def extend_sweep(
             )
             for run in extension.runs:
                 number = _next_job_number(sweep_dir)
-                summary = run_job(
+                result = run_job(
                     job_config(extension, run, round_), sweep_dir / str(number)
                 )
-                log(f"[extension job {number}] {summary_line(summary)}")
+                log(f"[extension job {number}] {summary_line(result)}")
                 jobs += 1
     return jobs

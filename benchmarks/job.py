@@ -8,7 +8,6 @@ The job never raises for a failing run: divergence (see
 
 from __future__ import annotations
 
-import json
 import math
 import platform
 import traceback
@@ -28,9 +27,8 @@ from benchmarks.measure import (
     resolve_dtype,
 )
 from benchmarks.problems import Problem, build_problem
+from benchmarks.result import FinalMetrics, RunResult, StepTime
 from benchmarks.training import OptimizerNeeds, mini_batches, train
-
-RESULT_FILE = "result.json"
 
 
 def hyperparameters(optimizer_cfg: DictConfig) -> dict[str, Any]:
@@ -61,17 +59,6 @@ def hyperparameters(optimizer_cfg: DictConfig) -> dict[str, Any]:
     return flat
 
 
-def _finite_or_none(value: Any) -> Any:
-    """Replace non-finite floats (recursively) by ``None`` for strict JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite_or_none(v) for v in value]
-    return value
-
-
 def _seeds(seed: int) -> tuple[int, int]:
     """Independent seeds for the model initialization and the batch order."""
     model_seed, batch_seed = np.random.SeedSequence(seed).generate_state(2)
@@ -89,8 +76,8 @@ def _build_optimizer(cfg: DictConfig, problem: Problem) -> torch.optim.Optimizer
     return factory(problem.trainable_parameters())
 
 
-def _train_from_config(cfg: DictConfig) -> dict[str, Any]:
-    """Build everything from the config, train, and summarize."""
+def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
+    """Build everything from the config, train, and record into ``result``."""
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
@@ -119,40 +106,36 @@ def _train_from_config(cfg: DictConfig) -> dict[str, Any]:
     curves = log.curves
     maximize = problem.protocol.maximize
     finite = [m for m in curves.test_metric if math.isfinite(m)]
-    best = (max if maximize else min)(finite) if finite else None
-    final_ok = not log.diverged
-    reading = memory.read()
-    return {
-        "status": "diverged" if log.diverged else "ok",
-        "metric": problem.protocol.metric,
-        "maximize": maximize,
-        "targets": list(problem.protocol.targets),
-        "curves": vars(curves),
-        "final": {
-            "train_loss": curves.train_loss[-1] if final_ok else None,
-            "test_loss": curves.test_loss[-1] if final_ok else None,
-            "test_metric": curves.test_metric[-1] if final_ok else None,
-        },
-        "best": {"test_metric": best},
-        "steps_to_target": log.steps_to_target,
-        "time_to_target": log.time_to_target,
-        "steps_taken": len(log.step_times),
-        "train_time": sum(log.step_times),
-        "step_time": {
-            "median": log.median_step_time(cfg.timing.warmup_steps),
-            "warmup_steps": cfg.timing.warmup_steps,
-        },
-        "memory": vars(reading),
-        "diverged": log.diverged,
-        "divergence": log.divergence,
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device)
+    final = FinalMetrics()
+    if not log.diverged:
+        final = FinalMetrics(
+            curves.train_loss[-1], curves.test_loss[-1], curves.test_metric[-1]
+        )
+    result.status = "diverged" if log.diverged else "ok"
+    result.metric = problem.protocol.metric
+    result.maximize = maximize
+    result.targets = list(problem.protocol.targets)
+    result.curves = curves
+    result.final = final
+    result.best_test_metric = (max if maximize else min)(finite) if finite else None
+    result.steps_to_target = log.steps_to_target
+    result.time_to_target = log.time_to_target
+    result.steps_taken = len(log.step_times)
+    result.train_time = sum(log.step_times)
+    result.step_time = StepTime(
+        log.median_step_time(cfg.timing.warmup_steps), cfg.timing.warmup_steps
+    )
+    result.memory = memory.read()
+    result.divergence = log.divergence
+    result.device = str(device)
+    result.device_name = (
+        torch.cuda.get_device_name(device)
         if device.type == "cuda"
-        else platform.processor() or platform.machine(),
-        "num_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "num_parameters": sum(p.numel() for p in problem.trainable_parameters()),
-    }
+        else platform.processor() or platform.machine()
+    )
+    result.num_threads = torch.get_num_threads()
+    result.torch_version = torch.__version__
+    result.num_parameters = sum(p.numel() for p in problem.trainable_parameters())
 
 
 def _config_container(cfg: DictConfig) -> dict[str, Any]:
@@ -163,7 +146,7 @@ def _config_container(cfg: DictConfig) -> dict[str, Any]:
         return OmegaConf.to_container(cfg, resolve=False)
 
 
-def run_job(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
+def run_job(cfg: DictConfig, output_dir: Path) -> RunResult:
     """Run one job and write ``result.json`` into ``output_dir``.
 
     Args:
@@ -171,52 +154,21 @@ def run_job(cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         output_dir: The Hydra job directory.
 
     Returns:
-        A short summary (for the progress callback): problem, optimizer, seed, the
-        grid point, status, divergence reason, metric, final test metric, train
-        time, error, and the path of ``result.json`` (``result_file``).
+        The job's record (also for the progress callback), with ``job_dir`` set.
     """
-    result: dict[str, Any] = {
-        "problem": cfg.problem.name,
-        "optimizer": cfg.optimizer_name,
-        "seed": cfg.seed,
-        "status": "failed",
-        "error": None,
-        "grid_point": {},
-    }
+    result = RunResult(cfg.problem.name, cfg.optimizer_name, cfg.seed)
     try:
         point = select_grid_point(cfg)
         if point is None:
-            result["status"] = "skipped"
+            result.status = "skipped"
         else:
-            result["grid_point"] = point
-            result["hyperparameters"] = hyperparameters(cfg.optimizer)
-            result.update(_train_from_config(cfg))
+            result.grid_point = point
+            result.hyperparameters = hyperparameters(cfg.optimizer)
+            _train_from_config(cfg, result)
     except Exception as err:
-        result["status"] = "failed"
-        result["error"] = f"{type(err).__name__}: {err}"
-        result["traceback"] = traceback.format_exc()
-    result["config"] = _config_container(cfg)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    result_file = output_dir / RESULT_FILE
-    with open(result_file, "w") as f:
-        json.dump(_finite_or_none(result), f, indent=1)
-    return {
-        "result_file": str(result_file.resolve()),
-        **{
-            key: result.get(key)
-            for key in (
-                "problem",
-                "optimizer",
-                "seed",
-                "grid_point",
-                "hyperparameters",
-                "status",
-                "divergence",
-                "metric",
-                "final",
-                "train_time",
-                "step_time",
-                "error",
-            )
-        },
-    }
+        result.status = "failed"
+        result.error = f"{type(err).__name__}: {err}"
+        result.traceback = traceback.format_exc()
+    result.config = _config_container(cfg)
+    result.write(output_dir)
+    return result

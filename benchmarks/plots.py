@@ -13,13 +13,13 @@ import textwrap
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from benchmarks.aggregate import Setting, Tuned
+from benchmarks.result import RunResult
 
 #: A sensitivity curve whose means differ by less than this fraction is flat.
 FLAT_TOLERANCE = 1e-4
@@ -42,9 +42,9 @@ def _save(figure: Figure, path: Path) -> Path:
     return path
 
 
-def _stack(runs: Sequence[dict[str, Any]], key: str) -> np.ndarray:
+def _stack(runs: Sequence[RunResult], key: str) -> np.ndarray:
     """Curves of several seeds as a NaN-padded ``[seeds, evaluations]`` array."""
-    curves = [np.asarray(r["curves"][key], dtype=float) for r in runs]
+    curves = [np.asarray(getattr(r.curves, key), dtype=float) for r in runs]
     length = max(len(c) for c in curves)
     out = np.full((len(curves), length), np.nan)
     for i, curve in enumerate(curves):
@@ -111,12 +111,13 @@ def curves_figure(problem: str, tuned: dict[str, Tuned]) -> Figure:
     figure = Figure(figsize=(11, 4), layout="constrained")
     axes = figure.subplots(1, 2, sharey=True)
     trained = {
-        optimizer: [r for r in choice.best.runs if "curves" in r]
+        optimizer: [r for r in choice.best.runs if r.trained]
         for optimizer, choice in tuned.items()
     }
     trained = {optimizer: runs for optimizer, runs in trained.items() if runs}
-    first = next(iter(trained.values()), [{}])[0]
-    metric, maximize = first.get("metric", "metric"), first.get("maximize", True)
+    first = next(iter(trained.values()), [None])[0]
+    metric = first.metric if first is not None else "metric"
+    maximize = first.maximize if first is not None else True
     log = not maximize  # a loss metric spans decades
     for optimizer, runs in trained.items():
         center, low, high = seed_band(_stack(runs, "test_metric"), log)
@@ -195,7 +196,7 @@ def _final_metrics(
     )
     finals = np.full((max(len(s.runs) for _, s in points), len(points)), np.nan)
     for column, (_, setting) in enumerate(points):
-        values = [r["final"]["test_metric"] for r in setting.ok_runs]
+        values = [r.final.test_metric for r in setting.ok_runs]
         finals[: len(values), column] = values
     values = np.array([value for value, _ in points])
     return values, finals, [value for value, s in points if not s.complete]
@@ -222,7 +223,7 @@ def sensitivity_figure(problem: str, key: str, tuned: dict[str, Tuned]) -> Figur
     ax = figure.subplots()
     varied = {o: choice for o, choice in tuned.items() if key in choice.grid}
     first = next(iter(varied.values()), None)
-    metric = first.best.runs[0].get("metric", "metric") if first else "metric"
+    metric = (first.best.runs[0].metric or "metric") if first else "metric"
     log = first is not None and not first.best.maximize  # a loss spans decades
     drawn = []
     for optimizer, choice in varied.items():

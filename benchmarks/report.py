@@ -24,6 +24,7 @@ from benchmarks.aggregate import (
     tune,
 )
 from benchmarks.plots import plot_curves, plot_sensitivity, plot_step_cost
+from benchmarks.result import FinalMetrics, RunResult
 
 REPORT_DIR = "report"
 NOTES = (
@@ -62,39 +63,39 @@ CSV_COLUMNS = [
 ]
 
 
-def _csv_row(result: dict[str, Any]) -> dict[str, Any]:
+def _csv_row(result: RunResult) -> dict[str, Any]:
     """Flatten one result into a CSV row."""
-    final = result.get("final") or {}
+    final = result.final or FinalMetrics()
     return {
-        "problem": result["problem"],
-        "optimizer": result["optimizer"],
-        "seed": result["seed"],
-        "status": result["status"],
-        "hyperparameters": json.dumps(result.get("hyperparameters"), sort_keys=True),
-        "metric": result.get("metric"),
-        "final_test_metric": final.get("test_metric"),
-        "final_test_loss": final.get("test_loss"),
-        "final_train_loss": final.get("train_loss"),
-        "best_test_metric": (result.get("best") or {}).get("test_metric"),
-        "targets": json.dumps(result.get("targets")),
+        "problem": result.problem,
+        "optimizer": result.optimizer,
+        "seed": result.seed,
+        "status": result.status,
+        "hyperparameters": json.dumps(result.hyperparameters, sort_keys=True),
+        "metric": result.metric,
+        "final_test_metric": final.test_metric,
+        "final_test_loss": final.test_loss,
+        "final_train_loss": final.train_loss,
+        "best_test_metric": result.best_test_metric,
+        "targets": json.dumps(result.targets if result.trained else None),
         **{
             f"{key}_{i + 1}": value
             for key in ("steps_to_target", "time_to_target")
-            for i, value in enumerate(result.get(key) or [])
+            for i, value in enumerate(getattr(result, key))
         },
-        "median_step_time": (result.get("step_time") or {}).get("median"),
-        "train_time": result.get("train_time"),
-        "peak_memory_mb": (result.get("memory") or {}).get("peak_mb"),
-        "memory_kind": (result.get("memory") or {}).get("kind"),
-        "device": result.get("device"),
-        "divergence": result.get("divergence"),
-        "extended_from": json.dumps((result.get("config") or {}).get("extended_from")),
-        "error": result.get("error"),
-        "job_dir": result["job_dir"],
+        "median_step_time": result.step_time and result.step_time.median,
+        "train_time": result.train_time,
+        "peak_memory_mb": result.memory and result.memory.peak_mb,
+        "memory_kind": result.memory and result.memory.kind,
+        "device": result.device,
+        "divergence": result.divergence,
+        "extended_from": json.dumps(result.extended_from),
+        "error": result.error,
+        "job_dir": result.job_dir,
     }
 
 
-def write_csv(results: list[dict[str, Any]], path: Path) -> Path:
+def write_csv(results: list[RunResult], path: Path) -> Path:
     """One row per run; ``steps_to_target_<i>``/``time_to_target_<i>`` per target.
 
     Args:
@@ -105,7 +106,7 @@ def write_csv(results: list[dict[str, Any]], path: Path) -> Path:
         ``path``.
     """
     with open(path, "w", newline="") as f:
-        num_targets = max(len(r.get("targets") or []) for r in results)
+        num_targets = max(len(r.targets) for r in results)
         per_target = [
             f"{key}_{i + 1}"
             for i in range(num_targets)
@@ -206,10 +207,10 @@ def problem_table(
         Markdown text.
     """
     first = next(r for t in tuned.values() for r in t.best.runs)
-    config = first.get("config", {}).get("problem", {})
-    metric = first.get("metric") or config.get("metric", "metric")
+    config = first.config.get("problem", {})
+    metric = first.metric or config.get("metric", "metric")
     direction = "higher" if next(iter(tuned.values())).best.maximize else "lower"
-    targets = first.get("targets") or []
+    targets = first.targets
     columns = [
         "optimizer",
         "tuned",
@@ -341,7 +342,7 @@ def trade_off(
     best = choice.best
     rival_name, rival = max(others.items(), key=lambda item: item[1].best.score())
     first = best.runs[0]
-    metric, targets = first.get("metric", "metric"), first.get("targets") or []
+    metric, targets = first.metric or "metric", first.targets
     final, _ = best.final("test_metric")
     rival_final, _ = rival.best.final("test_metric")
     tuned_values = {key: best.hyperparameters.get(key) for key in choice.grid}
@@ -411,7 +412,7 @@ def markdown_report(
     Returns:
         Markdown text.
     """
-    devices = sorted({r.get("device", "?") for s in settings for r in s.runs})
+    devices = sorted({r.device or "?" for s in settings for r in s.runs})
     parts = [
         "# Optimizer benchmark",
         "",

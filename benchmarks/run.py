@@ -17,17 +17,18 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from benchmarks.job import run_job
+from benchmarks.result import RunResult
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> dict:
+def main(cfg: DictConfig) -> RunResult:
     """Run the job described by ``cfg`` (see ``conf/config.yaml``).
 
     Args:
         cfg: The composed config.
 
     Returns:
-        The job summary (consumed by the progress callback).
+        The job's record (consumed by the progress callback).
     """
     return run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
 

@@ -8,20 +8,23 @@ import statistics
 import pytest
 
 from benchmarks.aggregate import group_settings, mean_std, step_time_ratio, tune
+from benchmarks.result import RunResult
 
 
 def result(optimizer, lr, seed, metric, status="ok", maximize=True, step=1e-3):
     """A minimal trained-run record."""
-    return {
-        "problem": "p",
-        "optimizer": optimizer,
-        "seed": seed,
-        "status": status,
-        "hyperparameters": {"lr": lr},
-        "maximize": maximize,
-        "final": {"test_metric": metric if status == "ok" else None},
-        "step_time": {"median": step},
-    }
+    return RunResult.from_json(
+        {
+            "problem": "p",
+            "optimizer": optimizer,
+            "seed": seed,
+            "status": status,
+            "hyperparameters": {"lr": lr},
+            "maximize": maximize,
+            "final": {"test_metric": metric if status == "ok" else None},
+            "step_time": {"median": step},
+        }
+    )
 
 
 def test_mean_std_is_sample_statistics():

@@ -13,21 +13,24 @@ import pytest
 
 from benchmarks.aggregate import group_settings, load_results, tune
 from benchmarks.extension import FACTOR, extend_sweep, extensions
+from benchmarks.result import RunResult
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def result(lr, seed, metric, status="ok", key="lr"):
     """A minimal trained-run record (what tune() reads)."""
-    return {
-        "problem": "p",
-        "optimizer": "sgd",
-        "seed": seed,
-        "status": status,
-        "hyperparameters": {key: lr},
-        "maximize": True,
-        "final": {"test_metric": metric if status == "ok" else None},
-    }
+    return RunResult.from_json(
+        {
+            "problem": "p",
+            "optimizer": "sgd",
+            "seed": seed,
+            "status": status,
+            "hyperparameters": {key: lr},
+            "maximize": True,
+            "final": {"test_metric": metric if status == "ok" else None},
+        }
+    )
 
 
 def found(runs):

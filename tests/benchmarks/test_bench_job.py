@@ -10,9 +10,10 @@ import torch
 
 from benchmarks.callbacks import summary_line
 from benchmarks.data import Dataset
-from benchmarks.job import RESULT_FILE, hyperparameters, run_job
+from benchmarks.job import hyperparameters, run_job
 from benchmarks.models import mlp
 from benchmarks.problems import Problem, Protocol
+from benchmarks.result import RESULT_FILE
 from benchmarks.training import evaluate, mini_batches
 
 
@@ -97,7 +98,7 @@ def test_successful_job_records_curves_and_targets(compose_config, tmp_path):
             "timing.warmup_steps=2",
         ],
     )
-    assert result["status"] == "ok" and summary["status"] == "ok"
+    assert result["status"] == "ok" and summary.status == "ok"
     curves = result["curves"]
     assert curves["step"] == [0, 4, 8, 12]
     assert curves["time"][0] == 0 and curves["time"] == sorted(curves["time"])
@@ -197,7 +198,7 @@ def test_chance_level_accuracy_is_diverged(compose_config, tmp_path, margin):
 
 def test_failing_job_is_recorded_not_raised(compose_config, tmp_path):
     summary, result = _job(compose_config, tmp_path, ["optimizer.lr=-1"])
-    assert result["status"] == "failed" and summary["status"] == "failed"
+    assert result["status"] == "failed" and summary.status == "failed"
     assert "Invalid learning rate" in result["error"]
     assert "Traceback" in result["traceback"]
 

@@ -18,6 +18,7 @@ from benchmarks.plots import (
     step_cost_figure,
 )
 from benchmarks.report import write_report
+from benchmarks.result import RunResult
 
 LM = "dampednewton.LevenbergMarquardt"
 
@@ -25,23 +26,25 @@ LM = "dampednewton.LevenbergMarquardt"
 def result(optimizer, hyperparameters, seed, final, metric="loss", curve=None):
     """A trained run on ``noisy_quadratic`` (a loss metric: lower is better)."""
     curve = curve or [100.0, 10.0, final]
-    return {
-        "problem": "noisy_quadratic",
-        "optimizer": optimizer,
-        "seed": seed,
-        "status": "ok",
-        "hyperparameters": hyperparameters,
-        "maximize": metric != "loss",
-        "metric": metric,
-        "targets": [],
-        "final": {"test_metric": final},
-        "curves": {
-            "step": [0, 5, 10],
-            "time": [0.0, 0.1, 0.2],
-            "test_metric": curve,
-        },
-        "step_time": {"median": 1e-3},
-    }
+    return RunResult.from_json(
+        {
+            "problem": "noisy_quadratic",
+            "optimizer": optimizer,
+            "seed": seed,
+            "status": "ok",
+            "hyperparameters": hyperparameters,
+            "maximize": metric != "loss",
+            "metric": metric,
+            "targets": [],
+            "final": {"test_metric": final},
+            "curves": {
+                "step": [0, 5, 10],
+                "time": [0.0, 0.1, 0.2],
+                "test_metric": curve,
+            },
+            "step_time": {"median": 1e-3},
+        }
+    )
 
 
 def tuned_on(runs):
@@ -157,7 +160,7 @@ def test_step_cost_without_any_timing_draws_a_note():
         "status": "failed",
         "hyperparameters": {"lr": -1},
     }
-    figure = step_cost_figure(group_settings([failed]))
+    figure = step_cost_figure(group_settings([RunResult.from_json(failed)]))
     FigureCanvasAgg(figure).draw()
     assert _notes(figure) == ["no run was timed"]
 

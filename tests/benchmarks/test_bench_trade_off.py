@@ -4,24 +4,27 @@ from __future__ import annotations
 
 from benchmarks.aggregate import group_settings, tune
 from benchmarks.report import trade_off
+from benchmarks.result import RunResult
 
 
 def result(optimizer, seed, final, steps, seconds, step_time, lr=1.0):
     """A trained run on problem ``p`` with targets 0.5 and 0.9 (accuracy)."""
-    return {
-        "problem": "p",
-        "optimizer": optimizer,
-        "seed": seed,
-        "status": "ok",
-        "hyperparameters": {"lr": lr},
-        "maximize": True,
-        "metric": "accuracy",
-        "targets": [0.5, 0.9],
-        "final": {"test_metric": final},
-        "steps_to_target": steps,
-        "time_to_target": seconds,
-        "step_time": {"median": step_time},
-    }
+    return RunResult.from_json(
+        {
+            "problem": "p",
+            "optimizer": optimizer,
+            "seed": seed,
+            "status": "ok",
+            "hyperparameters": {"lr": lr},
+            "maximize": True,
+            "metric": "accuracy",
+            "targets": [0.5, 0.9],
+            "final": {"test_metric": final},
+            "steps_to_target": steps,
+            "time_to_target": seconds,
+            "step_time": {"median": step_time},
+        }
+    )
 
 
 def paragraph(runs):
