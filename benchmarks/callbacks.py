@@ -80,7 +80,7 @@ def summary_line(result: RunResult) -> str:
         f"seed={result.seed}"
     ).replace("  ", " ")
     if result.status == "skipped":
-        return f"{head}: skipped (grid_point beyond this optimizer's grid)"
+        return f"{head}: skipped ({result.skip_reason})"
     if result.status == "failed":
         return f"{head}: FAILED {result.error} (traceback: {result.result_file})"
     if result.status == "diverged":

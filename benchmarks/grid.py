@@ -45,6 +45,27 @@ def grid_points(grid: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def skip_reason(cfg: DictConfig) -> str | None:
+    """Why the job is not to run, before its grid point is known.
+
+    A damping rule other than ``constant`` (``conf/damping/``) on an optimizer that
+    takes none (``takes_damping_rules: false``): a sweep crossing optimizers with
+    damping rules skips those jobs.
+
+    Args:
+        cfg: The job config.
+
+    Returns:
+        The reason, or ``None`` when the job is to run.
+    """
+    if cfg.damping_rule != "constant" and not cfg.takes_damping_rules:
+        return (
+            f"damping={cfg.damping_rule} does not apply to "
+            f"{OmegaConf.select(cfg, 'optimizer._target_')}"
+        )
+    return None
+
+
 def select_grid_point(cfg: DictConfig) -> dict[str, Any] | None:
     """Write the job's grid point into ``cfg.optimizer``.
 

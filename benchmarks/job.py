@@ -19,7 +19,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from benchmarks.grid import select_grid_point
+from benchmarks.grid import select_grid_point, skip_reason
 from benchmarks.measure import (
     PeakMemory,
     Stopwatch,
@@ -158,9 +158,11 @@ def run_job(cfg: DictConfig, output_dir: Path) -> RunResult:
     """
     result = RunResult(cfg.problem.name, cfg.optimizer_name, cfg.seed)
     try:
-        point = select_grid_point(cfg)
+        reason = skip_reason(cfg)
+        point = None if reason else select_grid_point(cfg)
         if point is None:
             result.status = "skipped"
+            result.skip_reason = reason or "grid_point beyond this optimizer's grid"
         else:
             result.grid_point = point
             result.hyperparameters = hyperparameters(cfg.optimizer)

@@ -70,6 +70,7 @@ class RunResult:
         status: How the job ended (see the module docstring).
         error: ``"<exception type>: <message>"`` of a failed job.
         traceback: Its traceback.
+        skip_reason: Why a skipped job did not run.
         grid_point: The sweep grid's settings applied to the optimizer (``{}``
             without a grid).
         hyperparameters: The optimizer's settings, flattened with dotted keys
@@ -103,6 +104,7 @@ class RunResult:
     status: Status = "failed"
     error: str | None = None
     traceback: str | None = None
+    skip_reason: str | None = None
     grid_point: dict[str, Any] = field(default_factory=dict)
     hyperparameters: dict[str, Any] | None = None
     metric: str | None = None

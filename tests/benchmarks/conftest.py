@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "conf"
@@ -21,6 +22,7 @@ def _members(group: str) -> list[str]:
 OPTIMIZERS = _members("optimizer")
 PROBLEMS = _members("problem")
 SWEEPS = _members("sweep")
+DAMPINGS = _members("damping")
 
 
 @pytest.fixture
@@ -31,11 +33,15 @@ def compose_config() -> Callable[..., DictConfig]:
         overrides: Sequence[str] = (), return_hydra_config: bool = False
     ) -> DictConfig:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return compose(
-                "config",
-                overrides=list(overrides),
-                return_hydra_config=return_hydra_config,
-            )
+            cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+        # As in a Hydra job: `${hydra:runtime.choices...}` names the optimizer.
+        HydraConfig.instance().set_config(cfg)
+        for key in ("optimizer_name", "damping_rule"):  # resolved while it is set
+            cfg[key] = cfg[key]
+        if not return_hydra_config:
+            with open_dict(cfg):
+                del cfg["hydra"]
+        return cfg
 
     return _compose
 
@@ -55,4 +61,10 @@ def problem_name(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(params=SWEEPS)
 def sweep_name(request: pytest.FixtureRequest) -> str:
     """Every member of the ``sweep`` config group."""
+    return request.param
+
+
+@pytest.fixture(params=DAMPINGS)
+def damping_rule(request: pytest.FixtureRequest) -> str:
+    """Every member of the ``damping`` config group."""
     return request.param

@@ -14,7 +14,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from benchmarks.data import Dataset
-from benchmarks.grid import grid_points, select_grid_point
+from benchmarks.grid import grid_points, select_grid_point, skip_reason
 from benchmarks.measure import Stopwatch
 from benchmarks.models import mlp
 from benchmarks.problems import METRICS, Problem, Protocol, build_problem
@@ -55,9 +55,7 @@ def test_root_config_defaults(compose_config):
     assert cfg.grid is None and cfg.grid_point is None
 
 
-def test_optimizer_config_trains_tiny_model(compose_config, optimizer_name):
-    cfg = compose_config([f"optimizer={optimizer_name}"])
-    assert cfg.optimizer_name == optimizer_name
+def _trains_tiny_model(cfg, optimizer_name):
     assert cfg.optimizer._partial_ is True, "optimizer configs must be partials"
     needs = OptimizerNeeds(**OmegaConf.to_container(cfg.optimizer_needs))
     problem = tiny_problem(steps=3)
@@ -76,6 +74,32 @@ def test_optimizer_config_trains_tiny_model(compose_config, optimizer_name):
         for b, p in zip(before, problem.trainable_parameters(), strict=True)
     ]
     assert any(moved), f"{optimizer_name} did not change any parameter in 3 steps"
+
+
+def test_optimizer_config_trains_tiny_model(compose_config, optimizer_name):
+    cfg = compose_config([f"optimizer={optimizer_name}"])
+    assert cfg.optimizer_name == optimizer_name
+    assert cfg.damping_rule == "constant" and skip_reason(cfg) is None
+    _trains_tiny_model(cfg, optimizer_name)
+
+
+@pytest.mark.parametrize("optimizer", ["dampednewton", "dampednewton_vivit"])
+def test_damping_rule_trains_tiny_model(compose_config, optimizer, damping_rule):
+    cfg = compose_config([f"optimizer={optimizer}", f"damping={damping_rule}"])
+    suffix = "" if damping_rule == "constant" else f"_{damping_rule}"
+    assert cfg.optimizer_name == optimizer + suffix
+    assert skip_reason(cfg) is None
+    if damping_rule == "constant":
+        assert isinstance(cfg.optimizer.damping, float)
+    else:
+        assert cfg.optimizer.damping._target_.startswith("dampednewton.")
+    _trains_tiny_model(cfg, cfg.optimizer_name)
+
+
+def test_damping_rule_on_an_optimizer_without_damping_is_skipped(compose_config):
+    cfg = compose_config(["optimizer=sgd", "damping=lm"])
+    assert cfg.optimizer_name == "sgd_lm"
+    assert skip_reason(cfg) == "damping=lm does not apply to torch.optim.SGD"
 
 
 def test_problem_config_builds(compose_config, problem_name):
@@ -118,8 +142,14 @@ def test_sweep_preset_gives_optimizers_equal_valid_grids(compose_config, sweep_n
     assert {"optimizer", "grid_point", "seed"} <= set(params), params
     num_points = len(_sweep_values(params.grid_point))
     assert len(_sweep_values(params.seed)) >= 3, "report at least 3 seeds"
-    for name in _sweep_values(params.optimizer):
-        cfg = compose_config([preset, f"optimizer={name}"])
+    rules = _sweep_values(params.damping) if "damping" in params else ["constant"]
+    runs = []
+    for optimizer, rule in itertools.product(_sweep_values(params.optimizer), rules):
+        cfg = compose_config([preset, f"optimizer={optimizer}", f"damping={rule}"])
+        if skip_reason(cfg) is not None:
+            continue
+        name = cfg.optimizer_name
+        runs.append(name)
         points = grid_points(OmegaConf.to_container(cfg.grid[name]))
         assert len(points) == num_points, (
             f"{sweep_name}: {name} has {len(points)} grid points, the sweep runs "
@@ -129,6 +159,8 @@ def test_sweep_preset_gives_optimizers_equal_valid_grids(compose_config, sweep_n
             job = copy.deepcopy(cfg)
             job.grid_point = index
             assert select_grid_point(job) == points[index]
+    grid = compose_config([preset]).grid
+    assert sorted(runs) == sorted(grid), "every optimizer of the grid runs"
 
 
 @pytest.mark.parametrize(
