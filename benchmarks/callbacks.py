@@ -10,8 +10,7 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from collections import Counter, defaultdict
-from dataclasses import dataclass
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -20,40 +19,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from benchmarks.eta import format_duration, job_kind, prior_seconds, remaining_seconds
+from benchmarks.eta import format_duration, remaining_seconds
 from benchmarks.result import RunResult
+from benchmarks.sweep_plan import SweepPlan
 
-BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 # tqdm's bar with the cost-weighted ETA (the postfix) in place of its rate-based one.
 ETA_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
-
-
-def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
-    """The overrides of every job the basic sweeper will launch, in launch order.
-
-    Args:
-        config: The multirun config (with its ``hydra`` node).
-
-    Returns:
-        One list of ``key=value`` overrides per job (the Cartesian product of sweep
-        parameters and command-line overrides), or ``None`` for other sweepers or
-        sweeps that cannot be expanded here (e.g. ``glob`` over config groups).
-    """
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    sweeper = config.hydra.sweeper
-    if sweeper.get("_target_") != BASIC_SWEEPER:
-        return None
-    params = [f"{key}={value}" for key, value in (sweeper.get("params") or {}).items()]
-    try:
-        overrides = OverridesParser.create().parse_overrides(
-            params + list(config.hydra.overrides.task)
-        )
-        batches = BasicSweeper.split_arguments(overrides, None)
-    except Exception:  # a sweep we cannot expand without the config loader
-        return None
-    return [list(job) for batch in batches for job in batch]
 
 
 def _format_setting(settings: dict[str, Any]) -> str:
@@ -93,61 +64,6 @@ def summary_line(result: RunResult) -> str:
     )
 
 
-@dataclass
-class SweepPlan:
-    """The jobs of a multirun with their kinds and prior costs (:mod:`benchmarks.eta`).
-
-    Attributes:
-        kinds: The kind of every job, in launch order.
-        prior: Kind → prior seconds of one job.
-        names: Kind → ``"<optimizer> on <problem>"``.
-    """
-
-    kinds: list[tuple[str, ...]]
-    prior: dict[tuple[str, ...], float]
-    names: dict[tuple[str, ...], str]
-
-    @classmethod
-    def compose(cls, config: DictConfig, jobs: list[list[str]]) -> SweepPlan:
-        """Compose one job config per kind (Hydra's own loader) and read its priors.
-
-        Args:
-            config: The multirun config.
-            jobs: Every job's overrides (:func:`sweep_jobs`).
-
-        Returns:
-            The plan.
-        """
-        from hydra.core.global_hydra import GlobalHydra
-
-        loader = GlobalHydra.instance().config_loader()
-        kinds = [job_kind(job) for job in jobs]
-        prior, names = {}, {}
-        for kind, job in dict(zip(kinds, jobs, strict=True)).items():
-            job_config = loader.load_sweep_config(config, list(job))
-            prior[kind] = prior_seconds(job_config)
-            names[kind] = f"{job_config.optimizer_name} on {job_config.problem.name}"
-        return cls(kinds, prior, names)
-
-    def describe(self) -> str:
-        """What will run and how long it should take, from the priors alone.
-
-        Returns:
-            E.g. ``36 jobs (12 sgd on digits_mlp, ...): about 45 s by the cost
-            priors ...``.
-        """
-        counts = Counter(self.names[kind] for kind in self.kinds)
-        total = remaining_seconds(self.kinds, {}, self.prior)
-        return (
-            f"{len(self.kinds)} jobs ("
-            + ", ".join(f"{n} {name}" for name, n in counts.items())
-            + f"): about {format_duration(total)} on an idle CPU thread by the "
-            "configs' cost priors (problem.cost_prior, step_cost_prior), plus "
-            "start-up, grid extensions and the report; the progress bar's ETA "
-            "follows the measured times per kind of job."
-        )
-
-
 class SweepProgress(Callback):
     """Progress bar over the jobs of a multirun, one summary line per finished job.
 
@@ -167,18 +83,17 @@ class SweepProgress(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """Print the plan and open the progress bar."""
-        jobs = sweep_jobs(config)
-        self._plan = None if jobs is None else SweepPlan.compose(config, jobs)
+        self._plan = SweepPlan.of(config)
         self._durations.clear()
         self._done = 0
         if self._plan is not None:
             print(self._plan.describe(), file=sys.stderr, flush=True)
         self._bar = tqdm(
-            total=None if jobs is None else len(jobs),
+            total=None if self._plan is None else len(self._plan.kinds),
             unit="job",
             file=sys.stderr,
             dynamic_ncols=True,
-            bar_format=None if jobs is None else ETA_BAR_FORMAT,
+            bar_format=None if self._plan is None else ETA_BAR_FORMAT,
         )
         self._show_eta()
 
@@ -190,16 +105,18 @@ class SweepProgress(Callback):
         self, config: DictConfig, job_return: JobReturn, **kwargs: Any
     ) -> None:
         """Print the job's summary line and advance the bar."""
-        if job_return.status == JobStatus.COMPLETED:
+        try:  # `return_value` raises the job's exception when it failed
             line = summary_line(job_return.return_value)
-        else:
+        except Exception as err:
             overrides = list(job_return.overrides or [])
-            line = f"job {overrides} raised: {job_return._return_value}"
+            line = f"job {overrides} raised: {err}"
         if self._bar is None:
             print(line, flush=True)
             return
-        if self._done > 0:  # the first job also pays one-off imports and data loading
-            kind = job_kind(list(job_return.overrides or []))
+        # The first job also pays one-off imports and data loading; the sequential
+        # launcher runs the jobs in the plan's order.
+        if self._plan is not None and 0 < self._done < len(self._plan.kinds):
+            kind = self._plan.kinds[self._done]
             self._durations[kind].append(time.perf_counter() - self._job_start)
         self._done += 1
         total = self._bar.total or "?"
