@@ -2,18 +2,24 @@
 
 Peak memory has different meanings on the two kinds of device:
 
-* CUDA: ``torch.cuda.max_memory_allocated`` after resetting the peak at the start of
-  the job, i.e. the job's own high-water mark of tensor memory (data, model,
-  optimizer state, temporaries).
-* CPU: ``resource.getrusage(RUSAGE_SELF).ru_maxrss``, the resident-set high-water mark
-  of the whole *process* (Python, libraries, every tensor ever alive). It cannot be
-  reset: in a sequential Hydra multirun all jobs share one process, so a job reports
-  the maximum over itself and every earlier job of the sweep. Compare CPU memory
-  between optimizers only from separate processes (one ``run.py`` call per job).
+* CUDA (``cuda_max_memory_allocated``): ``torch.cuda.max_memory_allocated`` after
+  resetting the peak at the start of the job, i.e. the job's own high-water mark of
+  tensor memory (data, model, optimizer state, temporaries).
+* CPU on Linux (``cpu_job_peak_rss``): the process's resident-set high-water mark
+  (``VmHWM`` in ``/proc/self/status``) since the start of the job, which resets it by
+  writing ``5`` to ``/proc/self/clear_refs``. It covers everything resident in the
+  process during the job: Python, the libraries, and what earlier jobs of a
+  sequential multirun left resident (``at_start_mb``), but not their peaks.
+* CPU elsewhere, or where the reset is refused (``cpu_process_max_rss``):
+  ``resource.getrusage(RUSAGE_SELF).ru_maxrss``, the high-water mark of the whole
+  process, which cannot be reset: in a sequential multirun a job reports the maximum
+  over itself and every earlier job. Compare such readings only from separate
+  processes (one ``python -m benchmarks.run`` per job).
 """
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -104,10 +110,12 @@ class MemoryReading:
     """Peak memory of a job.
 
     Attributes:
-        kind: ``"cuda_max_memory_allocated"`` or ``"cpu_process_max_rss"``.
-        peak_mb: Peak in MiB (see the module docstring for what it covers).
+        kind: ``"cuda_max_memory_allocated"``, ``"cpu_job_peak_rss"`` or
+            ``"cpu_process_max_rss"`` (see the module docstring).
+        peak_mb: Peak in MiB.
         at_start_mb: The same quantity when the job started (CUDA: tensors alive
-            before the job; CPU: the process high-water mark before the job).
+            before the job; CPU: the resident set, or for ``cpu_process_max_rss`` the
+            process high-water mark, before the job).
     """
 
     kind: str
@@ -121,11 +129,37 @@ def _max_rss_mb() -> float:
     return rss / 1024**2 if sys.platform == "darwin" else rss / 1024
 
 
+def _proc_status_mb(field: str) -> float | None:
+    """A ``/proc/self/status`` memory field (``VmHWM``, ``VmRSS``) in MiB."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the process's resident-set high-water mark (Linux), if allowed.
+
+    Returns:
+        Whether ``VmHWM`` was reset.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return _proc_status_mb("VmHWM") is not None
+
+
 class PeakMemory:
     """Track the peak memory of one job (see the module docstring)."""
 
     def __init__(self, device: torch.device) -> None:
-        """Reset the CUDA peak (CUDA) or record the current high-water mark (CPU).
+        """Reset the peak (CUDA; CPU on Linux) or record the process's peak so far.
 
         Args:
             device: The job's device.
@@ -133,13 +167,21 @@ class PeakMemory:
         self._device = device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+            self._kind = "cuda_max_memory_allocated"
             self._at_start = torch.cuda.memory_allocated(device) / 1024**2
+        elif reset_peak_rss():
+            self._kind = "cpu_job_peak_rss"
+            self._at_start = _proc_status_mb("VmRSS") or 0.0
         else:
+            self._kind = "cpu_process_max_rss"
             self._at_start = _max_rss_mb()
 
     def read(self) -> MemoryReading:
         """Return the peak so far."""
-        if self._device.type == "cuda":
+        if self._kind == "cuda_max_memory_allocated":
             peak = torch.cuda.max_memory_allocated(self._device) / 1024**2
-            return MemoryReading("cuda_max_memory_allocated", peak, self._at_start)
-        return MemoryReading("cpu_process_max_rss", _max_rss_mb(), self._at_start)
+        elif self._kind == "cpu_job_peak_rss":
+            peak = _proc_status_mb("VmHWM") or math.nan
+        else:
+            peak = _max_rss_mb()
+        return MemoryReading(self._kind, peak, self._at_start)

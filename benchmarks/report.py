@@ -279,6 +279,13 @@ def problem_table(
     diverged = _divergence_lines([s for s in settings if s.problem == problem])
     if diverged:
         lines += ["Diverged runs (per setting):", "", *diverged, ""]
+    if "cpu_job_peak_rss" in memory_kinds:
+        lines.append(
+            "Peak memory on CPU is the process's resident-set high-water mark during "
+            "the job (VmHWM, reset at its start): it includes the interpreter, the "
+            "libraries and what earlier jobs of the sweep left resident."
+        )
+        lines.append("")
     if "cpu_process_max_rss" in memory_kinds:
         lines.append(
             "Peak memory on CPU is the process's resident-set high-water mark "

@@ -119,7 +119,7 @@ def test_successful_job_records_curves_and_targets(compose_config, tmp_path):
     assert result["divergence"] is None and result["diverged"] is False
     assert result["train_time"] >= curves["time"][-1] - 1e-12
     assert result["step_time"]["median"] > 0 and result["steps_taken"] == 12
-    assert result["memory"]["kind"] == "cpu_process_max_rss"
+    assert result["memory"]["kind"] == "cpu_job_peak_rss"
     assert result["memory"]["peak_mb"] >= result["memory"]["at_start_mb"] > 0
     assert result["hyperparameters"] == {"lr": 0.5}
     assert result["config"]["problem"]["name"] == "digits_logreg"
