@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 if sys.version_info >= (3, 11):
@@ -62,3 +63,35 @@ def test_lint_still_checks_the_project_files(tmp_path):
         assert process.returncode == 1, f"{folder}: {process.stdout}"
         assert f"{folder}/module.py" in process.stdout
         (tmp_path / folder / "module.py").unlink()
+
+
+def _torch_floor() -> str:
+    (torch,) = [
+        Requirement(r)
+        for r in PYPROJECT["project"]["dependencies"]
+        if Requirement(r).name == "torch"
+    ]
+    (spec,) = torch.specifier
+    assert spec.operator == ">=", f"torch needs a floor, not {spec}"
+    return spec.version
+
+
+def test_torch_floor_admits_no_version_without_the_apis_at_import():
+    # Every policy module calls torch.serialization.add_safe_globals at import (2.4).
+    floor = tuple(int(part) for part in _torch_floor().split("."))
+    assert floor >= (2, 4)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_test_floor_installs_the_declared_floor():
+    # `make test-floor` (not part of `make test`) runs the suite on that torch.
+    process = subprocess.run(
+        ["make", "-n", "test-floor"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert process.returncode == 0, process.stderr
+    assert f'"torch=={_torch_floor()}.*"' in process.stdout
+    assert "pytest" in process.stdout

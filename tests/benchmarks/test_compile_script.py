@@ -7,9 +7,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+from packaging.version import Version
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.skipif(
+    Version(torch.__version__).release[:2] < (2, 8),
+    reason="TorchDynamo's explain of torch 2.4.1 to 2.7.1 counts no graph of the "
+    "extended model (make test-floor)",
+)
 def test_compile_script_reports_graph_breaks_and_both_timings():
     command = [sys.executable, "-m", "benchmarks.compile_cost"]
     command += ["--batch-size", "8", "--repeats", "1", "--threads", "1"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from backpack import extend
+from packaging.version import Version
 from torch import nn
 
 from dampednewton import DampedNewton
@@ -17,6 +18,12 @@ class TinyNet(nn.Sequential):
         super().__init__(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
 
 
+# TorchDynamo of torch 2.4 keeps the hooks of a model whose class it compiled before
+# without them (`make test-floor`); the graph reuse this guards against came with 2.5.
+@pytest.mark.skipif(
+    Version(torch.__version__).release[:2] < (2, 5),
+    reason="torch < 2.5 does not reuse a hook-free graph for the extended model",
+)
 def test_compiled_model_that_skips_backpacks_hooks_is_refused_naming_compile():
     gen = torch.Generator().manual_seed(0)
     X, y = torch.randn(8, 3, generator=gen), torch.tensor([0, 1] * 4)

@@ -56,13 +56,13 @@ def run(optimizer: DampedNewton, case: Case, steps: int) -> None:
 
 
 def checkpoint(case: Case, optimizer: DampedNewton) -> dict:
-    """Save model and optimizer through a buffer; load with torch.load's defaults."""
+    """Save model and optimizer through a buffer; load with ``weights_only=True``."""
     buffer = io.BytesIO()
     torch.save(
         {"model": case.model.state_dict(), "optimizer": optimizer.state_dict()}, buffer
     )
     buffer.seek(0)
-    return torch.load(buffer)  # weights_only=True by default
+    return torch.load(buffer, weights_only=True)  # the default from torch 2.6 on
 
 
 @pytest.mark.parametrize("mc_samples", MODES.values(), ids=MODES.keys())
