@@ -36,7 +36,7 @@ bench: $(STAMP)
 # --extra-index-url https://pypi.org/simple" for the CPU build where that index is
 # reachable.
 FLOOR_VENV := .venv-floor
-TORCH_FLOOR := $(shell sed -n 's/^ *"torch>=\([0-9.]*\)",*$$/\1/p' pyproject.toml)
+TORCH_FLOOR := $(shell sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)
 FLOOR_PIP_ARGS ?=
 
 test-floor: pyproject.toml

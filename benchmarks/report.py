@@ -25,6 +25,13 @@ from benchmarks.aggregate import (
 )
 from benchmarks.plots import plot_curves, plot_sensitivity, plot_step_cost
 from benchmarks.result import FinalMetrics, RunResult
+from benchmarks.text import (
+    format_hyperparameters,
+    format_number,
+    format_pm,
+    format_value,
+)
+from benchmarks.trade_off import trade_off
 
 REPORT_DIR = "report"
 NOTES = (
@@ -120,23 +127,6 @@ def write_csv(results: list[RunResult], path: Path) -> Path:
     return path
 
 
-def _num(value: float, digits: int = 4) -> str:
-    """Compact number, ``—`` for NaN."""
-    return "—" if not math.isfinite(value) else f"{value:.{digits}g}"
-
-
-def _pm(mean: float, std: float, digits: int = 4) -> str:
-    """``mean ± std``."""
-    if not math.isfinite(mean):
-        return "—"
-    return f"{_num(mean, digits)} ± {_num(std, 2)}"
-
-
-def _value(value: Any) -> str:
-    """A hyperparameter value for the table."""
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
 EXTENDED = "extended from edge"
 
 
@@ -146,7 +136,9 @@ def _tuned_cell(choice: Tuned) -> str:
     for key in choice.grid:
         edge = choice.edges.get(key)
         flag = f" ⚠ {edge} of grid" if edge else ""
-        parts.append(f"{key}={_value(choice.best.hyperparameters.get(key))}{flag}")
+        parts.append(
+            f"{key}={format_value(choice.best.hyperparameters.get(key))}{flag}"
+        )
     extended = f" ({EXTENDED})" if choice.best.extended_from else ""
     return (", ".join(parts) or "(not tuned)") + extended
 
@@ -159,7 +151,7 @@ def _grid_values(choice: Tuned, key: str) -> str:
         if (s.extended_from or {}).get("key") == key
     }
     return ", ".join(
-        _value(v) + (f" ({EXTENDED})" if json.dumps(v) in added else "")
+        format_value(v) + (f" ({EXTENDED})" if json.dumps(v) in added else "")
         for v in choice.grid[key]
     )
 
@@ -171,7 +163,7 @@ def _divergence_lines(settings: list[Setting]) -> list[str]:
         diverged = setting.divergences()
         if not diverged:
             continue
-        values = _format_hyperparameters(setting.hyperparameters)
+        values = format_hyperparameters(setting.hyperparameters)
         reasons = "; ".join(f"seed {seed}: {reason}" for seed, reason in diverged)
         lines.append(
             f"- {setting.optimizer} {values}: {len(diverged)}/{len(setting.runs)} "
@@ -180,17 +172,12 @@ def _divergence_lines(settings: list[Setting]) -> list[str]:
     return lines
 
 
-def _format_hyperparameters(hyperparameters: dict[str, Any]) -> str:
-    """``lr=0.1, damping=0.01``."""
-    return ", ".join(f"{k}={_value(v)}" for k, v in hyperparameters.items())
-
-
 def _target_cell(setting: Setting, key: str, index: int, seeds: int) -> str:
     """``mean ± std (reached/seeds)`` of steps or seconds to one target."""
     mean, std, reached = setting.to_target(key, index)
     if reached == 0:
         return f"— (0/{seeds})"
-    return f"{_pm(mean, std, 3)} ({reached}/{seeds})"
+    return f"{format_pm(mean, std, 3)} ({reached}/{seeds})"
 
 
 def problem_table(
@@ -252,18 +239,18 @@ def problem_table(
             optimizer,
             _tuned_cell(choice),
             f"{len(best.ok_runs)}/{seeds}",
-            _pm(*best.final("test_metric")),
-            _pm(*best.best_metric()),
-            *([] if metric == "loss" else [_pm(*best.final("test_loss"))]),
-            _pm(*best.final("train_loss")),
+            format_pm(*best.final("test_metric")),
+            format_pm(*best.best_metric()),
+            *([] if metric == "loss" else [format_pm(*best.final("test_loss"))]),
+            format_pm(*best.final("train_loss")),
             *(
                 _target_cell(best, key, index, seeds)
                 for index in range(len(targets))
                 for key in ("steps_to_target", "time_to_target")
             ),
-            _num(ms, 3),
-            _num(step_time_ratio(settings, problem, optimizer), 3),
-            _num(peak, 4),
+            format_number(ms, 3),
+            format_number(step_time_ratio(settings, problem, optimizer), 3),
+            format_number(peak, 4),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Grids (values tried; every setting over the same seeds):", ""]
@@ -294,117 +281,6 @@ def problem_table(
         )
         lines.append("")
     return "\n".join(lines)
-
-
-#: Optimizer names of this package (the trade-off compares them with the others).
-PACKAGE_OPTIMIZERS = "dampednewton"
-
-
-def _compare(theirs: float, ours: float, better: str, worse: str, even: str) -> str:
-    """Words for ``theirs / ours``: ``better``/``worse`` formatted with the factor.
-
-    Args:
-        theirs: The other optimizer's value (steps, seconds).
-        ours: Ours; lower is better.
-        better: Text with ``{x}`` for ``theirs / ours > 1``, e.g. ``"{x}× fewer"``.
-        worse: Text with ``{x}`` for ``ours / theirs > 1``.
-        even: Text for a ratio within 5 % of 1.
-
-    Returns:
-        The text, the factor to 2 significant digits.
-    """
-    ratio = theirs / ours
-    if math.isclose(ratio, 1.0, rel_tol=0.05):
-        return even
-    if ratio > 1:
-        return better.format(x=f"{ratio:.2g}")
-    return worse.format(x=f"{1 / ratio:.2g}")
-
-
-def trade_off(
-    problem: str, tuned: dict[str, Tuned], settings: list[Setting]
-) -> str | None:
-    """One paragraph: the package's steps-to-target advantage vs its time per step.
-
-    Compares the best tuned ``dampednewton*`` optimizer with the other optimizers of
-    the sweep on ``problem``: on the hardest target it reached, with the other that
-    reached it in the fewest steps (steps, time per step, training time to it); and
-    its final test metric with the best other's. Every number comes from the
-    sweep's results.
-
-    Args:
-        problem: Problem name.
-        tuned: Optimizer name → tuned setting on this problem.
-        settings: All settings of the sweep (for the per-step-time ratio).
-
-    Returns:
-        The paragraph, or ``None`` if the sweep has no ``dampednewton*`` optimizer
-        or no other one on the problem.
-    """
-    ours = {o: t for o, t in tuned.items() if o.startswith(PACKAGE_OPTIMIZERS)}
-    others = {o: t for o, t in tuned.items() if o not in ours}
-    if not ours or not others:
-        return None
-    name, choice = max(ours.items(), key=lambda item: item[1].best.score())
-    best = choice.best
-    rival_name, rival = max(others.items(), key=lambda item: item[1].best.score())
-    first = best.runs[0]
-    metric, targets = first.metric or "metric", first.targets
-    final, _ = best.final("test_metric")
-    rival_final, _ = rival.best.final("test_metric")
-    tuned_values = {key: best.hyperparameters.get(key) for key in choice.grid}
-    head = f"On {problem}, {name}" + (
-        f" ({_format_hyperparameters(tuned_values)})" if tuned_values else ""
-    )
-    ending = (
-        f"Final test {metric}: {_num(final)} against {_num(rival_final)} for "
-        f"{rival_name}, the best other optimizer."
-    )
-    reached = [
-        i for i in range(len(targets)) if best.to_target("steps_to_target", i)[2]
-    ]
-    if not reached:
-        cost = step_time_ratio(settings, problem, name, rival_name)
-        return (
-            f"{head} reached no target ({', '.join(f'{t:g}' for t in targets)}) "
-            f"on any seed, and one step costs {_num(cost, 2)}× one {rival_name} step. "
-            + ending
-        )
-    index = reached[-1]
-    steps, _, seeds = best.to_target("steps_to_target", index)
-    seconds, _, _ = best.to_target("time_to_target", index)
-    of_seeds = "" if seeds == len(best.runs) else f" ({seeds}/{len(best.runs)} seeds)"
-    lead = (
-        f"{head} reached test {metric} {targets[index]:g} in {steps:.0f} steps"
-        f"{of_seeds} ({seconds:.2g} s of training)"
-    )
-    contenders = {
-        o: t.best.to_target("steps_to_target", index)[0]
-        for o, t in others.items()
-        if t.best.to_target("steps_to_target", index)[2]
-    }
-    if not contenders:
-        cost = step_time_ratio(settings, problem, name, rival_name)
-        return (
-            f"{lead}; no other optimizer reached it. One {name} step costs "
-            f"{_num(cost, 2)}× one {rival_name} step. {ending}"
-        )
-    fastest = min(contenders, key=contenders.get)
-    fastest_steps = contenders[fastest]
-    fastest_seconds, _, _ = others[fastest].best.to_target("time_to_target", index)
-    cost = step_time_ratio(settings, problem, name, fastest)
-    in_steps = _compare(
-        fastest_steps, steps, "{x}× fewer steps", "{x}× more steps", "as many steps"
-    )
-    in_time = _compare(
-        fastest_seconds, seconds, "{x}× sooner", "{x}× later", "at about the same time"
-    )
-    return (
-        f"{lead}, {fastest} (the fewest steps among the others) in "
-        f"{fastest_steps:.0f} steps: {in_steps}. One {name} step costs "
-        f"{_num(cost, 2)}× one {fastest} step, so in training time it got there "
-        f"{in_time} ({seconds:.2g} s against {fastest_seconds:.2g} s). {ending}"
-    )
 
 
 def markdown_report(

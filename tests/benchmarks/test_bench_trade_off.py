@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from benchmarks.aggregate import group_settings, tune
-from benchmarks.report import trade_off
 from benchmarks.result import RunResult
+from benchmarks.trade_off import trade_off
 
 
 def result(optimizer, seed, final, steps, seconds, step_time, lr=1.0):
