@@ -1,7 +1,8 @@
 """One parameter group's update direction: ViViT's step, complement, averaging.
 
-:class:`StepComputation` extends the ViViT computation with what belongs to the
-optimizer: the complement step (:mod:`dampednewton.policies.complement`) and the
+:class:`StepFinisher` turns a reduced GGN block into the optimizer's step, as
+ViViT's damped Newton computation does, plus what belongs to the optimizer: the
+complement step (:mod:`dampednewton.policies.complement`) and the
 curvature averaged across steps (:mod:`dampednewton.averaging`). Each group's result
 is a :class:`GroupStep`: the direction ``s`` (before the learning rate) with its
 slope ``ḡᵀs`` and curvature ``sᵀGs`` for the quadratic model
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,13 +25,18 @@ from dampednewton.averaging import (
     leading_eigenpairs,
     split_mixing,
 )
-from dampednewton.computations import DirectionalDampedNewtonComputation, NewtonStep
-from dampednewton.computations.block import Block, to_parameter_space
+from dampednewton.computations.block import (
+    Block,
+    gradient_of,
+    mean_gradient_products,
+    slope_products,
+    to_parameter_space,
+)
+from dampednewton.computations.damped_newton import NewtonStep
+from dampednewton.computations.directional_derivatives import slopes_and_curvatures
 from dampednewton.computations.selection import select_directions
 from dampednewton.math.finite import all_finite
 from dampednewton.math.gram_space import (
-    directional_curvatures,
-    directional_gradients,
     gram_space_step,
     inverse_lengths,
     newton_coefficients,
@@ -81,32 +86,52 @@ class GroupStep(NewtonStep):
     factor: AveragedFactor | None = None
 
 
-class StepComputation(DirectionalDampedNewtonComputation):
-    """The optimizer's computation: finishes every block after backward into a step.
+class StepFinisher:
+    """Finishes a group's GGN block into its :class:`GroupStep`.
 
-    Groups carry, besides ``params``, ``criterion`` and ``damping``: ``complement``
-    (policy or ``None``), ``averaging`` (:class:`CurvatureAveraging` or ``None``) and
-    ``factor`` (the group's :class:`AveragedFactor` so far, or ``None``). Blocks whose
-    GGN is not finite, or whose eigensolver fails, are left out and recorded in
-    :attr:`curvature_finite`, so that the closure can return its loss and the
-    optimizer refuse the step with a clear message.
+    The optimizer's :class:`~dampednewton.computations.engine.GGNEngine` calls it
+    after the backward pass (the complement and averaging read the full ``.grad``).
+    Blocks are groups with, besides ``params``, ``criterion`` and ``damping``:
+    ``complement`` (policy or ``None``), ``averaging`` (:class:`CurvatureAveraging`
+    or ``None``) and ``factor`` (the group's :class:`AveragedFactor` so far, or
+    ``None``). Blocks whose GGN is not finite, or whose eigensolver fails, give
+    ``None`` and are recorded in :attr:`curvature_finite`, so that the closure can
+    return its loss and the optimizer refuse the step with a clear message.
 
     Attributes:
-        curvature_finite: Whether every block's curvature was usable.
+        per_sample_gradients: Whether blocks reduce per-sample gradients (else the
+            slopes come from the mean gradient in ``.grad``).
+        subsampling_grad: The samples of the per-sample gradients (``None``: all).
+        curvature_finite: Whether every block's curvature was usable since
+            :meth:`reset`.
     """
 
-    def __init__(self, **kwargs: Any):
-        """Forward the settings to :class:`DirectionalDampedNewtonComputation`.
+    def __init__(
+        self, *, per_sample_gradients: bool, subsampling_grad: Sequence[int] | None
+    ):
+        """Configure the finisher.
 
         Args:
-            **kwargs: Its keyword arguments.
+            per_sample_gradients: See the attribute.
+            subsampling_grad: See the attribute.
         """
-        super().__init__(**kwargs)
-        # Finish after backward: the complement and averaging read the full `.grad`.
-        self.defers_finish = True
+        self.per_sample_gradients = per_sample_gradients
+        self.subsampling_grad = subsampling_grad
         self.curvature_finite = True
 
-    def _finish(self, block: Block) -> GroupStep | None:
+    def reset(self) -> None:
+        """Start a new step: every curvature usable so far."""
+        self.curvature_finite = True
+
+    def __call__(self, block: Block) -> GroupStep | None:
+        """The group's step, or ``None`` when its curvature is unusable.
+
+        Args:
+            block: The group's block, all of its parameters reduced.
+
+        Returns:
+            The step.
+        """
         try:
             if block.group["averaging"] is None:
                 return self._newton_step(block)
@@ -124,14 +149,12 @@ class StepComputation(DirectionalDampedNewtonComputation):
         the step equals the one restricted to the positive eigenvalues.
         """
         group = block.group
-        directions = select_directions(block, self._warn_small_eigvals)
+        # The optimizer warns about small eigenvalues itself, once per group.
+        directions = select_directions(block, warn_small_eigvals=0.0)
         evals, gram_evecs = directions.evals, directions.gram_evecs
         positive, lengths = directions.positive, directions.lengths
-        products = self._gradient_products(block)
-        gammas = directional_gradients(products, gram_evecs, lengths)
-        lambdas = directional_curvatures(
-            directions.gram_images, lengths, block.num_outputs, block.num_samples
-        )
+        products = slope_products(block, self.per_sample_gradients)
+        gammas, lambdas = slopes_and_curvatures(block, directions, products)
         damping = checked_damping(
             as_damping(group["damping"])(evals, gram_evecs, gammas, lambdas),
             evals.numel(),
@@ -188,14 +211,9 @@ class StepComputation(DirectionalDampedNewtonComputation):
 
     def _mean_gradient_products(self, block: Block, products: Tensor) -> Tensor:
         """``ḡᵀV`` (``[1, C·N]``) for the whole batch's mean gradient ``ḡ``."""
-        if not self.needs_gradients or self._subsampling_grad is None:
+        if not self.per_sample_gradients or self.subsampling_grad is None:
             return products.mean(0, keepdim=True)
-        shared: dict = {}
-        return sum(
-            block.factors[id(p)].mean_gradient_products(p.grad, shared)
-            for p in block.group["params"]
-            if id(p) in block.factors
-        )
+        return mean_gradient_products(block, gradient_of)
 
     def _averaged_step(self, block: Block) -> GroupStep:
         """Average this batch's GGN into the group's factor, then step along it."""
@@ -223,7 +241,7 @@ class StepComputation(DirectionalDampedNewtonComputation):
         )
         factor = AveragedFactor(basis, weights, previous.updates + 1)
         mean_products = self._mean_gradient_products(
-            block, self._gradient_products(block)
+            block, slope_products(block, self.per_sample_gradients)
         )
         return averaged_step(
             group,

@@ -1,10 +1,11 @@
-"""The single backward pass of a step: its computation, extensions and hook.
+"""The single backward pass of a step: its engine, extensions and hooks.
 
-:class:`StepPass` keeps the step's :class:`~dampednewton.group_step.StepComputation`
-and its BackPACK extensions while the settings that shape them hold, adds the
-diagnostics monitor's extensions and hook to the same pass (:func:`with_monitor`),
-and runs the closure inside that pass under the one-backward check
-(:func:`run_closure`).
+:class:`StepPass` keeps the step's :class:`~dampednewton.computations.engine.GGNEngine`
+(finishing blocks with :class:`~dampednewton.group_step.StepFinisher`) and its
+BackPACK extensions while the settings that shape them hold, adds the diagnostics
+monitor's extensions and hook to the same pass (:func:`with_monitor`), and runs the
+closure inside that pass (:func:`~dampednewton.backpack.passes.backward_pass`) under
+the one-backward check (:func:`run_closure`).
 """
 
 from __future__ import annotations
@@ -14,18 +15,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from backpack import backpack
 from torch import Generator, Tensor
 
 from dampednewton.backpack.extensions import IndividualGradients, NonFiniteModelOutput
-from dampednewton.backpack.passes import chained
+from dampednewton.backpack.passes import Hook, backward_pass
 from dampednewton.backpack.savefields import GRAD_BATCH
 from dampednewton.backward import SingleBackwardCheck, quiet_backward_hook_warning
+from dampednewton.computations.engine import GGNEngine, GGNSettings
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.group_step import (
     AveragedFactor,
     GroupStep,
-    StepComputation,
+    StepFinisher,
     averaged_step,
 )
 from dampednewton.options import GroupOptions, SharedOptions
@@ -40,18 +41,18 @@ CLOSURE_PATTERN = """\
 
     loss = optimizer.step(closure)"""
 
-Hook = Callable[[torch.nn.Module], None]
+StepEngine = GGNEngine[GroupStep | None]
 
 
 class StepPass:
-    """The step's computation and extensions, rebuilt only when settings change."""
+    """The step's engine and extensions, rebuilt only when settings change."""
 
     def __init__(self) -> None:
-        """Start without a computation."""
-        self._cached: tuple[tuple, StepComputation, list] | None = None
+        """Start without an engine."""
+        self._cached: tuple[tuple, StepEngine, StepFinisher, list] | None = None
 
     def clear(self) -> None:
-        """Forget the computation (after loading a state)."""
+        """Forget the engine (after loading a state)."""
         self._cached = None
 
     def run(
@@ -73,7 +74,7 @@ class StepPass:
 
         Args:
             closure: ``zero_grad``, forward, ``backward``; returns the loss.
-            blocks: Per group, the group as the computation sees it (``params``,
+            blocks: Per group, the group as the engine sees it (``params``,
                 policies, ``averaging`` and its ``factor``).
             shared: The options of the backward pass.
             per_sample_gradients: Whether a damping policy needs per-sample slopes.
@@ -90,22 +91,30 @@ class StepPass:
             or block["averaging"].refreshes(step, _updates(block["factor"]))
             for block in blocks
         ]
-        computation, extensions, hook = None, [], None
+        engine, finisher, extensions, hooks = None, None, [], []
         if any(refreshing):
-            computation, extensions = self.get(shared, per_sample_gradients, generator)
-            hook = computation.get_extension_hook(
-                [b for b, refresh in zip(blocks, refreshing, strict=True) if refresh]
+            engine, finisher, extensions = self.get(
+                shared, per_sample_gradients, generator
             )
+            hooks = [
+                engine.hook(
+                    [
+                        b
+                        for b, refresh in zip(blocks, refreshing, strict=True)
+                        if refresh
+                    ]
+                )
+            ]
         if monitor is not None:
-            extensions, hook = with_monitor(
-                extensions, hook, monitor, step, shared.subsampling_grad
+            extensions, hooks = with_monitor(
+                extensions, hooks, monitor, step, shared.subsampling_grad
             )
         params = [p for block in blocks for p in block["params"]]
         try:
-            loss = run_closure(closure, params, extensions, hook)
+            loss = run_closure(closure, params, extensions, hooks)
             with torch.no_grad():
                 results = [
-                    _result(computation, block)
+                    _result(engine, block)
                     if refresh
                     else averaged_step(block, block["factor"])
                     for block, refresh in zip(blocks, refreshing, strict=True)
@@ -113,7 +122,7 @@ class StepPass:
         except NonFiniteModelOutput:
             # Raised inside backward, before the closure could return its loss.
             return torch.tensor(math.nan), [None] * len(blocks), True
-        finite = computation is None or computation.curvature_finite
+        finite = finisher is None or finisher.curvature_finite
         return loss, results, finite
 
     def get(
@@ -121,8 +130,8 @@ class StepPass:
         shared: SharedOptions,
         per_sample_gradients: bool,
         generator: Generator | None,
-    ) -> tuple[StepComputation, list]:
-        """The computation (reset for a new step) and its BackPACK extensions.
+    ) -> tuple[StepEngine, StepFinisher, list]:
+        """The engine, its finisher (reset for a new step) and BackPACK extensions.
 
         Args:
             shared: The options of the backward pass.
@@ -130,7 +139,7 @@ class StepPass:
             generator: The Monte-Carlo generator, or ``None`` for the exact GGN.
 
         Returns:
-            The computation and its extensions.
+            The engine, the finisher it calls, and its extensions.
         """
         key = (
             per_sample_gradients,
@@ -140,41 +149,51 @@ class StepPass:
             id(generator),
         )
         if self._cached is None or self._cached[0] != key:
-            computation = StepComputation(
-                subsampling_grad=shared.subsampling_grad,
+            settings = GGNSettings(
                 subsampling_ggn=shared.subsampling_ggn,
-                mc_samples_ggn=shared.mc_samples,
-                warn_small_eigvals=0,  # the optimizer warns, once per group
+                subsampling_grad=shared.subsampling_grad,
+                mc_samples=shared.mc_samples,
                 generator=generator,
-                per_sample_gradients=per_sample_gradients,
             )
-            self._cached = (key, computation, computation.get_extensions())
-        computation = self._cached[1]
-        computation.curvature_finite = True
-        return computation, self._cached[2]
+            finisher = StepFinisher(
+                per_sample_gradients=per_sample_gradients,
+                subsampling_grad=settings.subsampling_grad,
+            )
+            engine = GGNEngine(
+                settings,
+                finisher,
+                required_group_keys=("criterion", "damping"),
+                keeps_factors=True,
+                needs_gradients=per_sample_gradients,
+                defers_finish=True,  # the finisher reads the complete .grad
+            )
+            self._cached = (key, engine, finisher, engine.extensions())
+        _, engine, finisher, extensions = self._cached
+        finisher.reset()
+        return engine, finisher, extensions
 
 
 def with_monitor(
     extensions: list,
-    hook: Hook | None,
+    hooks: list[Hook],
     monitor: DiagnosticsMonitor,
     step: int,
     subsampling_grad: Sequence[int] | None,
-) -> tuple[list, Hook]:
+) -> tuple[list, list[Hook]]:
     """Add the monitor's extensions and hook (first) to the step's backward pass.
 
     The monitor's individual gradients replace the structured ones of the step
-    (which skip linear layers); all BackPACK buffers are freed layer by layer.
+    (which skip linear layers).
 
     Args:
         extensions: The step's extensions.
-        hook: The step's hook, or ``None`` (no refresh this step).
+        hooks: The step's hooks (none: no refresh this step).
         monitor: The diagnostics monitor, active at ``step``.
         step: The step's index.
         subsampling_grad: The step's sub-sampling of the gradients.
 
     Returns:
-        The merged extensions and hook.
+        The merged extensions and hooks.
 
     Raises:
         ValueError: For histograms with sub-sampled gradients.
@@ -189,22 +208,24 @@ def with_monitor(
                 )
             merged[GRAD_BATCH] = IndividualGradients()
         merged.setdefault(extension.savefield, extension)
-    return list(merged.values()), chained([monitor.module_hook(step), hook], merged)
+    return list(merged.values()), [monitor.module_hook(step), *hooks]
 
 
 def run_closure(
     closure: Callable[[], Any],
     params: Sequence[Tensor],
     extensions: list,
-    hook: Hook | None,
+    hooks: Sequence[Hook],
 ) -> Any:
-    """Run the closure's backward pass with the extensions (if any) and the hook.
+    """Run the closure's backward pass with the extensions (if any) and the hooks.
+
+    All BackPACK quantities are freed layer by layer, after the hooks ran.
 
     Args:
         closure: ``zero_grad``, forward, ``backward``; returns the loss.
         params: Every parameter of the optimizer.
         extensions: BackPACK extensions; none: a plain backward pass.
-        hook: BackPACK's extension hook.
+        hooks: The consumers' extension hooks, in order.
 
     Returns:
         What the closure returned.
@@ -219,7 +240,7 @@ def run_closure(
         SingleBackwardCheck(params) as check,
     ):
         if extensions:
-            with backpack(*extensions, extension_hook=hook):
+            with backward_pass(extensions, hooks):
                 loss = closure()
         else:
             loss = closure()
@@ -235,7 +256,7 @@ def run_closure(
 def step_block(
     group: dict[str, Any], options: GroupOptions, state: Mapping, index: int
 ) -> dict[str, Any]:
-    """A group as the step computation sees it, with its averaged factor.
+    """A group as the step engine sees it, with its averaged factor.
 
     Args:
         group: The param group.
@@ -261,16 +282,18 @@ def step_block(
     }
 
 
-def _result(computation: StepComputation, block: dict) -> GroupStep | None:
-    """A group's step from the computation (``None`` without trainable parameters).
+def _result(engine: StepEngine | None, block: dict) -> GroupStep | None:
+    """A group's step from the engine (``None`` without trainable parameters).
 
     Raises:
         RuntimeError: When no curvature reached the group's parameters.
     """
     if not any(p.requires_grad for p in block["params"]):
         return None
+    if engine is None:
+        raise RuntimeError("A refreshed group's step needs the engine.")
     try:
-        return computation.get_details(block)
+        return engine.result(block)
     except KeyError as error:
         raise RuntimeError(
             "No curvature information reached the parameters of a group. Extend "

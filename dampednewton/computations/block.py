@@ -83,3 +83,44 @@ def mean_gradient_products(
         for p in block.group["params"]
         if id(p) in block.factors
     )
+
+
+def slope_products(block: Block, per_sample_gradients: bool) -> Tensor:
+    """The gradient products that give the directional slopes ``γ``.
+
+    Args:
+        block: A finished block that kept its factors.
+        per_sample_gradients: Whether the block reduced per-sample gradients;
+            otherwise the mean gradient ``ḡ`` is read from the parameters' ``.grad``.
+
+    Returns:
+        ``[N', C·N]`` per-sample products, or ``[1, C·N]`` of the mean gradient.
+
+    Raises:
+        RuntimeError: When a parameter of the block has no ``.grad``.
+    """
+    if per_sample_gradients:
+        if block.gradient_products is None:
+            raise RuntimeError("The block reduced no per-sample gradient products.")
+        return block.gradient_products
+    return mean_gradient_products(block, gradient_of)
+
+
+def gradient_of(param: Tensor) -> Tensor:
+    """A parameter's mean gradient ``.grad`` after the backward pass.
+
+    Args:
+        param: A parameter of a finished block.
+
+    Returns:
+        Its ``.grad``.
+
+    Raises:
+        RuntimeError: When it has none.
+    """
+    if param.grad is None:
+        raise RuntimeError(
+            "A parameter of the block has no .grad after the backward pass; with "
+            "per_sample_gradients=False, call get_result before zeroing gradients."
+        )
+    return param.grad

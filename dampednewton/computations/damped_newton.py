@@ -7,11 +7,7 @@ from dataclasses import dataclass
 
 from torch import Generator, Tensor
 
-from dampednewton.computations.block import (
-    Block,
-    mean_gradient_products,
-    to_parameter_space,
-)
+from dampednewton.computations.block import Block, slope_products, to_parameter_space
 from dampednewton.computations.directional_derivatives import slopes_and_curvatures
 from dampednewton.computations.engine import GGNComputation, GGNEngine, GGNSettings
 from dampednewton.computations.selection import select_directions
@@ -111,7 +107,6 @@ class DirectionalDampedNewtonComputation(GGNComputation[NewtonStep]):
             generator=generator,
             structured=structured,
         )
-        # A subclass's _finish (the optimizer's) is the one the engine calls.
         self._engine = GGNEngine(
             settings,
             self._finish,
@@ -130,27 +125,15 @@ class DirectionalDampedNewtonComputation(GGNComputation[NewtonStep]):
     def defers_finish(self) -> bool:
         """Whether blocks are finished in :meth:`get_result` rather than in the hook.
 
-        Subclasses that read ``.grad`` when finishing set it to ``True``.
+        They are without per-sample gradients: the slopes read the complete ``.grad``.
         """
         return self._engine.defers_finish
 
-    @defers_finish.setter
-    def defers_finish(self, value: bool) -> None:
-        self._engine.defers_finish = value
-
-    @property
-    def _warn_small_eigvals(self) -> float:
-        return self._engine.settings.warn_small_eigvals
-
-    @property
-    def _subsampling_grad(self) -> list[int] | None:
-        return self._engine.settings.subsampling_grad
-
     def _finish(self, block: Block) -> NewtonStep:
-        directions = select_directions(block, self._warn_small_eigvals)
+        directions = select_directions(block, self._engine.settings.warn_small_eigvals)
         evals, gram_evecs = directions.evals, directions.gram_evecs
         gammas, lambdas = slopes_and_curvatures(
-            block, directions, self._gradient_products(block)
+            block, directions, slope_products(block, self.needs_gradients)
         )
         policy = as_damping(block.group["damping"])
         damping = checked_damping(
@@ -169,12 +152,6 @@ class DirectionalDampedNewtonComputation(GGNComputation[NewtonStep]):
             damping=damping,
             coefficients=coefficients,
         )
-
-    def _gradient_products(self, block: Block) -> Tensor:
-        """``[N', C·N]`` per-sample products, or ``[1, C·N]`` of the mean gradient."""
-        if self.needs_gradients:
-            return block.gradient_products
-        return mean_gradient_products(block, _gradient_of)
 
     def get_result(self, group: dict) -> tuple[Tensor, ...]:
         """Return a block's damped Newton step in parameter format.
@@ -203,12 +180,3 @@ class DirectionalDampedNewtonComputation(GGNComputation[NewtonStep]):
             KeyError: If there is no result for the group.
         """
         return self._result(group)
-
-
-def _gradient_of(param: Tensor) -> Tensor:
-    if param.grad is None:
-        raise RuntimeError(
-            "A parameter of the block has no .grad after the backward pass; with "
-            "per_sample_gradients=False, call get_result before zeroing gradients."
-        )
-    return param.grad

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from torch import Generator, Tensor
 
-from dampednewton.computations.block import Block
+from dampednewton.computations.block import Block, slope_products
 from dampednewton.computations.engine import GGNComputation, GGNEngine, GGNSettings
 from dampednewton.computations.selection import Directions, select_directions
 from dampednewton.math.gram_space import directional_curvatures, directional_gradients
@@ -67,7 +67,7 @@ class DirectionalDerivativesComputation(GGNComputation[tuple[Tensor, Tensor]]):
 
     def _finish(self, block: Block) -> tuple[Tensor, Tensor]:
         directions = select_directions(block, self._engine.settings.warn_small_eigvals)
-        return slopes_and_curvatures(block, directions, block.gradient_products)
+        return slopes_and_curvatures(block, directions, slope_products(block, True))
 
     def get_result(self, group: dict) -> tuple[Tensor, Tensor]:
         """Return the directional derivatives of a block.

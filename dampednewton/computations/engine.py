@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
@@ -97,8 +97,11 @@ class GGNSettings:
         )
 
 
-class GGNEngine:
+class GGNEngine(Generic[ResultT]):
     """Builds extensions and the hook, reduces blocks, and finishes them.
+
+    What a block becomes is the ``finish`` function's (or callable object's) job:
+    ViViT's computations pass their finisher, the optimizer its group step.
 
     Attributes:
         settings: The approximation.
@@ -110,7 +113,7 @@ class GGNEngine:
     def __init__(
         self,
         settings: GGNSettings,
-        finish: Callable[[Block], Any],
+        finish: Callable[[Block], ResultT],
         *,
         required_group_keys: tuple[str, ...] = (),
         keeps_factors: bool = False,
@@ -138,7 +141,7 @@ class GGNEngine:
         self._group_of_param: dict[int, int] = {}
         self._blocks: dict[int, Block] = {}
         self._ready: dict[tuple[int, ...], Block] = {}
-        self._results: dict[tuple[int, ...], Any] = {}
+        self._results: dict[tuple[int, ...], ResultT] = {}
         self._batch_size: int | None = None
 
     @property
@@ -191,7 +194,7 @@ class GGNEngine:
         self._reset()
         return chained([self._reduce_module], self.savefields)
 
-    def result(self, group: dict) -> Any:
+    def result(self, group: dict) -> ResultT:
         """Return the result of a group after the backward pass.
 
         Args:
@@ -300,7 +303,7 @@ class GGNComputation(Generic[ResultT]):
     Subclasses create :attr:`_engine` with their ``_finish`` and type the result.
     """
 
-    _engine: GGNEngine
+    _engine: GGNEngine[ResultT]
 
     def get_extensions(self) -> list[BackpropExtension]:
         """Instantiate the BackPACK extensions this computation needs.
