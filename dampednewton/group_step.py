@@ -79,8 +79,8 @@ class GroupStep(NewtonStep):
         factor: The updated averaged factor (averaged groups only).
     """
 
-    slope: Tensor | None = None
-    curvature: Tensor | None = None
+    slope: Tensor
+    curvature: Tensor
     batch_curvature: Tensor | None = None
     complement_curvature: Tensor | None = None
     factor: AveragedFactor | None = None

@@ -21,9 +21,7 @@ from dampednewton.adaptation import adapt, distinct_adaptive
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.checkpoint import mark_unpicklable, unwrap_settings
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.group_step import GroupStep
 from dampednewton.guard import GeneratorSnapshot, nonfinite_problem, refuse
-from dampednewton.model import trust_region_scale
 from dampednewton.options import (
     GroupOptions,
     SharedOptions,
@@ -32,13 +30,11 @@ from dampednewton.options import (
 )
 from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature
 from dampednewton.policies.criteria import Criterion
-from dampednewton.policies.damping import (
-    Damping,
-    needs_sample_statistics,
-)
+from dampednewton.policies.damping import Damping
 from dampednewton.records import StepRecorder, empty_group_stats, store_factor
-from dampednewton.step_pass import CLOSURE_PATTERN, StepPass, step_block
-from dampednewton.update import update_parameter
+from dampednewton.seeding import SeededGenerator
+from dampednewton.step_pass import CLOSURE_PATTERN, StepPass
+from dampednewton.update import apply_steps
 
 GLOBAL = "global"
 GROUPS = "groups"
@@ -182,10 +178,7 @@ class DampedNewton(Optimizer):
         }
         self._nonfinite = check_nonfinite(nonfinite)
         self.monitor = monitor
-        self._seed = (
-            int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed)
-        )
-        self._generator: Generator | None = None
+        self._seeded = SeededGenerator(seed)
         self._pass = StepPass()
         self._recorder = StepRecorder()
         super().__init__(params, defaults)
@@ -248,15 +241,10 @@ class DampedNewton(Optimizer):
                 monitor = None
             loss, results, curvature_finite = self._pass.run(
                 closure,
-                [
-                    step_block(group, option, self.state, index)
-                    for index, (group, option) in enumerate(
-                        zip(self.param_groups, options, strict=True)
-                    )
-                ],
+                self.param_groups,
+                options,
                 shared,
-                per_sample_gradients=shared.subsampling_grad is not None
-                or any(needs_sample_statistics(option.damping) for option in options),
+                self.state,
                 generator=generator,
                 monitor=monitor,
                 step=step_index,
@@ -275,7 +263,17 @@ class DampedNewton(Optimizer):
             if monitor is not None:
                 params = [p for group in self.param_groups for p in group["params"]]
                 record = monitor.finish(step_index, params, loss)
-        scales = self._apply(options, results)
+        scales = apply_steps(
+            [group["params"] for group in self.param_groups],
+            options,
+            results,
+            self.state,
+        )
+        for stats, group, result in zip(
+            self._group_stats(), self.param_groups, results, strict=True
+        ):
+            if result is not None and result.factor is not None:
+                store_factor(self.state, stats, group["params"], result.factor)
         self.state[GLOBAL]["step"] += 1
         self._recorder.record(
             self._group_stats(),
@@ -299,38 +297,6 @@ class DampedNewton(Optimizer):
             )
         return loss
 
-    def _apply(
-        self, options: list[GroupOptions], results: list[GroupStep | None]
-    ) -> list[Tensor | float]:
-        """Move the parameters: trust region, momentum, weight decay, commit factors.
-
-        Returns:
-            The trust-region scale ``ν`` of every group (1 for groups without a step).
-        """
-        scales: list[Tensor | float] = []
-        with torch.no_grad():
-            for index, (option, result) in enumerate(
-                zip(options, results, strict=True)
-            ):
-                if result is None:
-                    scales.append(1.0)
-                    continue
-                scale = trust_region_scale(
-                    option.lr, result.slope, result.batch_curvature, option.kl_clip
-                )
-                scales.append(scale)
-                params = self.param_groups[index]["params"]
-                for param, direction in zip(params, result.step, strict=True):
-                    if param.requires_grad:
-                        update_parameter(
-                            param, direction * scale, self.state[param], option
-                        )
-                if result.factor is not None:
-                    store_factor(
-                        self.state, self._group_stats()[index], params, result.factor
-                    )
-        return scales
-
     def _group_stats(self) -> list[dict[str, Any]]:
         return self.state.setdefault(
             GROUPS, [empty_group_stats() for _ in self.param_groups]
@@ -350,11 +316,7 @@ class DampedNewton(Optimizer):
         """
         state = super().state_dict()
         mark_unpicklable(state["param_groups"])
-        generator = self._mc_generator(create=True)
-        state["dampednewton"] = {
-            "seed": self._seed,
-            "generator": None if generator is None else generator.get_state(),
-        }
+        state["dampednewton"] = self._seeded.state_dict(self._device())
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -376,16 +338,13 @@ class DampedNewton(Optimizer):
                 self.state[key] = copy.deepcopy(self.state[key])
         self._pass.clear()
         if extra is not None:
-            self._seed = extra["seed"]
-            self._generator = None
-            if extra["generator"] is not None:
-                generator = self._mc_generator(create=True)
-                generator.set_state(extra["generator"])
+            self._seeded.load_state_dict(extra, self._device())
 
-    def _mc_generator(self, create: bool = False) -> Generator | None:
-        if self.param_groups[0]["mc_samples"] == 0 and not create:
+    def _mc_generator(self) -> Generator | None:
+        """The Monte-Carlo generator, ``None`` for the exact GGN."""
+        if self.param_groups[0]["mc_samples"] == 0:
             return None
-        if self._generator is None:
-            device = self.param_groups[0]["params"][0].device
-            self._generator = torch.Generator(device=device).manual_seed(self._seed)
-        return self._generator
+        return self._seeded.get(self._device())
+
+    def _device(self) -> torch.device:
+        return self.param_groups[0]["params"][0].device

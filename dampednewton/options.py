@@ -11,13 +11,19 @@ type outside its range ``ValueError``; every message says what is accepted.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
 from dampednewton.averaging import CurvatureAveraging
+from dampednewton.checks import (
+    check_integer,
+    check_number,
+    check_subsampling,
+    check_warn_small_eigvals,
+)
 from dampednewton.policies.complement import ComplementPolicy, as_complement
 from dampednewton.policies.criteria import Criterion, as_criterion
 from dampednewton.policies.damping import (
@@ -31,147 +37,6 @@ NONFINITE_MODES = ("raise", "skip")
 SHARED_SETTINGS = ("mc_samples", "subsampling_ggn", "subsampling_grad")
 # Keys a group may carry besides the hyperparameters: a label, and LR schedulers' own.
 EXTRA_GROUP_KEYS = ("name", "initial_lr")
-
-
-def check_integer(name: str, value: Any, minimum: int) -> int:
-    """Check an integer option (``bool`` is not one).
-
-    Args:
-        name: The option's name, for the message.
-        value: Its value.
-        minimum: The smallest valid value.
-
-    Returns:
-        The value.
-
-    Raises:
-        TypeError: If it is not an integer.
-        ValueError: If it is below ``minimum``.
-    """
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}.")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
-    return value
-
-
-def check_number(name: str, value: Any) -> float:
-    """Check that an option is a real number (``bool`` is not one).
-
-    Args:
-        name: The option's name, for the message.
-        value: Its value.
-
-    Returns:
-        The value as a float.
-
-    Raises:
-        TypeError: If it is not an ``int`` or ``float``.
-    """
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number, got {value!r}.")
-    return float(value)
-
-
-def check_subsampling(indices: Sequence[int] | None, name: str) -> list[int] | None:
-    """Check sub-sampling indices: non-negative integers without repetitions.
-
-    Args:
-        indices: Sample indices or ``None`` (all samples).
-        name: Argument name for the error message.
-
-    Returns:
-        The indices as a list, or ``None``.
-
-    Raises:
-        ValueError: If the indices are empty, negative or repeated.
-        TypeError: If an index is not an integer.
-    """
-    if indices is None:
-        return None
-    indices = list(indices)
-    if not indices:
-        raise ValueError(f"{name} is empty; use None for all samples.")
-    for index in indices:
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise TypeError(f"{name} must hold integers, got {index!r}.")
-        if index < 0:
-            raise ValueError(f"{name} holds a negative index {index}.")
-    if len(set(indices)) != len(indices):
-        raise ValueError(
-            f"{name} repeats sample indices {indices}: each sample may be used once "
-            "(repetitions would silently re-weight the GGN)."
-        )
-    return indices
-
-
-def validate_param_groups(
-    param_groups: Sequence[dict], required_keys: Iterable[str] = ()
-) -> list[dict]:
-    """Check parameter groups: required keys present, tensors only, no overlaps.
-
-    Args:
-        param_groups: Groups as for a ``torch.optim.Optimizer``; each group is one GGN
-            block.
-        required_keys: Keys every group needs besides ``'params'``.
-
-    Returns:
-        The groups with ``'params'`` normalized to a list.
-
-    Raises:
-        KeyError: If a group lacks a required key.
-        TypeError: If ``'params'`` holds something other than tensors.
-        ValueError: If a parameter belongs to more than one group or a group is empty.
-    """
-    if isinstance(param_groups, dict):
-        raise TypeError("param_groups must be a list of dicts, got a single dict.")
-    seen: dict[int, int] = {}
-    normalized = []
-    for index, group in enumerate(param_groups):
-        for key in ("params", *required_keys):
-            if key not in group:
-                raise KeyError(
-                    f"Parameter group {index} has no '{key}' entry; every group needs "
-                    f"{['params', *required_keys]}."
-                )
-        params = group["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
-        if not params:
-            raise ValueError(f"Parameter group {index} has no parameters.")
-        for param in params:
-            if not isinstance(param, Tensor):
-                raise TypeError(
-                    f"Parameter group {index} holds a {type(param).__name__}; "
-                    "'params' must contain tensors."
-                )
-            if id(param) in seen:
-                raise ValueError(
-                    f"A parameter of shape {tuple(param.shape)} appears in groups "
-                    f"{seen[id(param)]} and {index}; each parameter may belong to one "
-                    "group (one GGN block) only."
-                )
-            seen[id(param)] = index
-        normalized.append({**group, "params": params})
-    return normalized
-
-
-def check_warn_small_eigvals(value: Any) -> float:
-    """Check the small-eigenvalue warning threshold (a number ``>= 0``).
-
-    Args:
-        value: The threshold.
-
-    Returns:
-        The threshold as a float.
-
-    Raises:
-        TypeError: If it is not a number.
-        ValueError: If it is negative or NaN.
-    """
-    threshold = check_number("warn_small_eigvals", value)
-    if not threshold >= 0:
-        raise ValueError(f"warn_small_eigvals must be >= 0, got {value!r}.")
-    return threshold
 
 
 def check_nonfinite(mode: Any) -> str:

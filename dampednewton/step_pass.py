@@ -30,6 +30,7 @@ from dampednewton.group_step import (
     averaged_step,
 )
 from dampednewton.options import GroupOptions, SharedOptions
+from dampednewton.policies.damping import needs_sample_statistics
 from dampednewton.records import stored_factor
 
 CLOSURE_PATTERN = """\
@@ -58,10 +59,11 @@ class StepPass:
     def run(
         self,
         closure: Callable[[], Tensor],
-        blocks: list[dict[str, Any]],
+        groups: Sequence[dict[str, Any]],
+        options: Sequence[GroupOptions],
         shared: SharedOptions,
+        state: Mapping,
         *,
-        per_sample_gradients: bool,
         generator: Generator | None,
         monitor: DiagnosticsMonitor | None,
         step: int,
@@ -74,10 +76,10 @@ class StepPass:
 
         Args:
             closure: ``zero_grad``, forward, ``backward``; returns the loss.
-            blocks: Per group, the group as the engine sees it (``params``,
-                policies, ``averaging`` and its ``factor``).
+            groups: The param groups.
+            options: Their validated options.
             shared: The options of the backward pass.
-            per_sample_gradients: Whether a damping policy needs per-sample slopes.
+            state: The optimizer's state (the groups' averaged factors).
             generator: The Monte-Carlo generator, or ``None``.
             monitor: The diagnostics monitor if it is active this step.
             step: The step's index.
@@ -86,6 +88,13 @@ class StepPass:
             The loss, every group's step (``None``: no trainable parameter), and
             whether every group's curvature was finite.
         """
+        blocks = [
+            step_block(group, option, state, index)
+            for index, (group, option) in enumerate(zip(groups, options, strict=True))
+        ]
+        per_sample_gradients = shared.subsampling_grad is not None or any(
+            needs_sample_statistics(option.damping) for option in options
+        )
         refreshing = [
             block["averaging"] is None
             or block["averaging"].refreshes(step, _updates(block["factor"]))

@@ -9,14 +9,19 @@ decay ``wd``:
     \theta \leftarrow (1 - \mathrm{lr}\cdot\mathrm{wd})\,\theta + \mathrm{lr}\cdot m
 
 (Nesterov: ``θ += lr·(νs + μm)``; without momentum ``m = νs`` and no buffer is kept).
+The trust-region scale ``ν`` comes from :func:`~dampednewton.model.trust_region_scale`.
 """
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from dampednewton.group_step import GroupStep
+from dampednewton.model import trust_region_scale
 from dampednewton.options import GroupOptions
 
 MOMENTUM = "momentum_buffer"
@@ -46,3 +51,36 @@ def update_parameter(
     if options.weight_decay > 0:
         param.mul_(1 - options.lr * options.weight_decay)
     param.add_(update, alpha=options.lr)
+
+
+def apply_steps(
+    params: Sequence[Sequence[Tensor]],
+    options: Sequence[GroupOptions],
+    steps: Sequence[GroupStep | None],
+    state: MutableMapping[Any, dict[str, Any]],
+) -> list[Tensor | float]:
+    """Move every group's parameters along its step, scaled to its trust region.
+
+    Args:
+        params: Per group, its parameters.
+        options: Per group, its options.
+        steps: Per group, its step (``None``: the group does not move).
+        state: The optimizer's per-parameter state (momentum buffers).
+
+    Returns:
+        The trust-region scale ``ν`` of every group (1 for groups without a step).
+    """
+    scales: list[Tensor | float] = []
+    with torch.no_grad():
+        for group, option, step in zip(params, options, steps, strict=True):
+            if step is None:
+                scales.append(1.0)
+                continue
+            scale = trust_region_scale(
+                option.lr, step.slope, step.batch_curvature, option.kl_clip
+            )
+            scales.append(scale)
+            for param, direction in zip(group, step.step, strict=True):
+                if param.requires_grad:
+                    update_parameter(param, direction * scale, state[param], option)
+    return scales

@@ -34,15 +34,18 @@ from dampednewton.backpack.layers import (
 )
 from dampednewton.backpack.passes import chained
 from dampednewton.backpack.savefields import GRAD_BATCH, sqrt_ggn_savefield
-from dampednewton.computations.block import Block
-from dampednewton.computations.groups import check_subsampling_in_range, group_key
-from dampednewton.math.factors import LayerCache
-from dampednewton.options import (
+from dampednewton.checks import (
     check_integer,
     check_subsampling,
     check_warn_small_eigvals,
+)
+from dampednewton.computations.block import Block
+from dampednewton.computations.groups import (
+    check_subsampling_in_range,
+    group_key,
     validate_param_groups,
 )
+from dampednewton.math.factors import LayerCache
 
 ResultT = TypeVar("ResultT")
 
