@@ -41,7 +41,7 @@ def adapt(
     policies: Sequence[AdaptiveDamping],
     closure: Callable[[], Tensor],
     loss: Tensor,
-    steps: Iterable[tuple[float, GroupStep | None]],
+    steps: Iterable[tuple[Tensor | float, GroupStep | None]],
 ) -> float:
     """Update every policy once with the reduction ratio of the step taken.
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -163,7 +164,7 @@ class StepFinisher:
         coefficients = newton_coefficients(gamma_mean, lambda_mean, damping).where(
             positive, 0.0
         )
-        details = {
+        details: dict[str, Any] = {
             "evals": evals,
             "gamma_mean": gamma_mean,
             "lambda_mean": lambda_mean,
@@ -219,18 +220,19 @@ class StepFinisher:
         """Average this batch's GGN into the group's factor, then step along it."""
         group = block.group
         averaging: CurvatureAveraging = group["averaging"]
-        if not all_finite(block.gram.diagonal()):
+        gram = block.reduced_gram
+        if not all_finite(gram.diagonal()):
             raise FloatingPointError("The GGN's Gram matrix is not finite.")
-        previous = group["factor"] or empty_factor(group["params"], block.gram)
+        previous = group["factor"] or empty_factor(group["params"], gram)
         rank = previous.weights.numel()
-        cross = block.gram.new_zeros(rank, block.gram.shape[0])
-        basis_gram = block.gram.new_zeros(rank, rank)
+        cross = gram.new_zeros(rank, gram.shape[0])
+        basis_gram = gram.new_zeros(rank, rank)
         for param, basis in zip(group["params"], previous.basis, strict=True):
             if id(param) in block.factors and rank:
                 cross += block.factors[id(param)].vector_products(basis)
                 columns = basis.flatten(1).to(basis_gram)
                 basis_gram += columns @ columns.T
-        small = averaged_gram(basis_gram, cross, block.gram, averaging.decay)
+        small = averaged_gram(basis_gram, cross, gram, averaging.decay)
         rank_kept = averaging.rank_for(as_criterion(group["criterion"]))
         weights, mixing = leading_eigenpairs(small, rank_kept)
         of_basis, of_batch = split_mixing(mixing, rank, averaging.decay)
@@ -246,7 +248,7 @@ class StepFinisher:
         return averaged_step(
             group,
             factor,
-            batch_products=cross.T @ of_basis + block.gram @ of_batch,
+            batch_products=cross.T @ of_basis + gram @ of_batch,
             mean_products=mean_products.squeeze(0),
         )
 
@@ -314,7 +316,7 @@ def averaged_step(
     policy = as_complement(group["complement"])
     energy = orthogonal_energy(_squared_norm(gradients), projections)
     measured = None
-    if policy is not None and batch_products is not None:
+    if policy is not None and batch_products is not None and mean_products is not None:
         # Vᵀg_⊥ = Vᵀḡ − Σ_i p_i Vᵀu_i: the batch GGN's curvature in the complement.
         residual = mean_products - batch_products[:, indices] @ (projections / norms)
         measured = complement_rayleigh_quotient(residual, energy)
@@ -334,7 +336,7 @@ def averaged_step(
             for c, g in zip(columns, gradients, strict=True)
         )
         slope = slope - energy / rho
-        if batch_products is not None:
+        if batch_products is not None and mean_products is not None:
             mapped = batch_products[:, indices] @ weights - mean_products / rho
             batch_curvature = mapped.square().sum()
     return GroupStep(
@@ -373,4 +375,4 @@ def _gradients(params: Sequence[Tensor]) -> list[Tensor]:
 
 
 def _squared_norm(tensors: Sequence[Tensor]) -> Tensor:
-    return sum(t.to(torch.float64).square().sum() for t in tensors)
+    return cast(Tensor, sum(t.to(torch.float64).square().sum() for t in tensors))

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 
-def predicted_change(scale: float, slope: Tensor, curvature: Tensor) -> Tensor:
+def predicted_change(scale: Tensor | float, slope: Tensor, curvature: Tensor) -> Tensor:
     """``q(a·s) = a·ḡᵀs + ½ a²·sᵀGs`` for the multiple ``a`` of a step.
 
     Args:

@@ -10,6 +10,7 @@ records it (:mod:`dampednewton.records`) and adapts the damping.
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ from dampednewton.options import (
 from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature
 from dampednewton.policies.criteria import Criterion
 from dampednewton.policies.damping import Damping
-from dampednewton.records import StepRecorder, empty_group_stats, store_factor
+from dampednewton.records import StepRecorder, empty_group_stats, store_factors
 from dampednewton.seeding import SeededGenerator
 from dampednewton.step_pass import CLOSURE_PATTERN, StepPass
 from dampednewton.update import apply_steps
@@ -101,6 +102,9 @@ class DampedNewton(Optimizer):
         >>> bool(second < first)
         True
     """
+
+    # Per parameter as in torch.optim, plus the entries GLOBAL and GROUPS.
+    state: defaultdict[Any, Any]
 
     def __init__(
         self,
@@ -269,11 +273,7 @@ class DampedNewton(Optimizer):
             results,
             self.state,
         )
-        for stats, group, result in zip(
-            self._group_stats(), self.param_groups, results, strict=True
-        ):
-            if result is not None and result.factor is not None:
-                store_factor(self.state, stats, group["params"], result.factor)
+        store_factors(self.state, self._group_stats(), self.param_groups, results)
         self.state[GLOBAL]["step"] += 1
         self._recorder.record(
             self._group_stats(),

@@ -60,6 +60,25 @@ def store_factor(
     stats.update(curvature_weights=factor.weights, curvature_updates=factor.updates)
 
 
+def store_factors(
+    state: Mapping[Any, dict[str, Any]],
+    group_stats: Sequence[dict[str, Any]],
+    param_groups: Sequence[dict[str, Any]],
+    steps: Sequence[GroupStep | None],
+) -> None:
+    """Commit the updated averaged factor of every group whose step carries one.
+
+    Args:
+        state: The optimizer's state.
+        group_stats: Per group, its statistics (updated in place).
+        param_groups: The param groups.
+        steps: Per group, its accepted step (or ``None``).
+    """
+    for stats, group, step in zip(group_stats, param_groups, steps, strict=True):
+        if step is not None and step.factor is not None:
+            store_factor(state, stats, group["params"], step.factor)
+
+
 def empty_group_stats() -> dict[str, Any]:
     """The statistics of a group that has not stepped yet.
 

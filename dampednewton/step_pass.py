@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
 from dampednewton.backpack.extensions import IndividualGradients, NonFiniteModelOutput
@@ -100,7 +101,10 @@ class StepPass:
             or block["averaging"].refreshes(step, _updates(block["factor"]))
             for block in blocks
         ]
-        engine, finisher, extensions, hooks = None, None, [], []
+        engine: StepEngine | None = None
+        finisher: StepFinisher | None = None
+        extensions: list[BackpropExtension] = []
+        hooks: list[Hook] = []
         if any(refreshing):
             engine, finisher, extensions = self.get(
                 shared, per_sample_gradients, generator

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -34,6 +35,17 @@ class Block:
     factors: dict[int, Factor] = field(default_factory=dict)
     num_outputs: int = 0
     num_samples: int = 0
+
+    @property
+    def reduced_gram(self) -> Tensor:
+        """The Gram matrix ``VᵀV`` once at least one parameter was reduced.
+
+        Raises:
+            RuntimeError: Before any reduction.
+        """
+        if self.gram is None:
+            raise RuntimeError("The block's Gram matrix was not reduced yet.")
+        return self.gram
 
 
 def to_parameter_space(block: Block, gram_vectors: Tensor) -> list[Tensor]:
@@ -78,10 +90,13 @@ def mean_gradient_products(
         The products summed over the block's parameters.
     """
     cache = LayerCache()  # a layer's weight and bias share products
-    return sum(
-        block.factors[id(p)].mean_gradient_products(gradient_of(p), cache)
-        for p in block.group["params"]
-        if id(p) in block.factors
+    return cast(
+        Tensor,
+        sum(
+            block.factors[id(p)].mean_gradient_products(gradient_of(p), cache)
+            for p in block.group["params"]
+            if id(p) in block.factors
+        ),
     )
 
 

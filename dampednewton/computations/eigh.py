@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Generator, Tensor
@@ -98,7 +99,9 @@ def unit_columns(vectors: list[Tensor]) -> list[Tensor]:
     Returns:
         The vectors divided by their norms (zero vectors stay zero).
     """
-    squared_norms = sum(v.flatten(start_dim=1).square().sum(1) for v in vectors)
+    squared_norms = cast(
+        Tensor, sum(v.flatten(start_dim=1).square().sum(1) for v in vectors)
+    )
     norms = squared_norms.sqrt()
     scale = torch.where(norms > 0, norms.reciprocal(), 0.0)
     return [v * scale.view(-1, *([1] * (v.dim() - 1))) for v in vectors]

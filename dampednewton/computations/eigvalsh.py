@@ -51,7 +51,7 @@ class EigvalshComputation(GGNComputation[Tensor]):
         self._engine = GGNEngine(settings, self._finish)
 
     def _finish(self, block: Block) -> Tensor:
-        return symmetric_eigvalsh(block.gram)
+        return symmetric_eigvalsh(block.reduced_gram)
 
     def get_result(self, group: dict) -> Tensor:
         """Return a block's Gram eigenvalues (ascending) after the backward pass.

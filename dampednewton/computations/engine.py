@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
@@ -32,7 +32,7 @@ from dampednewton.backpack.layers import (
     use_structured_individual_gradients,
     use_structured_sqrt_ggn,
 )
-from dampednewton.backpack.passes import chained
+from dampednewton.backpack.passes import Hook, chained
 from dampednewton.backpack.savefields import GRAD_BATCH, sqrt_ggn_savefield
 from dampednewton.checks import (
     check_integer,
@@ -177,7 +177,7 @@ class GGNEngine(Generic[ResultT]):
             extensions.append(gradients)
         return extensions
 
-    def hook(self, param_groups: Sequence[dict]) -> Callable[[Module], None]:
+    def hook(self, param_groups: Sequence[dict]) -> Hook:
         """Instantiate the hook that reduces and frees BackPACK's buffers.
 
         Args:
@@ -251,11 +251,11 @@ class GGNEngine(Generic[ResultT]):
                 f"{type(loss).__name__}(reduction='mean')."
             )
         self._reset()
-        self._batch_size = loss.input0.shape[0]
+        self._batch_size = batch_size = _input_batch_size(loss)
         for name in ("subsampling_ggn", "subsampling_grad"):
             indices = getattr(self.settings, name)
-            check_subsampling_in_range(indices, self._batch_size, name)
-        self._print(f"backward pass started, batch size {self._batch_size}")
+            check_subsampling_in_range(indices, batch_size, name)
+        self._print(f"backward pass started, batch size {batch_size}")
 
     def _reduce_module(self, module: Module) -> None:
         if isinstance(module, _Loss):
@@ -264,7 +264,9 @@ class GGNEngine(Generic[ResultT]):
         cache = LayerCache()  # lets the parameters of this layer share work
         for param in module.parameters(recurse=False):
             index = self._group_of_param.get(id(param))
-            block = self._blocks.get(index) if index is not None else None
+            if index is None:
+                continue
+            block = self._blocks.get(index)
             if block is None or id(param) not in block.pending:
                 continue
             self._reduce(block, param, module, cache)
@@ -281,7 +283,7 @@ class GGNEngine(Generic[ResultT]):
     ) -> None:
         sqrt_ggn = getattr(param, self.savefields[0])
         assembly = Assembly(
-            batch_size=self._batch_size or module.input0.shape[0],
+            batch_size=self._batch_size or _input_batch_size(module),
             subsampling_grad=self.settings.subsampling_grad,
             with_gradients=self.needs_gradients,
         )
@@ -324,7 +326,7 @@ class GGNComputation(Generic[ResultT]):
         """
         return self._engine.extensions()[0]
 
-    def get_extension_hook(self, param_groups: Sequence[dict]) -> Callable[[Module]]:
+    def get_extension_hook(self, param_groups: Sequence[dict]) -> Hook:
         """Instantiate the hook that reduces BackPACK's buffers during backward.
 
         Args:
@@ -339,6 +341,11 @@ class GGNComputation(Generic[ResultT]):
 
     def _result(self, group: dict) -> ResultT:
         return self._engine.result(group)
+
+
+def _input_batch_size(module: Module) -> int:
+    """The batch size of the input BackPACK stored on a module."""
+    return cast(Tensor, module.input0).shape[0]
 
 
 def _add(total: Tensor | None, term: Tensor) -> Tensor:

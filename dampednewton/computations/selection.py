@@ -66,13 +66,13 @@ def select_directions(block: Block, warn_small_eigvals: float) -> Directions:
         FloatingPointError: If the Gram matrix is not finite.
     """
     # Entries are bounded by the diagonal's (Cauchy-Schwarz): checking it suffices.
-    if not all_finite(block.gram.diagonal()):
+    if not all_finite(block.reduced_gram.diagonal()):
         raise FloatingPointError(
             "The GGN's Gram matrix is not finite (the model output or loss Hessian "
             "overflowed); no step can be computed."
         )
     criterion = as_criterion(block.group["criterion"])
-    evals, evecs = _eigenpairs(block.gram, criterion)
+    evals, evecs = _eigenpairs(block.reduced_gram, criterion)
     indices = selected_indices(criterion, evals)
     chosen = evals[indices]
     positive = chosen > numerical_zero(evals)
@@ -97,7 +97,7 @@ def select_directions(block: Block, warn_small_eigvals: float) -> Directions:
             stacklevel=2,
         )
     gram_evecs = evecs[:, indices]
-    gram_images = block.gram @ gram_evecs
+    gram_images = block.reduced_gram @ gram_evecs
     return Directions(
         evals=chosen,
         gram_evecs=gram_evecs,
