@@ -240,9 +240,7 @@ class DampedNewton(Optimizer):
         step_index = self.state[GLOBAL]["step"]
         generator = self._mc_generator()
         with GeneratorSnapshot(generator) as snapshot:
-            monitor = self.monitor
-            if monitor is not None and not monitor.is_active(step_index):
-                monitor = None
+            monitor = self._active_monitor(step_index)
             loss, results, curvature_finite = self._pass.run(
                 closure,
                 self.param_groups,
@@ -284,16 +282,9 @@ class DampedNewton(Optimizer):
         )
         adaptive = distinct_adaptive(option.damping for option in options)
         if adaptive:
+            multiples = [o.lr * scale for o, scale in zip(options, scales, strict=True)]
             self.state[GLOBAL]["reduction_ratio"] = adapt(
-                adaptive,
-                closure,
-                loss,
-                (
-                    (option.lr * scale, result)
-                    for option, result, scale in zip(
-                        options, results, scales, strict=True
-                    )
-                ),
+                adaptive, closure, loss, zip(multiples, results, strict=True)
             )
         return loss
 
@@ -345,6 +336,11 @@ class DampedNewton(Optimizer):
         if self.param_groups[0]["mc_samples"] == 0:
             return None
         return self._seeded.get(self._device())
+
+    def _active_monitor(self, step: int) -> DiagnosticsMonitor | None:
+        """The monitor if it computes diagnostics at ``step``."""
+        active = self.monitor is not None and self.monitor.is_active(step)
+        return self.monitor if active else None
 
     def _device(self) -> torch.device:
         return self.param_groups[0]["params"][0].device
