@@ -1,0 +1,93 @@
+"""The optimizer's group step composed over the same engine as ViViT's classes."""
+
+import torch
+from backpack import extend
+
+from dampednewton.backpack.passes import backward_pass
+from dampednewton.computations import DirectionalDampedNewtonComputation
+from dampednewton.computations.engine import GGNEngine, GGNSettings
+from dampednewton.group_step import StepFinisher
+
+
+def _problem():
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = extend(
+        torch.nn.Sequential(
+            torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)
+        ).double()
+    )
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    inputs = torch.randn(6, 5, generator=generator, dtype=torch.float64)
+    targets = torch.randint(3, (6,), generator=generator)
+    return model, loss_fn, inputs, targets
+
+
+def _run(model, loss_fn, inputs, targets, extensions, hook):
+    model.zero_grad()
+    with backward_pass(extensions, [hook]):
+        loss_fn(model(inputs), targets).backward()
+
+
+def test_finisher_without_complement_or_averaging_gives_exactly_vivit_step():
+    model, loss_fn, inputs, targets = _problem()
+    group = {"params": list(model.parameters()), "criterion": 3, "damping": 0.5}
+    vivit = DirectionalDampedNewtonComputation(warn_small_eigvals=0)
+    _run(
+        model,
+        loss_fn,
+        inputs,
+        targets,
+        vivit.get_extensions(),
+        vivit.get_extension_hook([group]),
+    )
+    expected = vivit.get_details(group)
+
+    finisher = StepFinisher(per_sample_gradients=True, subsampling_grad=None)
+    engine = GGNEngine(
+        GGNSettings(),
+        finisher,
+        required_group_keys=("criterion", "damping"),
+        keeps_factors=True,
+        needs_gradients=True,
+        defers_finish=True,
+    )
+    block = {**group, "complement": None, "averaging": None, "factor": None}
+    _run(model, loss_fn, inputs, targets, engine.extensions(), engine.hook([block]))
+    actual = engine.result(block)
+
+    assert actual is not None and finisher.curvature_finite
+    for name in ("evals", "gamma_mean", "lambda_mean", "damping", "coefficients"):
+        assert torch.equal(getattr(actual, name), getattr(expected, name)), name
+    for mine, theirs in zip(actual.step, expected.step, strict=True):
+        assert torch.equal(mine, theirs)
+    torch.testing.assert_close(
+        actual.slope, torch.sum(expected.gamma_mean * expected.coefficients)
+    )
+
+
+def test_finisher_records_a_non_finite_curvature_and_reset_clears_it():
+    model, loss_fn, inputs, targets = _problem()
+    finisher = StepFinisher(per_sample_gradients=True, subsampling_grad=None)
+    engine = GGNEngine(
+        GGNSettings(),
+        finisher,
+        keeps_factors=True,
+        needs_gradients=True,
+        defers_finish=True,
+    )
+    block = {
+        "params": list(model.parameters()),
+        "criterion": 3,
+        "damping": 0.5,
+        "complement": None,
+        "averaging": None,
+        "factor": None,
+    }
+    bad_inputs = inputs.clone()
+    bad_inputs[0, 0] = torch.inf
+    _run(model, loss_fn, bad_inputs, targets, engine.extensions(), engine.hook([block]))
+    assert engine.result(block) is None
+    assert not finisher.curvature_finite
+    finisher.reset()
+    assert finisher.curvature_finite
