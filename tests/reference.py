@@ -322,6 +322,35 @@ def damped_newton_step(
     return evecs @ (-gammas.mean(0) / denominators)
 
 
+def hessian_diagonal(
+    model: nn.Module, loss_fn: nn.Module, params: list[Tensor], X: Tensor, y: Tensor
+) -> Tensor:
+    """Diagonal of the mean loss's full Hessian (an autograd loop over its rows).
+
+    Returns:
+        Vector over the concatenated ``params``.
+    """
+    names = _parameter_names(model, params)
+
+    def loss_of(theta: Tensor) -> Tensor:
+        overrides = dict(zip(names, unflatten(theta, params), strict=True))
+        return loss_fn(functional_call(model, overrides, (X,)), y)
+
+    theta = flatten([p.detach() for p in params])
+    return torch.diagonal(torch.autograd.functional.hessian(loss_of, theta)).detach()
+
+
+def ggn_diagonal(
+    model: nn.Module, loss_fn: nn.Module, params: list[Tensor], X: Tensor, y: Tensor
+) -> Tensor:
+    """Diagonal of the GGN ``(1/N) Σ_n J_nᵀ H_n J_n`` from explicit Jacobians.
+
+    Returns:
+        Vector over the concatenated ``params``.
+    """
+    return torch.diagonal(ggn(model, loss_fn, params, X, y))
+
+
 def match_spectra(gram_evals: Tensor, ggn_evals: Tensor) -> tuple[Tensor, Tensor]:
     """Comparable parts of the Gram and the GGN spectrum.
 

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from dampednewton import DampedNewton
-from tests.problems import readme_problem
+from tests.cases import readme_problem
 
 README = Path(__file__).parents[1] / "README.md"
 # ViViT's step: no complement, this batch's exact GGN, no trust region.

@@ -9,9 +9,8 @@ import torch
 
 from dampednewton import DampedNewton, threads
 from dampednewton.math.linalg import symmetric_eigh
-from tests.conftest import build_case
-from tests.optimizer.support import assert_parameters_equal, make_closure
-from tests.problems import PROBLEMS
+from tests.cases import PROBLEMS
+from tests.utils import assert_parameters_equal, build_case, make_closure
 
 TWO = 2
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backpack import backpack
 from torch import Tensor
 
 from dampednewton import (
@@ -15,12 +14,16 @@ from dampednewton import (
     TopK,
 )
 from tests import reference
-from tests.assertions import (
-    assert_close,
-    assert_close_up_to_sign,
-    assert_close_with_direction_signs,
+from tests.assertions import assert_close, assert_close_with_direction_signs
+from tests.utils import (
+    assert_eigenpairs,
+    build_case,
+    flat_evecs,
+    is_simple,
+    make_groups,
+    reference_block,
+    run_backward,
 )
-from tests.conftest import Case, build_case, make_groups
 
 SUBSAMPLINGS = {
     "all-samples": (None, None),
@@ -35,21 +38,6 @@ def subsampling(request) -> tuple[list[int] | None, list[int] | None]:
     return SUBSAMPLINGS[request.param]
 
 
-def reference_block(case: Case, params, subsampling_ggn, subsampling_grad):
-    """GGN of the curvature samples, their per-sample GGNs, per-sample gradients."""
-    ref_params = case.reference_params(params)
-    model, loss_fn = case.reference_model, case.reference_loss_fn
-    num_samples = case.X.shape[0]
-    ggn_idx = list(range(num_samples)) if subsampling_ggn is None else subsampling_ggn
-    grad_idx = (
-        list(range(num_samples)) if subsampling_grad is None else subsampling_grad
-    )
-    G = reference.ggn(model, loss_fn, ref_params, case.X, case.y, ggn_idx)
-    Gn = reference.per_sample_ggns(model, loss_fn, ref_params, case.X, case.y)[ggn_idx]
-    grads = reference.per_sample_gradients(model, loss_fn, ref_params, case.X, case.y)
-    return G, Gn, grads[grad_idx]
-
-
 def num_directions(G: Tensor) -> int:
     """At most ``MAX_DIRECTIONS``, and no more than the GGN's numerical rank."""
     evals = torch.linalg.eigvalsh(G)
@@ -57,46 +45,11 @@ def num_directions(G: Tensor) -> int:
     return min(MAX_DIRECTIONS, rank)
 
 
-def is_simple(G: Tensor, k: int) -> bool:
-    """Whether the top-k eigenvalues are simple (eigenvectors unique up to sign)."""
-    evals = torch.linalg.eigvalsh(G)[-(k + 1) :]
-    return bool((evals.diff() > 1e-6 * evals[-1]).all())
-
-
-def flat_evecs(evecs: list[Tensor]) -> Tensor:
-    """Eigenvectors in parameter-list format to columns ``[D, K]``."""
-    return torch.cat([v.flatten(start_dim=1) for v in evecs], dim=1).T
-
-
-def assert_eigenpairs(G: Tensor, evals: Tensor, evecs: Tensor) -> None:
-    """Eigenvalues equal the top ones of ``G``; columns are orthonormal eigenvectors.
-
-    This holds for repeated eigenvalues too, where eigenvectors are only defined up
-    to a rotation; with simple eigenvalues they are also compared up to sign.
-    """
-    k = evals.numel()
-    ref_evals, ref_evecs = reference.ggn_eigenpairs(G)
-    assert_close(evals, ref_evals[-k:], rtol=1e-7, atol=1e-12, name="evals")
-    scale = ref_evals[-1]
-    assert_close(G @ evecs / scale, evecs * evals / scale, atol=1e-9, name="G e = λ e")
-    eye = torch.eye(k, dtype=evecs.dtype)
-    assert_close(evecs.T @ evecs, eye, atol=1e-9, name="orthonormal eigenvectors")
-    if is_simple(G, k):
-        assert_close_up_to_sign(evecs, ref_evecs[:, -k:], dim=-1, name="evecs")
-
-
-def run(computation, case: Case, groups: list[dict]) -> None:
-    """One backward pass with the computation's extensions and hook."""
-    hook = computation.get_extension_hook(groups)
-    with backpack(*computation.get_extensions(), extension_hook=hook):
-        case.loss_fn(case.model(case.X), case.y).backward()
-
-
 def test_eigvalsh(problem, block_structure, subsampling):
     case = build_case(problem)
     groups = make_groups(case.model, block_structure)
     computation = EigvalshComputation(subsampling=subsampling[0])
-    run(computation, case, groups)
+    run_backward(computation, case, groups)
     for group in groups:
         G, _, _ = reference_block(case, group["params"], subsampling[0], None)
         gram_evals = computation.get_result(group)
@@ -114,7 +67,7 @@ def test_eigh(problem, block_structure, subsampling):
     for group, (G, _, _) in zip(groups, blocks, strict=True):
         group["criterion"] = TopK(num_directions(G))
     computation = EighComputation(subsampling=subsampling[0])
-    run(computation, case, groups)
+    run_backward(computation, case, groups)
     for group, (G, _, _) in zip(groups, blocks, strict=True):
         evals, evecs = computation.get_result(group)
         assert [v.shape[1:] for v in evecs] == [p.shape for p in group["params"]]
@@ -132,8 +85,8 @@ def test_directional_derivatives(problem, block_structure, subsampling):
         subsampling_grad=subsampling_grad, subsampling_ggn=subsampling_ggn
     )
     eigh = EighComputation(subsampling=subsampling_ggn)
-    run(computation, case, groups)
-    run(eigh, case, groups)
+    run_backward(computation, case, groups)
+    run_backward(eigh, case, groups)
     for group, (G, Gn, grads) in zip(groups, blocks, strict=True):
         k = group["criterion"].k
         gammas, lambdas = computation.get_result(group)
@@ -166,7 +119,9 @@ class IncreasingDamping:
     """δ_k = 0.1·(k+1): distinct per direction, to check the damping's order."""
 
     def __call__(self, evals, gram_evecs, gammas, lambdas) -> Tensor:
-        return 0.1 * torch.arange(1, evals.numel() + 1, dtype=evals.dtype)
+        return 0.1 * torch.arange(
+            1, evals.numel() + 1, dtype=evals.dtype, device=evals.device
+        )
 
 
 def test_damped_newton_step(problem, block_structure, subsampling):
@@ -180,11 +135,11 @@ def test_damped_newton_step(problem, block_structure, subsampling):
         subsampling_grad=subsampling_grad, subsampling_ggn=subsampling_ggn
     )
     eigh = EighComputation(subsampling=subsampling_ggn)
-    run(computation, case, groups)
-    run(eigh, case, groups)
+    run_backward(computation, case, groups)
+    run_backward(eigh, case, groups)
     for group, (G, Gn, grads) in zip(groups, blocks, strict=True):
         k = group["criterion"].k
-        damping = 0.1 * torch.arange(1, k + 1, dtype=G.dtype)
+        damping = 0.1 * torch.arange(1, k + 1, dtype=G.dtype, device=G.device)
         step = computation.get_result(group)
         assert [s.shape for s in step] == [p.shape for p in group["params"]]
         evecs = flat_evecs(eigh.get_result(group)[1])

@@ -17,8 +17,8 @@ from dampednewton import (
 )
 from tests import reference
 from tests.assertions import assert_close
-from tests.conftest import build_case
-from tests.problems import PROBLEMS
+from tests.cases import PROBLEMS
+from tests.utils import build_case
 
 MLP_CE = PROBLEMS[0]
 

@@ -8,7 +8,7 @@ from backpack import backpack
 from dampednewton import EigenvalueThreshold, EighComputation
 from tests import reference
 from tests.assertions import assert_close
-from tests.conftest import build_case, make_groups
+from tests.utils import build_case, make_groups
 
 NUM_DRAWS = 100
 MC_SAMPLES = 16

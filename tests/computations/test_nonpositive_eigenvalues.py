@@ -25,16 +25,19 @@ from dampednewton import (
 from dampednewton.policies.criteria import numerical_zero
 from tests import reference
 from tests.assertions import assert_close
-from tests.computations.test_against_reference import (
+from tests.cases import PROBLEMS
+from tests.utils import (
+    EXACT_VIVIT_STEP,
     assert_eigenpairs,
+    build_case,
+    flat,
     flat_evecs,
+    make_closure,
+    make_groups,
     reference_block,
+    run_backward,
 )
-from tests.computations.test_against_reference import run as run_backward
-from tests.conftest import build_case, make_groups
-from tests.optimizer.support import EXACT_VIVIT_STEP, flat, make_closure
-from tests.optimizer.support import reference_step as optimizer_reference_step
-from tests.problems import PROBLEMS
+from tests.utils import reference_step as optimizer_reference_step
 
 # N=4, C=3, D=39: the 12×12 Gram matrix has at least 4 zero eigenvalues.
 MLP_CE = next(problem for problem in PROBLEMS if problem.id == "mlp-ce")

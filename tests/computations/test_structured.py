@@ -16,8 +16,8 @@ from dampednewton import (
     TopK,
 )
 from tests.assertions import assert_close
-from tests.conftest import make_groups
-from tests.problems import PROBLEMS, initialize
+from tests.cases import PROBLEMS, initialize
+from tests.utils import make_groups
 
 
 def _sequence_model() -> nn.Module:

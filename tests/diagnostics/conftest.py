@@ -1,14 +1,24 @@
-"""Fixtures of the diagnostics tests: the problem list, built for BackPACK."""
+"""Fixtures of the diagnostics tests: the diagnostics problems, built for BackPACK."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import Case, build_case
-from tests.diagnostics.problems import PROBLEMS
+from tests.cases import DIAGNOSTICS_PROBLEMS, Problem
+from tests.utils import Case, build_case
 
 
-@pytest.fixture(params=PROBLEMS, ids=lambda problem: problem.id)
-def case(request) -> Case:
+def _problem_id(problem: Problem) -> str:
+    return problem.id
+
+
+@pytest.fixture(params=DIAGNOSTICS_PROBLEMS, ids=_problem_id)
+def diagnostics_problem(request: pytest.FixtureRequest) -> Problem:
+    """Each problem tagged ``DIAGNOSTICS`` in the declarative list."""
+    return request.param
+
+
+@pytest.fixture
+def case(diagnostics_problem: Problem) -> Case:
     """Each diagnostics problem, extended for BackPACK and as a plain copy."""
-    return build_case(request.param)
+    return build_case(diagnostics_problem)

@@ -16,14 +16,13 @@ from dampednewton.diagnostics import (
     GradientParameterHistogram,
     NoiseScale,
 )
-from tests.conftest import build_case
-from tests.diagnostics.problems import PROBLEMS
-from tests.diagnostics.test_monitor import run_monitored_step
+from tests.cases import DIAGNOSTICS_PROBLEMS
+from tests.utils import build_case, run_monitored_step
 
 
 @pytest.fixture(scope="module")
 def monitored_log() -> DiagnosticsLog:
-    case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
     monitor = DiagnosticsMonitor(
         [
             GSNR(),

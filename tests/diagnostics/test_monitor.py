@@ -41,20 +41,11 @@ from dampednewton.diagnostics.histogram import uniform_bin_edges
 from dampednewton.diagnostics.reducer import MissingQuantityError
 from tests import reference
 from tests.assertions import assert_close
-from tests.conftest import Case, build_case
-from tests.diagnostics.problems import PROBLEMS, ggn_diagonal, hessian_diagonal
+from tests.cases import DIAGNOSTICS_PROBLEMS, case_by_id
+from tests.utils import Case, build_case, run_monitored_step
 
 EPSILON = 1e-8
 RTOL = 1e-9  # BackPACK vs. per-sample loops: round-off only
-
-
-def run_monitored_step(case: Case, monitor: DiagnosticsMonitor, step: int = 0) -> dict:
-    """One backward pass through the context helper, then ``finish``."""
-    case.model.zero_grad()
-    loss = case.loss_fn(case.model(case.X), case.y)
-    with monitor.backward_context(step):
-        loss.backward()
-    return monitor.finish(step, case.model.parameters(), loss)
 
 
 def named_parameters(case: Case) -> list[tuple[str, Tensor]]:
@@ -136,8 +127,8 @@ def test_curvature_traces_match_autograd_and_jacobians(case):
     params = case.reference_params(list(case.model.parameters()))
     args = (case.reference_model, case.reference_loss_fn, params, case.X, case.y)
     for curvature, diagonal in (
-        ("diag_h", hessian_diagonal(*args)),
-        ("diag_ggn_exact", ggn_diagonal(*args)),
+        ("diag_h", reference.hessian_diagonal(*args)),
+        ("diag_ggn_exact", reference.ggn_diagonal(*args)),
     ):
         for name, piece in split(diagonal, case).items():
             assert_scalar(
@@ -153,7 +144,7 @@ def test_curvature_traces_match_autograd_and_jacobians(case):
 
 
 def test_hessian_and_ggn_traces_differ_with_sigmoid():
-    sigmoid = build_case(next(p for p in PROBLEMS if p.id == "mlp-sigmoid-ce"))
+    sigmoid = build_case(case_by_id("mlp-sigmoid-ce-n6"))
     monitor = DiagnosticsMonitor(
         [CurvatureTrace(curvature="diag_h"), CurvatureTrace(curvature="diag_ggn_exact")]
     )
@@ -162,7 +153,7 @@ def test_hessian_and_ggn_traces_differ_with_sigmoid():
 
 
 def test_monte_carlo_ggn_trace_equals_backpack_with_same_seed():
-    case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
     monitor = DiagnosticsMonitor(
         [CurvatureTrace(curvature="diag_ggn_mc", mc_samples=3)],
         case.model.named_parameters(),
@@ -376,8 +367,8 @@ def test_network_histogram_is_sum_of_layers_with_a_fixed_range(case):
 
 
 def test_context_helper_with_sgd_equals_standalone_functions():
-    case = build_case(PROBLEMS[0])
-    reference_case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
+    reference_case = build_case(DIAGNOSTICS_PROBLEMS[0])
     monitor = DiagnosticsMonitor(
         [
             GSNR(epsilon=EPSILON),
@@ -464,7 +455,7 @@ def test_backward_context_alone_logs_records_with_any_optimizer(make_optimizer):
     The record is finished when the context exits, before the optimizer changes
     ``p.grad`` or the parameters.
     """
-    case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
     monitor = DiagnosticsMonitor(
         [GSNR(epsilon=EPSILON), GradientHistogram(range_policy=FixedRange(-1, 1))],
         case.model.named_parameters(),
@@ -511,7 +502,7 @@ def test_backward_context_alone_logs_records_with_any_optimizer(make_optimizer):
 
 def test_finish_after_the_context_replaces_its_record():
     """The two-call pattern still works: finish re-assembles for its parameters."""
-    case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
     monitor = DiagnosticsMonitor([CurvatureTrace()])
     case.model.zero_grad()
     loss = case.loss_fn(case.model(case.X), case.y)
@@ -533,7 +524,7 @@ def test_finish_after_the_context_replaces_its_record():
 
 def test_hook_leaves_quantities_for_a_following_hook():
     """As inside DampedNewton: the monitor's hook, then the optimizer's hook."""
-    case = build_case(PROBLEMS[2])
+    case = build_case(DIAGNOSTICS_PROBLEMS[2])
     diagnostics = [GSNR(), GradientHistogram(bins=5), CurvatureTrace()]
     seen = []
 
@@ -558,7 +549,7 @@ def test_hook_leaves_quantities_for_a_following_hook():
     record = monitor.finish(0, case.model.parameters(), loss)
     assert len(seen) == len(list(case.model.parameters()))
 
-    twin = build_case(PROBLEMS[2])
+    twin = build_case(DIAGNOSTICS_PROBLEMS[2])
     expected = run_monitored_step(
         twin, DiagnosticsMonitor(diagnostics, twin.model.named_parameters())
     )
@@ -569,7 +560,7 @@ def test_hook_leaves_quantities_for_a_following_hook():
 
 def test_histograms_of_a_subsampled_grad_batch_use_the_full_batch_size():
     """An optimizer may request BatchGrad(subsampling=...) in place of ours."""
-    case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
     individual = backpack_individual_gradients(case)
     subsampling = [0, 2, 5]
     fixed = FixedRange(-0.6, 0.6)
@@ -591,7 +582,7 @@ def test_histograms_of_a_subsampled_grad_batch_use_the_full_batch_size():
 
 
 def test_backward_context_frees_backpack_quantities():
-    case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
     monitor = DiagnosticsMonitor(
         [GSNR(), GradientHistogram(), CurvatureTrace(curvature="diag_h")]
     )
@@ -632,7 +623,7 @@ def test_extensions_are_deduplicated_and_scheduled():
 
 
 def test_unscheduled_step_gives_empty_record_and_no_log_entry():
-    case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
     monitor = DiagnosticsMonitor([GSNR(schedule=EveryKSteps(2))])
     assert run_monitored_step(case, monitor, step=1) == {}
     assert len(monitor.log) == 0
@@ -641,7 +632,7 @@ def test_unscheduled_step_gives_empty_record_and_no_log_entry():
 
 
 def test_names_default_to_positions_and_follow_the_params_given():
-    case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
     monitor = DiagnosticsMonitor([CurvatureTrace()])
     case.model.zero_grad()
     loss = case.loss_fn(case.model(case.X), case.y)
@@ -657,7 +648,7 @@ def test_names_default_to_positions_and_follow_the_params_given():
 
 
 def plain_model_case() -> Case:
-    case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
     reference_model = copy.deepcopy(case.reference_model)
     return Case(
         reference_model, case.loss_fn, reference_model, case.loss_fn, case.X, case.y
@@ -672,7 +663,7 @@ def test_not_extended_model_raises():
 
 
 def test_not_extended_loss_raises_for_curvature():
-    case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
     case.loss_fn = nn.CrossEntropyLoss()
     monitor = DiagnosticsMonitor([CurvatureTrace()])
     with pytest.raises(RuntimeError, match="extend the loss function"):
@@ -680,7 +671,7 @@ def test_not_extended_loss_raises_for_curvature():
 
 
 def test_parameter_outside_the_extended_model_raises():
-    case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
     extra = nn.Parameter(torch.ones(2, dtype=torch.float64))
     monitor = DiagnosticsMonitor([GSNR()], {"extra": extra})
     loss = case.loss_fn(case.model(case.X), case.y) + (extra**2).sum()
@@ -717,7 +708,7 @@ def test_bad_monitor_configuration_raises(diagnostics, message):
 
 
 def test_small_batch_for_debiased_gsnr_raises():
-    case = build_case(PROBLEMS[0])
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
     case.X, case.y = case.X[:3], case.y[:3]
     with pytest.raises(ValueError, match="batch_size must be ≥ 4"):
         run_monitored_step(case, DiagnosticsMonitor([GSNR()]))
@@ -732,8 +723,8 @@ def test_cuda_record_equals_cpu_record():
         GradientParameterHistogram(bins=(3, 4), gradient_range=FixedRange(-0.5, 0.5)),
         CurvatureTrace(curvature="diag_h"),
     ]
-    cpu = build_case(PROBLEMS[2])
-    gpu = build_case(PROBLEMS[2])
+    cpu = build_case(DIAGNOSTICS_PROBLEMS[2])
+    gpu = build_case(DIAGNOSTICS_PROBLEMS[2])
     gpu.model.cuda()
     gpu.X, gpu.y = gpu.X.cuda(), gpu.y.cuda()
     expected = run_monitored_step(cpu, DiagnosticsMonitor(diagnostics))

@@ -19,16 +19,15 @@ from dampednewton.diagnostics.plots import (
     plot_histograms,
     plot_scalars,
 )
-from tests.conftest import build_case
-from tests.diagnostics.problems import PROBLEMS
-from tests.diagnostics.test_monitor import run_monitored_step
+from tests.cases import DIAGNOSTICS_PROBLEMS
+from tests.utils import build_case, run_monitored_step
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def monitor() -> DiagnosticsMonitor:
-    case = build_case(PROBLEMS[2])
+    case = build_case(DIAGNOSTICS_PROBLEMS[2])
     monitor = DiagnosticsMonitor(
         [
             GSNR(),

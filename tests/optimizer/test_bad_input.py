@@ -20,15 +20,16 @@ from torch import nn
 from torch.func import functional_call
 
 from dampednewton import CurvatureAveraging, DampedNewton, NoiseAwareDamping
-from tests.conftest import Case, build_case
-from tests.optimizer.support import (
+from tests.cases import LINEAR_MSE, PROBLEMS, Problem
+from tests.utils import (
     VIVIT_STEP,
+    Case,
     assert_parameters_equal,
     assert_same_state,
+    build_case,
     make_closure,
     snapshot,
 )
-from tests.problems import LINEAR_MSE, PROBLEMS, Problem
 
 MLP_CE = PROBLEMS[0]
 CLOSURE_REQUIRED = r"(?s)needs a closure.*def closure\(\):.*loss\.backward\(\)"

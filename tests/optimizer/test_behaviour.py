@@ -11,13 +11,13 @@ import torch
 
 import dampednewton.optimizer
 from dampednewton import DampedNewton, EigenvalueThreshold
-from tests.conftest import build_case
-from tests.optimizer.support import (
+from tests.cases import PROBLEMS
+from tests.utils import (
     EXACT_VIVIT_STEP,
     assert_parameters_equal,
+    build_case,
     make_closure,
 )
-from tests.problems import PROBLEMS
 
 MLP_CE = PROBLEMS[0]
 

@@ -14,9 +14,8 @@ from dampednewton import (
     LevenbergMarquardt,
     NoiseAwareDamping,
 )
-from tests.conftest import build_case
-from tests.optimizer.support import EXACT_VIVIT_STEP, make_closure
-from tests.problems import LINEAR_MSE, PROBLEMS
+from tests.cases import LINEAR_MSE, PROBLEMS
+from tests.utils import EXACT_VIVIT_STEP, build_case, make_closure
 
 
 def test_levenberg_marquardt_on_a_quadratic_sees_ratio_one():

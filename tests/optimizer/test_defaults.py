@@ -14,7 +14,7 @@ from torch import nn
 from benchmarks.data import load_digits
 from benchmarks.models import mlp
 from dampednewton import DampedNewton
-from tests.optimizer.support import VIVIT_STEP
+from tests.utils import VIVIT_STEP
 
 STEPS = 150
 BATCH_SIZE = 64

@@ -16,9 +16,8 @@ from dampednewton.diagnostics import (
     GradientParameterHistogram,
     NoiseScale,
 )
-from tests.conftest import build_case
-from tests.optimizer.support import EXACT_VIVIT_STEP, make_closure
-from tests.problems import PROBLEMS
+from tests.cases import PROBLEMS
+from tests.utils import EXACT_VIVIT_STEP, build_case, make_closure
 
 NUM_STEPS = 3
 

@@ -17,18 +17,18 @@ from torch import nn
 
 from dampednewton import DampedNewton, EigvalshComputation
 from tests.assertions import assert_close
-from tests.conftest import build_case
-from tests.optimizer.support import (
+from tests.cases import PROBLEMS
+from tests.utils import (
     EXACT_VIVIT_STEP,
     VIVIT_STEP,
     assert_parameters_equal,
     assert_same_state,
+    build_case,
     flat,
     make_closure,
     reference_step,
     snapshot,
 )
-from tests.problems import PROBLEMS
 
 MLP_CE, MLP_BCE = PROBLEMS[0], PROBLEMS[2]
 REWEIGHT = r"without weights and rebalance by sampling.*WeightedRandomSampler"

@@ -12,16 +12,16 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LRScheduler, StepLR
 
 from dampednewton import DampedNewton
 from tests.assertions import assert_close
-from tests.conftest import build_case
-from tests.optimizer.support import (
+from tests.cases import PROBLEMS
+from tests.utils import (
     EXACT_VIVIT_STEP,
+    build_case,
     copy_parameters,
     flat,
     layer_groups,
     make_closure,
     reference_step,
 )
-from tests.problems import PROBLEMS
 
 MLP_CE = PROBLEMS[0]
 BASE_LRS = (1.0, 0.5)

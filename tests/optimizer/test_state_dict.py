@@ -16,15 +16,16 @@ from dampednewton import (
     RelativeThreshold,
     TopK,
 )
-from tests.conftest import Case, build_case
-from tests.optimizer.support import (
+from tests.cases import PROBLEMS
+from tests.utils import (
     VIVIT_STEP,
+    Case,
     assert_parameters_equal,
     assert_same_state,
+    build_case,
     make_closure,
     snapshot,
 )
-from tests.problems import PROBLEMS
 
 MLP_CE = PROBLEMS[0]
 STEPS_BEFORE, STEPS_AFTER = 2, 3

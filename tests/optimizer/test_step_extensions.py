@@ -21,16 +21,16 @@ from dampednewton import (
 )
 from tests import reference
 from tests.assertions import assert_close
-from tests.conftest import build_case
-from tests.optimizer.support import (
+from tests.cases import PROBLEMS
+from tests.utils import (
     NOISE_LEVEL,
     assert_same_state,
+    build_case,
     copy_parameters,
     flat,
     make_closure,
     snapshot,
 )
-from tests.problems import PROBLEMS
 
 PROBLEM = {problem.id: problem for problem in PROBLEMS}
 BATCH_GGN = {"mc_samples": 0, "averaging": None, "kl_clip": None}

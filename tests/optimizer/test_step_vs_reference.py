@@ -25,9 +25,8 @@ from dampednewton import (
     TopK,
 )
 from tests.assertions import assert_close
-from tests.conftest import build_case
-from tests.optimizer.support import flat, make_closure, reference_step
-from tests.problems import PROBLEMS, Problem
+from tests.cases import PROBLEMS, Problem
+from tests.utils import build_case, flat, make_closure, reference_step
 
 PROBLEM = {problem.id: problem for problem in PROBLEMS}
 ROUNDOFF_GROWTH = 50

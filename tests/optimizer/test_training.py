@@ -9,9 +9,8 @@ from torch import Tensor, nn
 
 from dampednewton import DampedNewton, EigenvalueThreshold
 from tests.assertions import assert_close
-from tests.conftest import build_case
-from tests.optimizer.support import EXACT_VIVIT_STEP, flat, make_closure, seeded
-from tests.problems import LINEAR_MSE, Problem
+from tests.cases import LINEAR_MSE, Problem
+from tests.utils import EXACT_VIVIT_STEP, build_case, flat, make_closure, seeded
 
 NUM_STEPS = 24
 MIN_DECREASE = 10.0

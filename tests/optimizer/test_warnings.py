@@ -16,9 +16,8 @@ from packaging.version import Version
 from dampednewton import DampedNewton, LevenbergMarquardt
 from dampednewton.backward import FULL_BACKWARD_HOOK_WARNING
 from dampednewton.diagnostics import GSNR, DiagnosticsMonitor
-from tests.conftest import build_case
-from tests.optimizer.support import EXACT_VIVIT_STEP, make_closure
-from tests.problems import PROBLEMS, readme_problem
+from tests.cases import PROBLEMS, readme_problem
+from tests.utils import EXACT_VIVIT_STEP, build_case, make_closure
 
 MLP_CE = PROBLEMS[0]
 HOOK_WARNING = "Full backward hook is firing"

@@ -1,4 +1,9 @@
-"""Helpers of the optimizer tests: closures, layer groups, references, state checks."""
+"""Shared test helpers: built problems, groups, closures, passes and state checks.
+
+Test modules import their helpers from here (brute-force quantities come from
+:mod:`tests.reference`, tensor comparisons from :mod:`tests.assertions`, problems
+from :mod:`tests.cases`); no test module imports from another.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,61 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from backpack import backpack, extend
 from torch import Tensor, nn
 
 from dampednewton import DampedNewton
+from dampednewton.diagnostics import DiagnosticsMonitor
 from tests import reference
-from tests.problems import initialize
+from tests.assertions import assert_close, assert_close_up_to_sign
+from tests.cases import Problem, initialize
+
+
+@dataclass
+class Case:
+    """A problem built twice: BackPACK-extended, and plain for the references.
+
+    Attributes:
+        model: Extended model.
+        loss_fn: Extended loss function.
+        reference_model: Plain copy with equal parameters.
+        reference_loss_fn: Plain loss function.
+        X: Inputs.
+        y: Targets.
+    """
+
+    model: nn.Module
+    loss_fn: nn.Module
+    reference_model: nn.Module
+    reference_loss_fn: nn.Module
+    X: Tensor
+    y: Tensor
+
+    def reference_params(self, params: list[Tensor]) -> list[Tensor]:
+        """Return the reference model's parameters matching ``params``."""
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        reference = list(self.reference_model.parameters())
+        return [reference[index[id(p)]] for p in params]
+
+
+def build_case(
+    problem: Problem, dtype: torch.dtype = torch.float64, device: str = "cpu"
+) -> Case:
+    """Build a problem for BackPACK and for the brute-force references."""
+    model, loss_fn, X, y = problem.build(dtype, device)
+    reference_model, reference_loss_fn, _, _ = problem.build(dtype, device)
+    return Case(
+        extend(model), extend(loss_fn), reference_model, reference_loss_fn, X, y
+    )
+
+
+def make_groups(model: nn.Module, structure: str, **keys) -> list[dict]:
+    """Parameter groups for a block structure, each with the given extra keys."""
+    params = list(model.parameters())
+    if structure == "full":
+        return [{"params": params, **keys}]
+    return [{"params": [p], **keys} for p in params]
+
 
 VIVIT_STEP = {"complement": None, "averaging": None, "kl_clip": None}
 """ViViT's step from this batch's GGN, unclipped: the package's defaults switch on the
@@ -124,7 +179,9 @@ def reference_step(
     if callable(damping):
         delta = torch.as_tensor(damping(evals, None, gammas, lambdas))
     else:
-        delta = torch.full((num_directions,), float(damping), dtype=G.dtype)
+        delta = torch.full(
+            (num_directions,), float(damping), dtype=G.dtype, device=G.device
+        )
     step = reference.damped_newton_step(G, Gn, grads, num_directions, delta)
     rho = None
     if complement is not None:
@@ -180,8 +237,67 @@ def seeded(module_factory: Callable[[], nn.Module], generator: torch.Generator):
     """Build a float64 module with parameters ``~ N(0, 1/fan_in)`` from a generator.
 
     The module is created on the meta device, so torch's global random state is not
-    used (see :func:`tests.problems.initialize`).
+    used (see :func:`tests.cases.initialize`).
     """
     with torch.device("meta"):
         module = module_factory()
     return initialize(module, generator)
+
+
+def reference_block(case: Case, params, subsampling_ggn, subsampling_grad):
+    """GGN of the curvature samples, their per-sample GGNs, per-sample gradients."""
+    ref_params = case.reference_params(params)
+    model, loss_fn = case.reference_model, case.reference_loss_fn
+    num_samples = case.X.shape[0]
+    ggn_idx = list(range(num_samples)) if subsampling_ggn is None else subsampling_ggn
+    grad_idx = (
+        list(range(num_samples)) if subsampling_grad is None else subsampling_grad
+    )
+    G = reference.ggn(model, loss_fn, ref_params, case.X, case.y, ggn_idx)
+    Gn = reference.per_sample_ggns(model, loss_fn, ref_params, case.X, case.y)[ggn_idx]
+    grads = reference.per_sample_gradients(model, loss_fn, ref_params, case.X, case.y)
+    return G, Gn, grads[grad_idx]
+
+
+def is_simple(G: Tensor, k: int) -> bool:
+    """Whether the top-k eigenvalues are simple (eigenvectors unique up to sign)."""
+    evals = torch.linalg.eigvalsh(G)[-(k + 1) :]
+    return bool((evals.diff() > 1e-6 * evals[-1]).all())
+
+
+def flat_evecs(evecs: list[Tensor]) -> Tensor:
+    """Eigenvectors in parameter-list format to columns ``[D, K]``."""
+    return torch.cat([v.flatten(start_dim=1) for v in evecs], dim=1).T
+
+
+def assert_eigenpairs(G: Tensor, evals: Tensor, evecs: Tensor) -> None:
+    """Eigenvalues equal the top ones of ``G``; columns are orthonormal eigenvectors.
+
+    This holds for repeated eigenvalues too, where eigenvectors are only defined up
+    to a rotation; with simple eigenvalues they are also compared up to sign.
+    """
+    k = evals.numel()
+    ref_evals, ref_evecs = reference.ggn_eigenpairs(G)
+    assert_close(evals, ref_evals[-k:], rtol=1e-7, atol=1e-12, name="evals")
+    scale = ref_evals[-1]
+    assert_close(G @ evecs / scale, evecs * evals / scale, atol=1e-9, name="G e = λ e")
+    eye = torch.eye(k, dtype=evecs.dtype, device=evecs.device)
+    assert_close(evecs.T @ evecs, eye, atol=1e-9, name="orthonormal eigenvectors")
+    if is_simple(G, k):
+        assert_close_up_to_sign(evecs, ref_evecs[:, -k:], dim=-1, name="evecs")
+
+
+def run_backward(computation, case: Case, groups: list[dict]) -> None:
+    """One backward pass with the computation's extensions and hook."""
+    hook = computation.get_extension_hook(groups)
+    with backpack(*computation.get_extensions(), extension_hook=hook):
+        case.loss_fn(case.model(case.X), case.y).backward()
+
+
+def run_monitored_step(case: Case, monitor: DiagnosticsMonitor, step: int = 0) -> dict:
+    """One backward pass through the context helper, then ``finish``."""
+    case.model.zero_grad()
+    loss = case.loss_fn(case.model(case.X), case.y)
+    with monitor.backward_context(step):
+        loss.backward()
+    return monitor.finish(step, case.model.parameters(), loss)

@@ -1,0 +1,392 @@
+"""The test problems: one declarative list of tiny, deterministic float64 problems.
+
+Every problem is a model, a loss, a mini-batch and a seed, small enough (N ≤ 8
+samples, C ≤ 3 outputs, D ≤ 405 parameters) that the full D×D GGN and its
+eigendecomposition are instant. Parameters and data are drawn from a local
+``torch.Generator`` seeded with the problem's seed; the global RNG is never touched
+(modules are created on the meta device, so torch's default initialization does not
+run). All modules are supported by BackPACK's ``SqrtGGNExact`` and ``BatchGrad``.
+
+Each problem is tagged with the suites that use it; ``PROBLEMS`` and
+``DIAGNOSTICS_PROBLEMS`` are the tagged selections of ``CASES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from backpack import extend
+from torch import Tensor, nn
+
+NUM_CLASSES = 3
+
+SIMPLE_SPECTRUM = "simple-spectrum"
+"""Tag: the non-zero GGN eigenvalues are simple, so eigenvectors are unique up to
+sign (cross-entropy GGNs also have zero eigenvalues, rank ≤ N·(C−1)). The optimizer,
+computation and reference tests run on these."""
+DIAGNOSTICS = "diagnostics"
+"""Tag: a batch of N ≥ 6 (the debiased GSNR needs N ≥ 4); the diagnostics tests run
+on these."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A model, a loss and a mini-batch, reproducible from a seed.
+
+    Attributes:
+        id: Readable identifier, used as pytest id.
+        model: Factory that builds the model and draws its parameters from the
+            generator it receives.
+        loss: Factory for the loss module (``reduction="mean"``).
+        data: Factory that draws inputs ``X`` and targets ``y`` from the generator.
+        seed: Seed of the generator passed to ``model`` and then to ``data``.
+        tags: The suites that use the problem (``SIMPLE_SPECTRUM``, ``DIAGNOSTICS``).
+    """
+
+    id: str
+    model: Callable[[torch.Generator], nn.Module]
+    loss: Callable[[], nn.Module]
+    data: Callable[[torch.Generator], tuple[Tensor, Tensor]]
+    seed: int
+    tags: frozenset[str] = frozenset()
+
+    def build(
+        self, dtype: torch.dtype = torch.float64, device: str = "cpu"
+    ) -> tuple[nn.Module, nn.Module, Tensor, Tensor]:
+        """Create a fresh model, loss function and mini-batch.
+
+        The same seed gives the same values on every call and device; values are
+        drawn in float64 on the CPU and then cast to ``dtype`` and moved to
+        ``device``. Integer targets stay integer.
+
+        Args:
+            dtype: Floating-point type of the parameters, inputs and float targets.
+            device: Device of the parameters, inputs and targets.
+
+        Returns:
+            ``(model, loss_fn, X, y)``.
+
+        Raises:
+            ValueError: If ``dtype`` is not a floating-point type.
+        """
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point type, got {dtype}.")
+        generator = torch.Generator().manual_seed(self.seed)
+        model = self.model(generator).to(device=device, dtype=dtype)
+        X, y = self.data(generator)
+        X = X.to(device=device, dtype=dtype)
+        y = y.to(device=device, dtype=dtype if y.is_floating_point() else y.dtype)
+        return model, self.loss(), X, y
+
+
+def initialize(module: nn.Module, generator: torch.Generator) -> nn.Module:
+    """Materialize a meta-device module in float64 with parameters from a generator.
+
+    Each layer's weight and bias are drawn from N(0, 1/fan_in), fan_in being the
+    number of weight entries per output unit.
+
+    Args:
+        module: Module whose parameters live on the meta device.
+        generator: Source of the parameter values.
+
+    Returns:
+        The module, on the CPU in float64, with initialized parameters.
+    """
+    module = module.to_empty(device="cpu").to(torch.float64)
+    with torch.no_grad():
+        for layer in module.modules():
+            weight = getattr(layer, "weight", None)
+            if not isinstance(weight, nn.Parameter):
+                continue
+            scale = weight[0].numel() ** -0.5
+            for param in (weight, getattr(layer, "bias", None)):
+                if isinstance(param, nn.Parameter):
+                    param.copy_(
+                        scale
+                        * torch.randn(
+                            param.shape, generator=generator, dtype=torch.float64
+                        )
+                    )
+    return module
+
+
+def _mlp_relu(generator: torch.Generator) -> nn.Module:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, NUM_CLASSES))
+    return initialize(model, generator)
+
+
+def _mlp_sigmoid(generator: torch.Generator) -> nn.Module:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(5, 4), nn.Sigmoid(), nn.Linear(4, NUM_CLASSES))
+    return initialize(model, generator)
+
+
+def _mlp_tanh_scalar(generator: torch.Generator) -> nn.Module:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
+    return initialize(model, generator)
+
+
+def _cnn(generator: torch.Generator) -> nn.Module:
+    # [N, 1, 6, 6] -> conv [N, 2, 4, 4] -> pool [N, 2, 2, 2] -> flatten [N, 8]
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Conv2d(1, 2, kernel_size=3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(8, NUM_CLASSES),
+        )
+    return initialize(model, generator)
+
+
+def _cnn_no_pool(generator: torch.Generator) -> nn.Module:
+    # [N, 1, 5, 5] -> conv [N, 2, 3, 3] -> flatten [N, 18]
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Conv2d(1, 2, kernel_size=3),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(18, NUM_CLASSES),
+        )
+    return initialize(model, generator)
+
+
+def _sequence_mlp(generator: torch.Generator) -> nn.Module:
+    # [N, 2, 12] -> shared Linear [N, 2, 6] -> flatten [N, 12]: few positions, so the
+    # first weight takes the structured shared-weight path.
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Linear(12, 6), nn.Tanh(), nn.Flatten(), nn.Linear(12, NUM_CLASSES)
+        )
+    return initialize(model, generator)
+
+
+def _cnn_few_positions(generator: torch.Generator) -> nn.Module:
+    # [N, 6, 4, 4] -> conv [N, 6, 2, 2] -> flatten [N, 24]: 4 output positions and 54
+    # inputs per position, so the exact GGN's conv weight is contracted structurally.
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Conv2d(6, 6, kernel_size=3),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(24, NUM_CLASSES),
+        )
+    return initialize(model, generator)
+
+
+def _linear_2_to_3(generator: torch.Generator) -> nn.Module:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, NUM_CLASSES))
+    return initialize(model, generator)
+
+
+def _linear_5_to_3(generator: torch.Generator) -> nn.Module:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(5, NUM_CLASSES))
+    return initialize(model, generator)
+
+
+@dataclass(frozen=True)
+class Classification:
+    """Data factory: inputs ``~ N(0, 1)`` of ``shape``, class labels ``< C``."""
+
+    shape: tuple[int, ...]
+
+    def __call__(self, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """Draw ``(X, y)`` from the generator."""
+        X = torch.randn(self.shape, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, NUM_CLASSES, self.shape[:1], generator=generator)
+        return X, y
+
+
+@dataclass(frozen=True)
+class Regression:
+    """Data factory: inputs ``~ N(0, 1)`` of ``shape``, ``[N, C]`` targets too."""
+
+    shape: tuple[int, ...]
+
+    def __call__(self, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """Draw ``(X, y)`` from the generator."""
+        X = torch.randn(self.shape, generator=generator, dtype=torch.float64)
+        y = torch.randn(
+            self.shape[0], NUM_CLASSES, generator=generator, dtype=torch.float64
+        )
+        return X, y
+
+
+def _binary_6x5(generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    targets = torch.randint(0, 2, (6, 1), generator=generator).to(torch.float64)
+    return torch.randn(6, 5, generator=generator, dtype=torch.float64), targets
+
+
+def _cross_entropy() -> nn.Module:
+    return nn.CrossEntropyLoss(reduction="mean")
+
+
+def _mse() -> nn.Module:
+    return nn.MSELoss(reduction="mean")
+
+
+def _bce_with_logits() -> nn.Module:
+    return nn.BCEWithLogitsLoss(reduction="mean")
+
+
+_STEP = frozenset({SIMPLE_SPECTRUM})
+_DIAGNOSTICS = frozenset({DIAGNOSTICS})
+
+CASES: list[Problem] = [
+    # N=4, C=3, D=39: ReLU MLP, cross-entropy (GGN rank ≤ N·(C-1) = 8).
+    Problem(
+        "mlp-ce",
+        _mlp_relu,
+        _cross_entropy,
+        Classification((4, 5)),
+        seed=0,
+        tags=_STEP,
+    ),
+    # N=5, C=3, D=39: sigmoid MLP, mean squared error.
+    Problem(
+        "mlp-mse",
+        _mlp_sigmoid,
+        _mse,
+        Regression((5, 5)),
+        seed=1,
+        tags=_STEP,
+    ),
+    # N=6, C=1, D=29: BackPACK's BCEWithLogitsLoss only supports [N, 1] logits.
+    Problem(
+        "mlp-bce",
+        _mlp_tanh_scalar,
+        _bce_with_logits,
+        _binary_6x5,
+        seed=2,
+        tags=_STEP,
+    ),
+    # N=4, C=3, D=47: [N, 1, 6, 6] -> conv [N, 2, 4, 4] -> pool [N, 2, 2, 2] ->
+    # flatten [N, 8] -> Linear, cross-entropy.
+    Problem(
+        "cnn-ce",
+        _cnn,
+        _cross_entropy,
+        Classification((4, 1, 6, 6)),
+        seed=3,
+        tags=_STEP,
+    ),
+    # N=6, C=3, D=9 < N·C = 18: the Gram matrix is larger than the GGN.
+    # Linear in θ, so GGN = Hessian.
+    Problem(
+        "mlp-ce-wide",
+        _linear_2_to_3,
+        _cross_entropy,
+        Classification((6, 2)),
+        seed=4,
+        tags=_STEP,
+    ),
+    # N=4, C=3, D=117: [N, 2, 12] -> shared Linear [N, 2, 6] -> flatten [N, 12]: few
+    # positions, so the first weight takes the structured shared-weight path.
+    Problem(
+        "seq-ce",
+        _sequence_mlp,
+        _cross_entropy,
+        Classification((4, 2, 12)),
+        seed=6,
+        tags=_STEP,
+    ),
+    # N=4, C=3, D=405: [N, 6, 4, 4] -> conv [N, 6, 2, 2] -> flatten [N, 24]: 4 output
+    # positions and 54 inputs per position, so the exact GGN's conv weight is
+    # contracted structurally.
+    Problem(
+        "cnn-wide-ce",
+        _cnn_few_positions,
+        _cross_entropy,
+        Classification((4, 6, 4, 4)),
+        seed=7,
+        tags=_STEP,
+    ),
+    # Linear regression, N=4, C=3, D=18 > N·C = 12, GGN rank 12; linear in θ, so the
+    # GGN is the Hessian. Untagged: its GGN is (2/(NC)) X̃ᵀX̃ ⊗ I_C, so every
+    # eigenvalue is C-fold and eigenvectors are only defined up to rotation. Use it
+    # for quantities that are invariant to that, such as the step along all non-zero
+    # directions.
+    Problem("linear-mse", _linear_5_to_3, _mse, Regression((4, 5)), seed=5),
+    # Diagnostics: N ≥ 6, ReLU or sigmoid MLPs and a small CNN.
+    Problem(
+        "mlp-relu-ce-n8",
+        _mlp_relu,
+        _cross_entropy,
+        Classification((8, 5)),
+        seed=10,
+        tags=_DIAGNOSTICS,
+    ),
+    Problem(
+        "mlp-relu-mse-n7",
+        _mlp_relu,
+        _mse,
+        Regression((7, 5)),
+        seed=11,
+        tags=_DIAGNOSTICS,
+    ),
+    # [N, 1, 5, 5] -> conv [N, 2, 3, 3] -> flatten [N, 18] -> Linear.
+    Problem(
+        "cnn-nopool-ce-n6",
+        _cnn_no_pool,
+        _cross_entropy,
+        Classification((6, 1, 5, 5)),
+        seed=12,
+        tags=_DIAGNOSTICS,
+    ),
+    Problem(
+        "cnn-nopool-mse-n6",
+        _cnn_no_pool,
+        _mse,
+        Regression((6, 1, 5, 5)),
+        seed=13,
+        tags=_DIAGNOSTICS,
+    ),
+    # Sigmoid has curvature of its own, so the Hessian differs from the GGN.
+    Problem(
+        "mlp-sigmoid-ce-n6",
+        _mlp_sigmoid,
+        _cross_entropy,
+        Classification((6, 5)),
+        seed=14,
+        tags=_DIAGNOSTICS,
+    ),
+]
+"""Every test problem, each once."""
+
+
+def tagged(tag: str) -> list[Problem]:
+    """The problems of ``CASES`` with a tag, in order."""
+    return [problem for problem in CASES if tag in problem.tags]
+
+
+def case_by_id(problem_id: str) -> Problem:
+    """The problem of ``CASES`` with an id.
+
+    Raises:
+        KeyError: If no problem has that id.
+    """
+    for problem in CASES:
+        if problem.id == problem_id:
+            return problem
+    raise KeyError(f"No problem with id {problem_id!r}.")
+
+
+PROBLEMS = tagged(SIMPLE_SPECTRUM)
+DIAGNOSTICS_PROBLEMS = tagged(DIAGNOSTICS)
+LINEAR_MSE = case_by_id("linear-mse")
+
+
+def readme_problem() -> tuple[nn.Module, nn.Module, Tensor, Tensor]:
+    """README's optimizer example: extended model and loss, inputs needing no grad."""
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(128, 10, generator=gen)
+    y = (X[:, :3].sum(1) > 0).long() + (X[:, 3] > 1).long()
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 3)))
+    return model, extend(nn.CrossEntropyLoss()), X, y
