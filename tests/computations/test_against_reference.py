@@ -45,8 +45,8 @@ def num_directions(G: Tensor) -> int:
     return min(MAX_DIRECTIONS, rank)
 
 
-def test_eigvalsh(problem, block_structure, subsampling):
-    case = build_case(problem)
+def test_eigvalsh(problem, block_structure, subsampling, device):
+    case = build_case(problem, device=device)
     groups = make_groups(case.model, block_structure)
     computation = EigvalshComputation(subsampling=subsampling[0])
     run_backward(computation, case, groups)
@@ -60,8 +60,8 @@ def test_eigvalsh(problem, block_structure, subsampling):
         assert_close(extra, torch.zeros_like(extra), atol=1e-12, name="zero evals")
 
 
-def test_eigh(problem, block_structure, subsampling):
-    case = build_case(problem)
+def test_eigh(problem, block_structure, subsampling, device):
+    case = build_case(problem, device=device)
     groups = make_groups(case.model, block_structure)
     blocks = [reference_block(case, g["params"], subsampling[0], None) for g in groups]
     for group, (G, _, _) in zip(groups, blocks, strict=True):
@@ -124,9 +124,9 @@ class IncreasingDamping:
         )
 
 
-def test_damped_newton_step(problem, block_structure, subsampling):
+def test_damped_newton_step(problem, block_structure, subsampling, device):
     subsampling_ggn, subsampling_grad = subsampling
-    case = build_case(problem)
+    case = build_case(problem, device=device)
     groups = make_groups(case.model, block_structure, damping=IncreasingDamping())
     blocks = [reference_block(case, g["params"], *subsampling) for g in groups]
     for group, (G, _, _) in zip(groups, blocks, strict=True):

@@ -22,3 +22,9 @@ def diagnostics_problem(request: pytest.FixtureRequest) -> Problem:
 def case(diagnostics_problem: Problem) -> Case:
     """Each diagnostics problem, extended for BackPACK and as a plain copy."""
     return build_case(diagnostics_problem)
+
+
+@pytest.fixture
+def case_on_device(diagnostics_problem: Problem, device: str) -> Case:
+    """Each diagnostics problem built on each device of the ``device`` fixture."""
+    return build_case(diagnostics_problem, device=device)

@@ -67,7 +67,8 @@ def assert_scalar(actual: float, expected: Tensor | float, name: str, **tols) ->
 # --- Acceptance: BackPACK through the monitor vs brute force -------------------------
 
 
-def test_gsnr_and_noise_scale_match_per_sample_loops(case):
+def test_gsnr_and_noise_scale_match_per_sample_loops(case_on_device):
+    case = case_on_device
     monitor = DiagnosticsMonitor(
         [GSNR(epsilon=EPSILON), NoiseScale()], case.model.named_parameters()
     )
@@ -115,7 +116,8 @@ def test_gsnr_and_noise_scale_match_per_sample_loops(case):
         )
 
 
-def test_curvature_traces_match_autograd_and_jacobians(case):
+def test_curvature_traces_match_autograd_and_jacobians(case_on_device):
+    case = case_on_device
     monitor = DiagnosticsMonitor(
         [
             CurvatureTrace(curvature="diag_h"),
@@ -714,7 +716,7 @@ def test_small_batch_for_debiased_gsnr_raises():
         run_monitored_step(case, DiagnosticsMonitor([GSNR()]))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_record_equals_cpu_record():
     diagnostics = [
         GSNR(),

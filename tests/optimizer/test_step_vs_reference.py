@@ -108,7 +108,9 @@ COMPLEMENTS = {
 @pytest.mark.parametrize("complement", COMPLEMENTS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("spec", STEP_CASES, ids=lambda spec: spec.id)
-def test_step_matches_reference(spec: StepCase, dtype: torch.dtype, complement: str):
+def test_step_matches_reference(
+    spec: StepCase, dtype: torch.dtype, complement: str, device: str
+):
     """Per group: ``Δθ = lr · s_ref``, and the logged state matches the reference.
 
     ``s_ref`` is computed in float64 from the explicit GGN at exactly the values the
@@ -120,7 +122,7 @@ def test_step_matches_reference(spec: StepCase, dtype: torch.dtype, complement: 
     ``ρ`` the condition number's denominator.
     """
     policy = COMPLEMENTS[complement]
-    case = build_case(spec.problem, dtype)
+    case = build_case(spec.problem, dtype, device)
     params = list(case.model.parameters())
     groups = [
         {
