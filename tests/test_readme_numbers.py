@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from dampednewton import DampedNewton
 from tests.cases import readme_problem
 
@@ -35,6 +37,7 @@ def readme_example_loss(**settings) -> float:
     return loss.item()
 
 
+@pytest.mark.slow
 def test_criterion_paragraph_quotes_the_losses_the_example_reaches():
     text = " ".join(README.read_text().split())
     defaults = [readme_example_loss(criterion=k) for k in (3, 10, 30)]

@@ -102,6 +102,7 @@ def test_damping_rule_on_an_optimizer_without_damping_is_skipped(compose_config)
     assert skip_reason(cfg) == "damping=lm does not apply to torch.optim.SGD"
 
 
+@pytest.mark.slow
 def test_problem_config_builds(compose_config, problem_name):
     cfg = compose_config([f"problem={problem_name}"])
     assert cfg.problem.name == problem_name
@@ -136,6 +137,7 @@ def _sweep_values(text: str) -> list[str]:
     return [str(v) for v in override.sweep_string_iterator()]
 
 
+@pytest.mark.slow
 def test_sweep_preset_gives_optimizers_equal_valid_grids(compose_config, sweep_name):
     preset = f"+sweep={sweep_name}"
     params = compose_config([preset], return_hydra_config=True).hydra.sweeper.params

@@ -53,6 +53,7 @@ def test_digits_split_shapes_labels_standardization():
     assert sha256(*ds.tensors()) == sha256(*data.load_digits().tensors())
 
 
+@pytest.mark.slow
 def test_mnist1d_is_offline_deterministic_and_leaves_global_rngs_alone():
     python_state, numpy_state = random.getstate(), np.random.get_state()  # noqa: NPY002
     first = sha256(*data.load_mnist1d().tensors())  # generated now or earlier

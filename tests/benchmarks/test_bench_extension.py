@@ -95,6 +95,7 @@ def sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return sweep_dir, process
 
 
+@pytest.mark.slow
 def test_extension_jobs_run_on_every_seed_in_new_numbered_dirs(sweep):
     sweep_dir, process = sweep
     jobs = {int(p.parent.name): p for p in sweep_dir.glob("*/result.json")}
@@ -121,6 +122,7 @@ def test_extension_jobs_run_on_every_seed_in_new_numbered_dirs(sweep):
     assert "[extension job 7] digits_logreg sgd lr=1 seed=" in process.stderr
 
 
+@pytest.mark.slow
 def test_report_includes_and_marks_extended_points(sweep):
     sweep_dir, _ = sweep
     (choice,) = tune(group_settings(load_results(sweep_dir))).values()
@@ -139,6 +141,7 @@ def test_report_includes_and_marks_extended_points(sweep):
     assert sum(e is not None for e in extended) == 4
 
 
+@pytest.mark.slow
 def test_report_counts_diverged_seeds_with_reasons(sweep):
     sweep_dir, _ = sweep
     markdown = (sweep_dir / "report" / "summary.md").read_text()

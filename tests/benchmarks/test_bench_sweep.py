@@ -12,6 +12,8 @@ import pytest
 
 from benchmarks.report import main as report_main
 
+pytestmark = pytest.mark.slow  # runs a sweep and the run script in subprocesses
+
 REPO = Path(__file__).resolve().parents[2]
 OPTIMIZERS = ("sgd", "adam")
 LEARNING_RATES = ("0.1", "-1")  # -1 makes the optimizer constructor raise

@@ -11,6 +11,8 @@ import pytest
 import torch
 from packaging.version import Version
 
+pytestmark = pytest.mark.slow  # runs the compile script in a subprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

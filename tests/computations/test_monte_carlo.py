@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from backpack import backpack
 
@@ -14,6 +15,7 @@ NUM_DRAWS = 100
 MC_SAMPLES = 16
 
 
+@pytest.mark.slow
 def test_mc_ggn_is_unbiased(problem):
     """Each draw's GGN ``V Vᵀ = Σ_k λ_k e_k e_kᵀ`` is unbiased for the exact GGN.
 

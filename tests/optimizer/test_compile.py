@@ -24,6 +24,7 @@ class TinyNet(nn.Sequential):
     Version(torch.__version__).release[:2] < (2, 5),
     reason="torch < 2.5 does not reuse a hook-free graph for the extended model",
 )
+@pytest.mark.slow
 def test_compiled_model_that_skips_backpacks_hooks_is_refused_naming_compile():
     gen = torch.Generator().manual_seed(0)
     X, y = torch.randn(8, 3, generator=gen), torch.tensor([0, 1] * 4)

@@ -50,6 +50,7 @@ def train(seed: int, **settings) -> tuple[float, float]:
     return loss, accuracy.item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_no_arguments_train_a_real_classifier(seed: int):
     """``DampedNewton(model.parameters())``: ≥ 0.95 test accuracy in 150 steps."""
@@ -57,6 +58,7 @@ def test_no_arguments_train_a_real_classifier(seed: int):
     assert accuracy >= 0.95
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damping", [1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0])
 def test_no_damping_collapses(damping: float):
     """Over five decades of damping the defaults learn (measured: 0.93 to 0.98)."""
@@ -65,6 +67,7 @@ def test_no_damping_collapses(damping: float):
     assert accuracy >= 0.9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damping", [1e-4, 1e-3, 1e-2])
 def test_without_the_safeguards_small_damping_blows_up(damping: float):
     """ViViT's step at the same dampings: the loss explodes (measured: 1e2 to 5e5)."""
