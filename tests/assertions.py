@@ -176,6 +176,12 @@ def assert_close_with_direction_signs(
     )
 
 
+def assert_scalar(actual: float, expected: Tensor | float, name: str, **tols) -> None:
+    """Assert that a float (a record entry) matches a scalar reference in float64."""
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    assert_close(torch.tensor(actual, dtype=torch.float64), expected, name=name, **tols)
+
+
 def _broadcast(signs: Tensor, ndim: int, dim: int) -> Tensor:
     shape = [1] * ndim
     shape[dim] = -1

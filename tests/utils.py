@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from backpack import backpack, extend
+from backpack.extensions import BatchGrad
 from torch import Tensor, nn
 
 from dampednewton import DampedNewton
@@ -301,3 +302,23 @@ def run_monitored_step(case: Case, monitor: DiagnosticsMonitor, step: int = 0) -
     with monitor.backward_context(step):
         loss.backward()
     return monitor.finish(step, case.model.parameters(), loss)
+
+
+def split_by_parameter(vector: Tensor, case: Case) -> dict[str, Tensor]:
+    """Split a vector over all parameters into named per-parameter pieces."""
+    names, params = zip(*case.model.named_parameters(), strict=True)
+    pieces = reference.unflatten(vector, list(params))
+    return dict(zip(names, pieces, strict=True))
+
+
+def backpack_individual_gradients(case: Case) -> dict[str, Tensor]:
+    """``N·grad_batch`` of every parameter from a plain BackPACK pass."""
+    case.model.zero_grad()
+    with backpack(BatchGrad()):
+        case.loss_fn(case.model(case.X), case.y).backward()
+    n = case.X.shape[0]
+    result = {}
+    for name, param in case.model.named_parameters():
+        result[name] = param.grad_batch * n
+        del param.grad_batch
+    return result
