@@ -1,0 +1,186 @@
+"""Curvature averaging and the complement vs the explicit moving average of the GGN.
+
+The reference is the explicit GGN's moving average, truncated to rank ``r`` as the
+factor is, compared in float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from dampednewton import (
+    CurvatureAveraging,
+    DampedNewton,
+    MeasuredCurvature,
+    SmallestCurvature,
+)
+from tests import reference
+from tests.assertions import assert_close
+from tests.cases import PROBLEMS
+from tests.utils import (
+    NOISE_LEVEL,
+    build_case,
+    copy_parameters,
+    flat,
+    make_closure,
+)
+
+PROBLEM = {problem.id: problem for problem in PROBLEMS}
+
+
+TOLERANCE = 1e-9
+"""Relative to the largest entry: float64 round-off, amplified over a few steps."""
+
+
+def truncated(matrix: Tensor, rank: int) -> Tensor:
+    """The best rank-``rank`` PSD approximation (numerically zero modes dropped)."""
+    evals, evecs = torch.linalg.eigh(matrix)
+    keep = evals > NOISE_LEVEL * evals.max()
+    evals, evecs = evals[keep][-rank:], evecs[:, keep][:, -rank:]
+    return evecs @ torch.diag(evals) @ evecs.T
+
+
+def averaged_reference_step(
+    average: Tensor,
+    gradient: Tensor,
+    k: int,
+    damping: float,
+    batch_ggn: Tensor | None = None,
+) -> tuple[Tensor, float]:
+    """Damped Newton step on ``average``'s top ``k`` eigenvectors plus the complement.
+
+    ``k = 0`` selects the flattest kept eigenvector instead (:func:`flattest`).
+
+    ``ρ = λ_min + δ`` (:class:`SmallestCurvature`), or with ``batch_ggn`` (the
+    :class:`MeasuredCurvature` policy on a refresh) ``max(λ_min, q_⊥) + δ``, where
+    ``q_⊥`` is ``batch_ggn``'s Rayleigh quotient along ``g_⊥ = ḡ − E Eᵀ ḡ``.
+
+    Returns:
+        The step and ``q_⊥ − λ_min`` (0 without ``batch_ggn``).
+    """
+    evals, evecs = torch.linalg.eigh(average)
+    keep = evals > NOISE_LEVEL * evals.max()
+    selected = slice(None, 1) if k == 0 else slice(-k, None)
+    evals, evecs = evals[keep][selected], evecs[:, keep][:, selected]
+    slopes = evecs.T @ gradient
+    orthogonal = gradient - evecs @ slopes
+    curvature = evals.min()
+    measured = 0.0
+    if batch_ggn is not None:
+        measured = (orthogonal @ batch_ggn @ orthogonal) / (orthogonal @ orthogonal)
+        curvature = torch.maximum(curvature, measured)
+    step = evecs @ (-slopes / (evals + damping))
+    return step - orthogonal / (curvature + damping), float(measured - evals.min())
+
+
+def flattest(evals: Tensor) -> list[int]:
+    """A criterion that keeps the flattest direction only: the complement is steep."""
+    return [0]
+
+
+@pytest.mark.parametrize(
+    ("problem_id", "rank", "interval", "kl_clip", "complement"),
+    [
+        ("mlp-ce", 3, 1, None, "smallest"),
+        ("mlp-ce", 1000, 1, None, "smallest"),
+        ("mlp-ce", 3, 2, None, "smallest"),
+        ("mlp-ce", 3, 1, 1e-3, "smallest"),
+        ("cnn-ce", 4, 1, None, "smallest"),
+        ("cnn-ce", 4, 2, 1e-3, "smallest"),
+        ("seq-ce", 5, 1, None, "smallest"),
+        ("mlp-mse", 1000, 3, None, "smallest"),
+        ("mlp-ce", 3, 1, None, "measured"),
+        ("cnn-ce", 4, 2, 1e-3, "measured"),
+        ("seq-ce", 5, 1, None, "measured"),
+    ],
+    ids=lambda value: str(value),
+)
+def test_averaged_curvature_matches_explicit_moving_average(
+    problem_id: str,
+    rank: int,
+    interval: int,
+    kl_clip: float | None,
+    complement: str,
+):
+    """Five steps: ``B Bᵀ/(1 − β^t)`` and the steps equal the dense recursion.
+
+    The reference keeps ``A_t = trunc_r(β A_{t−1} + (1 − β) G_t)`` of explicit GGNs at
+    the parameters of each refresh (exact: the factor update is exact in its
+    subspace), bias-corrects it, and steps along its top-``k`` eigenvectors. With a
+    trust region, ``ν`` bounds ``max(−ḡᵀs, sᵀG_t s)`` on refreshes (this batch's GGN
+    is known) and ``−ḡᵀs`` in between. :class:`MeasuredCurvature` raises ``ρ`` to this
+    batch's curvature along the complement on refreshes; its cases keep only the
+    flattest direction of the average, so that it does (the comparison discriminates).
+    """
+    measured = complement == "measured"
+    decay, damping, lr = 0.7, 0.3, 0.5
+    k = 0 if measured else 2
+    case = build_case(PROBLEM[problem_id])
+    params = list(case.model.parameters())
+    reference_params = list(case.reference_model.parameters())
+    averaging = CurvatureAveraging(decay=decay, rank=rank, interval=interval)
+    optimizer = DampedNewton(
+        params,
+        complement=MeasuredCurvature() if measured else SmallestCurvature(),
+        lr=lr,
+        damping=damping,
+        criterion=k if k else flattest,
+        averaging=averaging,
+        mc_samples=0,
+        kl_clip=kl_clip,
+        warn_small_eigvals=0,
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    average, updates, largest_excess = None, 0, -torch.inf
+    for step in range(5):
+        copy_parameters(case.reference_model, case.model)
+        args = (case.reference_model, case.reference_loss_fn, reference_params)
+        if step % interval == 0:
+            G = reference.ggn(*args, case.X, case.y)
+            average = (1 - decay) * G if average is None else decay * average
+            average = truncated(average + (0 if step == 0 else (1 - decay) * G), rank)
+            updates += 1
+        gradient = reference.per_sample_gradients(*args, case.X, case.y).mean(0)
+        corrected = average / (1 - decay**updates)
+        refresh = step % interval == 0
+        step_direction, excess = averaged_reference_step(
+            corrected, gradient, k, damping, G if measured and refresh else None
+        )
+        largest_excess = max(largest_excess, excess)
+        scale = 1.0
+        if kl_clip is not None:
+            curvature = -(gradient @ step_direction)
+            if step % interval == 0:
+                curvature = max(curvature, step_direction @ G @ step_direction)
+            scale = min(1.0, (2 * kl_clip / (lr**2 * curvature)).sqrt().item())
+            if step == 0:
+                assert scale < 1, "the trust region must be active in this case"
+        expected = lr * scale * step_direction
+        before = flat(params)
+
+        optimizer.step(closure)
+
+        name = f"{problem_id} step {step}"
+        assert_close(
+            flat(params) - before,
+            expected,
+            rtol=0,
+            atol=TOLERANCE * expected.abs().max().item(),
+            name=f"{name}: parameter change",
+        )
+        basis = torch.cat(
+            [optimizer.state[p]["curvature_basis"].flatten(1) for p in params], dim=1
+        )
+        stats = optimizer.state["groups"][0]
+        assert stats["curvature_updates"] == updates
+        assert_close(
+            basis.T @ basis,
+            average,
+            rtol=0,
+            atol=TOLERANCE * average.abs().max().item(),
+            name=f"{name}: B Bᵀ vs the truncated moving average",
+        )
+    if measured:
+        assert largest_excess > 0, "q_⊥ never exceeded λ_min: the case cannot tell"

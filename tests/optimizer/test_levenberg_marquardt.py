@@ -1,0 +1,146 @@
+"""Levenberg-Marquardt damping: the reduction ratio and one update per policy object.
+
+The reference is the quadratic model ``ḡᵀs + ½ sᵀGs`` with the explicit GGN and
+gradient, and K-FAC's rule applied by hand.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dampednewton import (
+    DampedNewton,
+    LevenbergMarquardt,
+    SmallestCurvature,
+)
+from tests import reference
+from tests.cases import PROBLEMS
+from tests.utils import (
+    build_case,
+    copy_parameters,
+    flat,
+    make_closure,
+)
+
+PROBLEM = {problem.id: problem for problem in PROBLEMS}
+BATCH_GGN = {"mc_samples": 0, "averaging": None, "kl_clip": None}
+"""This batch's exact GGN, no trust region (the defaults average a Monte-Carlo GGN)."""
+
+
+@pytest.mark.parametrize("complement", [None, SmallestCurvature()], ids=str)
+def test_reduction_ratio_uses_the_full_quadratic_model(complement):
+    """LM's ρ = (L(θ + lr·s) − L(θ)) / (lr·ḡᵀs + ½ lr²·sᵀGs), explicit G and ḡ."""
+    lr = 0.6
+    case = build_case(PROBLEM["mlp-ce"])
+    params = list(case.model.parameters())
+    optimizer = DampedNewton(
+        params,
+        lr=lr,
+        damping=LevenbergMarquardt(value=0.5),
+        criterion=3,
+        complement=complement,
+        warn_small_eigvals=0,
+        **BATCH_GGN,
+    )
+    args = (case.reference_model, case.reference_loss_fn)
+    reference_params = list(case.reference_model.parameters())
+    copy_parameters(case.reference_model, case.model)
+    G = reference.ggn(*args, reference_params, case.X, case.y)
+    gradient = reference.per_sample_gradients(
+        *args, reference_params, case.X, case.y
+    ).mean(0)
+    before = flat(params)
+
+    loss = optimizer.step(
+        make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    )
+
+    update = flat(params) - before
+    copy_parameters(case.reference_model, case.model)
+    new_loss = case.reference_loss_fn(case.reference_model(case.X), case.y)
+    predicted = gradient @ update + 0.5 * update @ G @ update
+    expected = (new_loss - loss.detach()) / predicted
+    actual = optimizer.state["global"]["reduction_ratio"]
+    assert actual == pytest.approx(expected.item(), rel=1e-9)
+
+
+def test_shared_levenberg_marquardt_policy_adapts_once_per_step():
+    """One policy object in several groups (torch's default) is updated once a step."""
+    case = build_case(PROBLEM["mlp-ce"])
+    policy = LevenbergMarquardt(value=1.0, decrease=0.5, increase=2.0)
+    groups = [{"params": [p]} for p in case.model.parameters()]
+    optimizer = DampedNewton(
+        groups, damping=policy, criterion=2, warn_small_eigvals=0, **BATCH_GGN
+    )
+    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
+    assert policy.updates == 1
+    assert policy.value in (0.5, 1.0, 2.0)
+
+
+def levenberg_marquardt_rule(policy: LevenbergMarquardt, ratio: float) -> float:
+    """K-FAC's rule by hand: grow below 1/4, shrink above 3/4, else keep."""
+    if ratio < 0.25:
+        return policy.value * policy.increase
+    if ratio > 0.75:
+        return policy.value * policy.decrease
+    return policy.value
+
+
+@pytest.mark.parametrize(
+    "owners",
+    [(0, 1, 2, 3), (0, 1, 2, 2), (0, 0, 0, 0)],
+    ids=["own-objects", "two-own-one-shared", "one-shared"],
+)
+def test_levenberg_marquardt_adapts_each_policy_object_once(owners):
+    """Four per-layer groups: every policy object moves by one LM factor, not more.
+
+    ``owners[i]`` is the policy object of group ``i``. The reduction ratio is
+    computed by hand from the explicit block-diagonal GGN (one block per group) and
+    the losses before and after the step.
+    """
+    case = build_case(PROBLEM["mlp-ce"])
+    params = list(case.model.parameters())
+    assert len(params) == 4
+    policies = [
+        LevenbergMarquardt(value=1.0, decrease=0.5, increase=2.0)
+        for _ in range(max(owners) + 1)
+    ]
+    groups = [
+        {"params": [p], "damping": policies[owner]}
+        for p, owner in zip(params, owners, strict=True)
+    ]
+    optimizer = DampedNewton(groups, criterion=2, warn_small_eigvals=0, **BATCH_GGN)
+    args = (case.reference_model, case.reference_loss_fn)
+    reference_params = list(case.reference_model.parameters())
+    copy_parameters(case.reference_model, case.model)
+    G = reference.ggn(*args, reference_params, case.X, case.y)
+    gradient = reference.per_sample_gradients(
+        *args, reference_params, case.X, case.y
+    ).mean(0)
+    before = flat(params)
+    expected_before = [policy.value for policy in policies]
+
+    loss = optimizer.step(
+        make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    )
+
+    update = flat(params) - before
+    group_of = torch.cat([torch.full((p.numel(),), i) for i, p in enumerate(params)])
+    blocks = G * (group_of[:, None] == group_of[None, :])
+    copy_parameters(case.reference_model, case.model)
+    new_loss = case.reference_loss_fn(case.reference_model(case.X), case.y)
+    predicted = gradient @ update + 0.5 * update @ blocks @ update
+    ratio = ((new_loss - loss.detach()) / predicted).item()
+    assert optimizer.state["global"]["reduction_ratio"] == pytest.approx(
+        ratio, rel=1e-9
+    )
+    expected = [
+        levenberg_marquardt_rule(
+            LevenbergMarquardt(value=value, decrease=0.5, increase=2.0), ratio
+        )
+        for value in expected_before
+    ]
+    assert all(value != 1.0 for value in expected), "the case must move δ"
+    assert [policy.value for policy in policies] == expected
+    assert [policy.updates for policy in policies] == [1] * len(policies)
