@@ -16,6 +16,7 @@ import torch
 from backpack import backpack, extend
 from backpack.extensions import BatchGrad
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from dampednewton import DampedNewton
 from dampednewton.diagnostics import DiagnosticsMonitor
@@ -322,3 +323,28 @@ def backpack_individual_gradients(case: Case) -> dict[str, Tensor]:
         result[name] = param.grad_batch * n
         del param.grad_batch
     return result
+
+
+def full_group(problem: Problem):
+    """A fresh build of ``problem`` with all its parameters as the group."""
+    model, loss_fn, X, y = problem.build()
+    return model, loss_fn, list(model.parameters()), X, y
+
+
+def num_nonzero(evals: Tensor, relative_tolerance: float = 1e-12) -> int:
+    """The number of eigenvalues above ``relative_tolerance`` times the largest."""
+    return int((evals > relative_tolerance * evals.max()).sum())
+
+
+def mean_loss_of_parameters(
+    model: nn.Module, loss_fn: nn.Module, params: list[Tensor], X: Tensor, y: Tensor
+) -> Callable[[Tensor], Tensor]:
+    """The batch loss as a function of the flattened group ``params``."""
+    names_by_id = {id(p): name for name, p in model.named_parameters()}
+    names = [names_by_id[id(p)] for p in params]
+
+    def mean_loss(theta: Tensor) -> Tensor:
+        overrides = dict(zip(names, reference.unflatten(theta, params), strict=True))
+        return loss_fn(functional_call(model, overrides, (X,)), y)
+
+    return mean_loss
