@@ -6,10 +6,7 @@ import numpy as np
 import pytest
 import torch
 from backpack import backpack
-from backpack.extensions import (
-    DiagGGNExact,
-    SumGradSquared,
-)
+from backpack.extensions import DiagGGNExact, SumGradSquared
 
 from dampednewton.diagnostics import (
     GSNR,
@@ -28,10 +25,7 @@ from dampednewton.diagnostics.gsnr import (
 from tests import reference
 from tests.assertions import assert_close, assert_scalar
 from tests.cases import DIAGNOSTICS_PROBLEMS
-from tests.utils import (
-    build_case,
-    run_monitored_step,
-)
+from tests.utils import build_case, run_monitored_step
 
 EPSILON = 1e-8
 RTOL = 1e-9  # BackPACK vs. per-sample loops: round-off only

@@ -8,18 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from dampednewton.diagnostics import (
-    GSNR,
-    CurvatureTrace,
-    DiagnosticsMonitor,
-)
+from dampednewton.diagnostics import GSNR, CurvatureTrace, DiagnosticsMonitor
 from dampednewton.diagnostics.reducer import MissingQuantityError
 from tests.cases import DIAGNOSTICS_PROBLEMS
-from tests.utils import (
-    Case,
-    build_case,
-    run_monitored_step,
-)
+from tests.utils import Case, build_case, run_monitored_step
 
 
 def plain_model_case() -> Case:

@@ -18,10 +18,7 @@ from dampednewton.diagnostics import (
 )
 from dampednewton.diagnostics.bin_adaptation import range_hull
 from dampednewton.diagnostics.histogram import uniform_bin_edges
-from tests.utils import (
-    backpack_individual_gradients,
-    run_monitored_step,
-)
+from tests.utils import backpack_individual_gradients, run_monitored_step
 
 HISTOGRAM_POLICIES = {
     "fixed": FixedRange(-0.5, 0.5),

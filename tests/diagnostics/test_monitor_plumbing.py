@@ -5,11 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from backpack import backpack
-from backpack.extensions import (
-    BatchGrad,
-    DiagGGNExact,
-    DiagHessian,
-)
+from backpack.extensions import BatchGrad, DiagGGNExact, DiagHessian
 from torch import nn
 
 from dampednewton.diagnostics import (
@@ -23,11 +19,7 @@ from dampednewton.diagnostics import (
     NoiseScale,
 )
 from tests.cases import DIAGNOSTICS_PROBLEMS
-from tests.utils import (
-    backpack_individual_gradients,
-    build_case,
-    run_monitored_step,
-)
+from tests.utils import backpack_individual_gradients, build_case, run_monitored_step
 
 
 def test_hook_leaves_quantities_for_a_following_hook():

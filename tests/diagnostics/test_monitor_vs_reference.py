@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from backpack import backpack
-from backpack.extensions import (
-    DiagGGNMC,
-)
+from backpack.extensions import DiagGGNMC
 
 from dampednewton.diagnostics import (
     GSNR,
@@ -18,11 +16,7 @@ from dampednewton.diagnostics import (
 from tests import reference
 from tests.assertions import assert_scalar
 from tests.cases import DIAGNOSTICS_PROBLEMS, case_by_id
-from tests.utils import (
-    build_case,
-    run_monitored_step,
-    split_by_parameter,
-)
+from tests.utils import build_case, run_monitored_step, split_by_parameter
 
 EPSILON = 1e-8
 RTOL = 1e-9  # BackPACK vs. per-sample loops: round-off only

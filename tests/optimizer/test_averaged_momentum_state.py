@@ -5,10 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dampednewton import (
-    CurvatureAveraging,
-    DampedNewton,
-)
+from dampednewton import CurvatureAveraging, DampedNewton
 from tests.cases import PROBLEMS
 from tests.utils import (
     assert_same_state,

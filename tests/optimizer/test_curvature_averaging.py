@@ -19,13 +19,7 @@ from dampednewton import (
 from tests import reference
 from tests.assertions import assert_close
 from tests.cases import PROBLEMS
-from tests.utils import (
-    NOISE_LEVEL,
-    build_case,
-    copy_parameters,
-    flat,
-    make_closure,
-)
+from tests.utils import NOISE_LEVEL, build_case, copy_parameters, flat, make_closure
 
 PROBLEM = {problem.id: problem for problem in PROBLEMS}
 

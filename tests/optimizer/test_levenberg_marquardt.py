@@ -9,19 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dampednewton import (
-    DampedNewton,
-    LevenbergMarquardt,
-    SmallestCurvature,
-)
+from dampednewton import DampedNewton, LevenbergMarquardt, SmallestCurvature
 from tests import reference
 from tests.cases import PROBLEMS
-from tests.utils import (
-    build_case,
-    copy_parameters,
-    flat,
-    make_closure,
-)
+from tests.utils import build_case, copy_parameters, flat, make_closure
 
 PROBLEM = {problem.id: problem for problem in PROBLEMS}
 BATCH_GGN = {"mc_samples": 0, "averaging": None, "kl_clip": None}

@@ -10,18 +10,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from dampednewton import (
-    DampedNewton,
-)
+from dampednewton import DampedNewton
 from tests import reference
 from tests.assertions import assert_close
 from tests.cases import PROBLEMS
-from tests.utils import (
-    build_case,
-    copy_parameters,
-    flat,
-    make_closure,
-)
+from tests.utils import build_case, copy_parameters, flat, make_closure
 
 PROBLEM = {problem.id: problem for problem in PROBLEMS}
 
