@@ -44,13 +44,13 @@ class GeneratorSnapshot:
         Args:
             generator: The generator, or ``None`` (nothing to restore).
         """
-        self._generator = generator
-        self._state = None if generator is None else generator.get_state()
+        self._saved = None if generator is None else (generator, generator.get_state())
 
     def restore(self) -> None:
         """Put the remembered state back."""
-        if self._generator is not None:
-            self._generator.set_state(self._state)
+        if self._saved is not None:
+            generator, state = self._saved
+            generator.set_state(state)
 
     def __enter__(self) -> GeneratorSnapshot:
         """Enter the block.

@@ -210,7 +210,11 @@ class DampedNewton(Optimizer):
         if GROUPS in self.state:
             self.state[GROUPS].append(empty_group_stats())
 
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor:
+    # torch's stub overloads step as (None) -> None | (() -> float) -> float; this
+    # step requires a closure and returns its Tensor loss.
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], Tensor] | None = None
+    ) -> Tensor:
         """Run the closure in a BackPACK context and take a damped Newton step.
 
         Args:

@@ -13,6 +13,7 @@ from ``∇ℓ_n/N`` (or output gradients of the mean loss) to those of ``ℓ_n``
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from backpack.utils.subsampling import subsample
@@ -26,6 +27,7 @@ from dampednewton.math.factors import (
     Product,
     cached,
     flatten_sqrt_ggn,
+    gathered,
 )
 from dampednewton.math.linear_factors import LinearFactor, SharedLinearFactor
 
@@ -41,7 +43,7 @@ class Assembly:
     """
 
     batch_size: int
-    subsampling_grad: list[int] | None
+    subsampling_grad: Sequence[int] | None
     with_gradients: bool
 
 
@@ -174,7 +176,7 @@ def make_factor(
     batch_size = assembly.batch_size
     scale = math.sqrt(batch_size / sqrt_ggn.shape[1])
     gradients = (
-        grad_batch.flatten(start_dim=1) * batch_size
+        gathered(grad_batch, "individual gradients").flatten(start_dim=1) * batch_size
         if assembly.with_gradients
         else None
     )

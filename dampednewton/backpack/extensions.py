@@ -21,6 +21,7 @@ from torch.nn.modules.loss import _Loss
 from torch.random import fork_rng
 
 from dampednewton.backpack.private import registered_module_types
+from dampednewton.backpack.savefields import module_input
 from dampednewton.math.finite import all_finite
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 
@@ -189,7 +190,7 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension; sample from the generator at the loss."""
-        if isinstance(module, _Loss) and not all_finite(module.input0):
+        if isinstance(module, _Loss) and not all_finite(module_input(module)):
             raise NonFiniteModelOutput(
                 "The model output is not finite, so the loss Hessian cannot be "
                 "sampled (Monte-Carlo GGN)."

@@ -41,7 +41,7 @@ from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module
 
 from dampednewton.backpack.buffers import LinearBuffers, SharedLinearBuffers
 from dampednewton.backpack.private import default_param_function
-from dampednewton.backpack.savefields import SQRT_GGNS
+from dampednewton.backpack.savefields import SQRT_GGNS, module_input
 from dampednewton.math.cost import prefers_structured
 
 
@@ -57,9 +57,9 @@ def _shared_or_dense(extension, ext, module, g_inp, g_out, backproped, *, layout
         num_outputs, num_samples, positions, in_features, out_features
     ):
         inputs = (
-            module.input0.flatten(start_dim=1, end_dim=-2)
+            module_input(module).flatten(start_dim=1, end_dim=-2)
             if isinstance(module, Linear)
-            else unfold_input(module, module.input0).transpose(1, 2)
+            else unfold_input(module, module_input(module)).transpose(1, 2)
         )  # [N, P, d_in]
         return SharedLinearBuffers(
             outputs_last,
@@ -138,7 +138,7 @@ class StructuredSqrtGGNConv(SqrtGGNBaseModule):
         return _summed_over_positions(backproped, g_out, layout=_channels_last)
 
 
-def _unfoldable(module: Module) -> bool:
+def _unfoldable(module: Conv1d | Conv2d | Conv3d) -> bool:
     return (
         module.groups == 1
         and module.padding_mode == "zeros"

@@ -1,6 +1,14 @@
-"""Names of the attributes that BackPACK's extensions write on parameters."""
+"""Names of the attributes that BackPACK's extensions write on parameters.
+
+And :func:`module_input`, the input BackPACK keeps on each extended module.
+"""
 
 from __future__ import annotations
+
+from typing import cast
+
+from torch import Tensor
+from torch.nn import Module
 
 SQRT_GGN_EXACT = "sqrt_ggn_exact"
 """``SqrtGGNExact``: the GGN's square root (or structured buffers)."""
@@ -40,3 +48,16 @@ def sqrt_ggn_savefield(mc_samples: int) -> str:
         :data:`SQRT_GGN_EXACT` or :data:`SQRT_GGN_MC`.
     """
     return SQRT_GGN_MC if mc_samples > 0 else SQRT_GGN_EXACT
+
+
+def module_input(module: Module) -> Tensor:
+    """The input of the last forward pass that BackPACK stored on a module.
+
+    Args:
+        module: A module extended with ``backpack.extend`` whose forward pass ran.
+
+    Returns:
+        Its ``input0``.
+    """
+    # torch types module attributes as Tensor | Module; BackPACK stores a Tensor.
+    return cast(Tensor, module.input0)

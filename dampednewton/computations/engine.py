@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar, cast
+from typing import Generic, TypeVar
 
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
@@ -33,7 +33,11 @@ from dampednewton.backpack.layers import (
     use_structured_sqrt_ggn,
 )
 from dampednewton.backpack.passes import Hook, chained
-from dampednewton.backpack.savefields import GRAD_BATCH, sqrt_ggn_savefield
+from dampednewton.backpack.savefields import (
+    GRAD_BATCH,
+    module_input,
+    sqrt_ggn_savefield,
+)
 from dampednewton.checks import (
     check_integer,
     check_subsampling,
@@ -345,7 +349,7 @@ class GGNComputation(Generic[ResultT]):
 
 def _input_batch_size(module: Module) -> int:
     """The batch size of the input BackPACK stored on a module."""
-    return cast(Tensor, module.input0).shape[0]
+    return module_input(module).shape[0]
 
 
 def _add(total: Tensor | None, term: Tensor) -> Tensor:

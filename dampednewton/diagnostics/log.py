@@ -138,7 +138,8 @@ class DiagnosticsLog:
                 if isinstance(value, np.ndarray):
                     arrays[f"{index}/{key}"] = value
         json_path.write_text(json.dumps({"format": _FORMAT, "records": scalars}))
-        np.savez(npz_path, **arrays)
+        # numpy's stub: mypy checks ** entries against savez's `allow_pickle: bool`.
+        np.savez(npz_path, **arrays)  # type: ignore[arg-type]
         return json_path, npz_path
 
     @classmethod

@@ -194,7 +194,7 @@ class DiagnosticsMonitor:
         def hook(module: nn.Module) -> None:
             if not pending.reducers:
                 return
-            reached = []
+            reached: list[Tensor] = []
             for param in module.parameters(recurse=False):
                 batch_size = _batch_size(module, param)
                 if batch_size is None:

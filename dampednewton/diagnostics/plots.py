@@ -256,15 +256,15 @@ def plot_scalars(
     figure = Figure(figsize=(6, 4), layout="constrained")
     ax = figure.subplots()
     for name, (steps, values) in series.items():
-        steps = np.asarray(steps, dtype=np.float64)
-        values = np.asarray(values, dtype=np.float64)
-        if steps.shape != values.shape or steps.ndim != 1:
+        x = np.asarray(steps, dtype=np.float64)
+        y = np.asarray(values, dtype=np.float64)
+        if x.shape != y.shape or x.ndim != 1:
             raise ValueError(
                 f"Series {name!r} needs 1-D steps and values of equal length, got "
-                f"shapes {steps.shape} and {values.shape}."
+                f"shapes {x.shape} and {y.shape}."
             )
-        keep = np.isfinite(values) & ((values > 0) if log_y else True)
-        ax.plot(steps[keep], values[keep], marker=".", label=name)
+        keep = np.isfinite(y) & ((y > 0) if log_y else True)
+        ax.plot(x[keep], y[keep], marker=".", label=name)
     if log_y:
         ax.set_yscale("log")
     ax.set_xlabel("step")

@@ -35,7 +35,10 @@ class MissingQuantityError(RuntimeError):
 class Reducer(Protocol):
     """Plumbing of one diagnostic for one step at a time."""
 
-    spec: DiagnosticSpec
+    @property
+    def spec(self) -> DiagnosticSpec:
+        """The diagnostic it computes."""
+        ...
 
     def extensions(self) -> list[BackpropExtension]:
         """BackPACK extensions this diagnostic needs."""
@@ -84,6 +87,23 @@ def quantity(param: Tensor, savefield: str) -> Tensor | None:
     """
     value = getattr(param, savefield, None)
     return None if value is None else value.detach()
+
+
+def gradient_of(param: Tensor) -> Tensor:
+    """The detached ``.grad`` of a parameter from :data:`NamedParams`.
+
+    Args:
+        param: A parameter the monitor passed to :meth:`Reducer.assemble`.
+
+    Returns:
+        Its gradient, detached.
+
+    Raises:
+        RuntimeError: If it has none (the monitor passes only those that have one).
+    """
+    if param.grad is None:
+        raise RuntimeError("Reducers assemble only parameters with a gradient.")
+    return param.grad.detach()
 
 
 def pieces_of(pieces: Mapping[int, object], name: str, param: Tensor, savefield: str):

@@ -123,6 +123,27 @@ class Factor(Protocol):
         ...
 
 
+def gathered(tensor: Tensor | None, name: str) -> Tensor:
+    """Optional per-sample gradient data that a gradient product needs.
+
+    Args:
+        tensor: The data (``None`` if not gathered, or already dropped).
+        name: The field's name, for the error.
+
+    Returns:
+        The tensor.
+
+    Raises:
+        RuntimeError: If the factor holds no such data.
+    """
+    if tensor is None:
+        raise RuntimeError(
+            f"No {name}: they were not gathered (no gradient samples requested) "
+            "or already dropped."
+        )
+    return tensor
+
+
 def flatten_sqrt_ggn(sqrt_ggn: Tensor) -> Tensor:
     """Flatten BackPACK's square root ``[C, N, *p.shape]`` to ``V_p`` as ``[C·N, D_p]``.
 
@@ -174,7 +195,7 @@ class DenseFactor:
 
     def gradient_products(self, cache: LayerCache | None = None) -> Tensor:
         """Return ``g_nᵀ V_p`` for every per-sample gradient (``[N', C·N]``)."""
-        return self.gradients @ self.matrix.T
+        return gathered(self.gradients, "gradients") @ self.matrix.T
 
     def mean_gradient_products(
         self, gradient: Tensor, cache: LayerCache | None = None

@@ -35,7 +35,8 @@ def symmetric_eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
         torch.linalg.LinAlgError: If every attempt fails.
     """
     with small_matrix_threads(matrix):
-        return _robust(matrix, torch.linalg.eigh)
+        evals, evecs = _robust(matrix, torch.linalg.eigh)
+    return evals, evecs
 
 
 def symmetric_eigvalsh(matrix: Tensor) -> Tensor:

@@ -22,7 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import Size, Tensor
 
-from dampednewton.math.factors import LayerCache, Product, as_columns, cached
+from dampednewton.math.factors import (
+    LayerCache,
+    Product,
+    as_columns,
+    cached,
+    gathered,
+)
 
 
 @dataclass
@@ -64,14 +70,15 @@ class LinearFactor:
             The ``[C·N, C·N]`` Gram contribution.
         """
         outer = cached(cache, Product.OUTER, (self.backproped,), self._outer)
-        if self.inputs is None:
+        inputs = self.inputs
+        if inputs is None:
             return outer
         num_outputs, num_samples, _ = self.backproped.shape
         kernel = cached(
             cache,
             Product.INPUT_KERNEL,
-            (self.inputs,),
-            lambda: self.inputs @ self.inputs.T,
+            (inputs,),
+            lambda: inputs @ inputs.T,
         )
         blocks = outer.view(num_outputs, num_samples, num_outputs, num_samples)
         return (blocks * kernel.view(1, num_samples, 1, num_samples)).view_as(outer)
@@ -86,17 +93,19 @@ class LinearFactor:
         Returns:
             The ``[N', C·N]`` products with the per-sample gradients.
         """
+        output_gradients = gathered(self.output_gradients, "output gradients")
         products = cached(
             cache,
             Product.OUTPUT_GRADIENT_PRODUCTS,
-            (self.output_gradients, self.backproped),
-            lambda: self.output_gradients @ self._rows.T,
+            (output_gradients, self.backproped),
+            lambda: output_gradients @ self._rows.T,
         )
         if self.inputs is None:
             return products
         num_outputs, num_samples, _ = self.backproped.shape
         blocks = products.view(-1, num_outputs, num_samples)
-        return (blocks * self.kernel.unsqueeze(1)).view_as(products)
+        kernel = gathered(self.kernel, "input kernel")
+        return (blocks * kernel.unsqueeze(1)).view_as(products)
 
     def mean_gradient_products(
         self, gradient: Tensor, cache: LayerCache | None = None
@@ -219,18 +228,16 @@ class SharedLinearFactor:
             ``[N', C·N]`` products with the per-sample gradients.
         """
         num_outputs, num_samples, positions, _ = self.backproped.shape
-        num_gradients = self.output_gradients.shape[0]
-        if self.gradient_inputs is self.inputs:
+        output_gradients = gathered(self.output_gradients, "output gradients")
+        gradient_inputs = gathered(self.gradient_inputs, "gradient inputs")
+        num_gradients = output_gradients.shape[0]
+        if gradient_inputs is self.inputs:
             kernel = cached(
                 cache, Product.INPUT_KERNEL, (self.inputs,), self._input_kernel
             )
         else:
-            kernel = (
-                _position_rows(self.gradient_inputs) @ _position_rows(self.inputs).T
-            )
-        products = (
-            _position_rows(self.output_gradients) @ _position_rows(self.backproped).T
-        )
+            kernel = _position_rows(gradient_inputs) @ _position_rows(self.inputs).T
+        products = _position_rows(output_gradients) @ _position_rows(self.backproped).T
         blocks = products.view(
             num_gradients, positions, num_outputs, num_samples, positions
         ) * kernel.view(num_gradients, positions, 1, num_samples, positions)

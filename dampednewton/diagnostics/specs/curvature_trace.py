@@ -5,7 +5,7 @@ Math and the extension per curvature in :mod:`dampednewton.diagnostics.trace`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor
@@ -25,8 +25,12 @@ from dampednewton.diagnostics.trace import (
     total_trace,
 )
 
+EVERY_STEP = EveryKSteps()
+"""The default schedule (immutable, so one instance serves all)."""
 
-@dataclass(frozen=True)
+
+# init=False: the constructor takes label=None (the curvature name), the field is a str.
+@dataclass(frozen=True, init=False)
 class CurvatureTrace:
     """Trace of a diagonal curvature (Hessian, exact or Monte-Carlo GGN).
 
@@ -39,23 +43,41 @@ class CurvatureTrace:
         label: Key prefix; ``None`` uses the curvature name.
     """
 
-    schedule: Schedule = field(default_factory=EveryKSteps)
-    curvature: str = DIAG_GGN_EXACT
-    mc_samples: int = 1
-    label: str | None = None
+    schedule: Schedule
+    curvature: str
+    mc_samples: int
+    label: str
 
-    def __post_init__(self) -> None:
-        """Validate the fields and fill in the default label.
+    def __init__(
+        self,
+        schedule: Schedule = EVERY_STEP,
+        curvature: str = DIAG_GGN_EXACT,
+        mc_samples: int = 1,
+        label: str | None = None,
+    ) -> None:
+        """Validate the fields and fill in the defaults.
+
+        Args:
+            schedule: When to compute.
+            curvature: ``"diag_h"``, ``"diag_ggn_exact"`` or ``"diag_ggn_mc"``.
+            mc_samples: Monte-Carlo samples of ``diag_ggn_mc``.
+            label: Key prefix; ``None`` uses the curvature name.
 
         Raises:
             ValueError: If the curvature, ``mc_samples`` or the label is invalid.
         """
-        check_schedule(self.schedule)
-        check_curvature(self.curvature)
-        check_count("mc_samples", self.mc_samples)
-        if self.label is None:
-            object.__setattr__(self, "label", self.curvature)
-        check_label(self.label)
+        label = curvature if label is None else label
+        check_schedule(schedule)
+        check_curvature(curvature)
+        check_count("mc_samples", mc_samples)
+        check_label(label)
+        for name, value in (
+            ("schedule", schedule),
+            ("curvature", curvature),
+            ("mc_samples", mc_samples),
+            ("label", label),
+        ):
+            object.__setattr__(self, name, value)
 
     def make_reducer(self) -> CurvatureTraceReducer:
         """A fresh :class:`CurvatureTraceReducer` that computes this diagnostic."""

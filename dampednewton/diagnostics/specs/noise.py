@@ -6,6 +6,7 @@ Formulas in :mod:`dampednewton.diagnostics.gsnr`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 from backpack.extensions import SumGradSquared
@@ -22,6 +23,7 @@ from dampednewton.diagnostics.gsnr import (
 from dampednewton.diagnostics.reducer import (
     Entries,
     NamedParams,
+    gradient_of,
     pieces_of,
     quantity,
 )
@@ -95,16 +97,19 @@ class NoiseScale:
         return NoiseScaleReducer(self)
 
 
-class SumGradSquaredReducer:
+SpecT = TypeVar("SpecT", GSNR, NoiseScale)
+
+
+class SumGradSquaredReducer(Generic[SpecT]):
     """Keeps each parameter's ``sum_grad_squared`` (parameter-sized)."""
 
-    def __init__(self, spec: GSNR | NoiseScale) -> None:
+    def __init__(self, spec: SpecT) -> None:
         """Create the reducer.
 
         Args:
             spec: GSNR or noise-scale diagnostic.
         """
-        self.spec = spec
+        self.spec: SpecT = spec
         self._pieces: dict[int, Tensor] = {}
 
     def extensions(self) -> list[BackpropExtension]:
@@ -138,7 +143,7 @@ class SumGradSquaredReducer:
         """
         return [
             per_sample_variance(
-                param.grad.detach(),
+                gradient_of(param),
                 pieces_of(self._pieces, name, param, SUM_GRAD_SQUARED),
                 batch_size,
             )
@@ -146,7 +151,7 @@ class SumGradSquaredReducer:
         ]
 
 
-class GSNRReducer(SumGradSquaredReducer):
+class GSNRReducer(SumGradSquaredReducer[GSNR]):
     """Plain and debiased GSNR means, per parameter and over the network."""
 
     def assemble(self, named_params: NamedParams, batch_size: int) -> Entries:
@@ -164,7 +169,7 @@ class GSNRReducer(SumGradSquaredReducer):
         plain_sum, debiased_sum, count = [], [], 0
         variances = self.variances(named_params, batch_size)
         for (name, param), variance in zip(named_params, variances, strict=True):
-            grad = param.grad.detach()
+            grad = gradient_of(param)
             plain, debiased = gsnr_sums(grad, variance, batch_size, epsilon)
             entries[f"{label}/mean/{name}"] = plain / grad.numel()
             entries[f"{label}/mean_debiased/{name}"] = debiased / grad.numel()
@@ -176,7 +181,7 @@ class GSNRReducer(SumGradSquaredReducer):
         return entries
 
 
-class NoiseScaleReducer(SumGradSquaredReducer):
+class NoiseScaleReducer(SumGradSquaredReducer[NoiseScale]):
     """Network-wide gradient noise scale, unbiased and plain."""
 
     def assemble(self, named_params: NamedParams, batch_size: int) -> Entries:
@@ -191,7 +196,7 @@ class NoiseScaleReducer(SumGradSquaredReducer):
         """
         variances = self.variances(named_params, batch_size)
         variance_sum = torch.stack([v.sum() for v in variances]).sum()
-        norm = torch.stack([(p.grad.detach() ** 2).sum() for _, p in named_params])
+        norm = torch.stack([(gradient_of(p) ** 2).sum() for _, p in named_params])
         norm = norm.sum()
         label = self.spec.label
         entries: Entries = {}
