@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.result import RESULT_FILE, RunResult
+from benchmarks.result import RESULT_FILE, RunResult, recorded
 
 
 def load_results(sweep_dir: Path) -> list[RunResult]:
@@ -93,7 +93,9 @@ class Setting:
 
     def best_metric(self) -> tuple[float, float]:
         """Mean ± std over the successful seeds of the best test metric."""
-        return mean_std([r.best_test_metric for r in self.ok_runs])
+        return mean_std(
+            [recorded(r.best_test_metric, "best_test_metric") for r in self.ok_runs]
+        )
 
     def to_target(self, key: str, index: int) -> tuple[float, float, int]:
         """Mean ± std of ``steps_to_target``/``time_to_target`` and how many reached.

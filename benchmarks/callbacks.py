@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from benchmarks.eta import format_duration, remaining_seconds
-from benchmarks.result import RunResult
+from benchmarks.result import RunResult, recorded
 from benchmarks.sweep_plan import SweepPlan
 
 # tqdm's bar with the cost-weighted ETA (the postfix) in place of its rate-based one.
@@ -56,10 +56,11 @@ def summary_line(result: RunResult) -> str:
         return f"{head}: FAILED {result.error} (traceback: {result.result_file})"
     if result.status == "diverged":
         return f"{head}: DIVERGED ({result.divergence}) after {result.train_time:.1f} s"
-    step = result.step_time.median
+    step = recorded(result.step_time, "step_time").median
     per_step = f" ({1e3 * step:.3g} ms/step)" if step is not None else ""
+    final = recorded(result.final, "final")
     return (
-        f"{head}: final test {result.metric} {result.final.test_metric:.4g}, "
+        f"{head}: final test {result.metric} {final.test_metric:.4g}, "
         f"train {result.train_time:.1f} s{per_step}"
     )
 
@@ -162,7 +163,8 @@ class SweepReport(Callback):
     ``result.json``), after the report; a diverged run is a result, not a failure.
     """
 
-    def on_run_end(
+    # Hydra declares on_run_end(config, **kwargs) and passes job_return by keyword.
+    def on_run_end(  # type: ignore[override]
         self, config: DictConfig, job_return: JobReturn, **kwargs: Any
     ) -> None:
         """Say where a single run's ``result.json`` is; exit 1 if the job failed.

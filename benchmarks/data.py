@@ -24,7 +24,7 @@ from benchmarks import quadratics
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 
-_IDX_DTYPES = {
+_IDX_DTYPES: dict[int, np.dtype] = {
     0x08: np.dtype("u1"),
     0x09: np.dtype("i1"),
     0x0B: np.dtype(">i2"),

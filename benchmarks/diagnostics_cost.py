@@ -95,7 +95,7 @@ def step_function(
 
 def newton_step_function(
     device: torch.device, mc_samples: int, diagnostics: list | None
-) -> Callable[[int], None]:
+) -> Callable[[int], object]:
     """One ``DampedNewton`` step (top-10, constant damping), optionally monitored."""
     X, y = make_data(device)
     model, loss_fn = extend(make_model(device)), extend(nn.CrossEntropyLoss())
@@ -124,7 +124,7 @@ def newton_step_function(
 
 
 def time_steps(
-    steps: dict[str, Callable[[int], None]],
+    steps: dict[str, Callable[[int], object]],
     device: torch.device,
     rounds: int,
     warmup: int,
@@ -185,7 +185,9 @@ def main() -> None:
         f"{args.rounds} rounds of {args.repeats} timed steps per variant "
         f"(after {args.warmup} untimed)"
     )
-    steps = {name: step_function(device, spec) for name, spec in VARIANTS.items()}
+    steps: dict[str, Callable[[int], object]] = {
+        name: step_function(device, spec) for name, spec in VARIANTS.items()
+    }
     for label, mc_samples in NEWTON_VARIANTS.items():
         steps[label] = newton_step_function(device, mc_samples, None)
         steps[f"{label} + gsnr"] = newton_step_function(device, mc_samples, [GSNR()])

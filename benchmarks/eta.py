@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Hashable, Mapping, Sequence
+from typing import TypeVar
 
 from omegaconf import DictConfig
+
+KindT = TypeVar("KindT", bound=Hashable)
+"""A kind of job (e.g. :func:`job_kind`'s tuple)."""
 
 #: Seconds per job outside training and evaluation on CPU: Hydra's job set-up,
 #: building the model, writing ``result.json`` (measured on the default sweep).
@@ -65,9 +69,9 @@ def prior_seconds(cfg: DictConfig) -> float:
 
 
 def remaining_seconds(
-    pending: Sequence[Hashable],
-    durations: Mapping[Hashable, Sequence[float]],
-    prior: Mapping[Hashable, float],
+    pending: Sequence[KindT],
+    durations: Mapping[KindT, Sequence[float]],
+    prior: Mapping[KindT, float],
 ) -> float:
     """Seconds the pending jobs will take.
 

@@ -17,6 +17,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from benchmarks.config_dict import config_dict
+
 _MISSING = object()
 
 
@@ -93,7 +95,7 @@ def select_grid_point(cfg: DictConfig) -> dict[str, Any] | None:
             f"The sweep's grid has no entry for optimizer {name!r} (entries: "
             f"{sorted(cfg.grid)}); add grid.{name} to the sweep preset."
         )
-    grid = OmegaConf.to_container(cfg.grid[name], resolve=True)
+    grid = config_dict(cfg.grid[name], resolve=True)
     points = grid_points(grid)
     if not 0 <= cfg.grid_point:
         raise ValueError(f"grid_point must be >= 0, got {cfg.grid_point}.")

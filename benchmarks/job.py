@@ -19,6 +19,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from benchmarks.config_dict import config_dict
 from benchmarks.grid import select_grid_point, skip_reason
 from benchmarks.measure import (
     PeakMemory,
@@ -81,7 +82,7 @@ def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
-    needs = OptimizerNeeds(**OmegaConf.to_container(cfg.optimizer_needs))
+    needs = OptimizerNeeds(**config_dict(cfg.optimizer_needs))
     memory = PeakMemory(device)
     # The global RNG drives third-party randomness (BackPACK's Monte-Carlo GGN,
     # AdaHessian's probes); our own draws use the generators below.
@@ -141,9 +142,9 @@ def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
 def _config_container(cfg: DictConfig) -> dict[str, Any]:
     """The config as plain data, resolved when possible."""
     try:
-        return OmegaConf.to_container(cfg, resolve=True)
+        return config_dict(cfg, resolve=True)
     except Exception:  # an unresolvable interpolation is itself worth recording
-        return OmegaConf.to_container(cfg, resolve=False)
+        return config_dict(cfg, resolve=False)
 
 
 def run_job(cfg: DictConfig, output_dir: Path) -> RunResult:

@@ -11,10 +11,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
 from torch import nn
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
 
 _ACTIVATIONS: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU,
@@ -33,9 +36,7 @@ def _activation(name: str) -> nn.Module:
         ) from None
 
 
-def _materialize(
-    build: Callable[[], nn.Module], generator: torch.Generator
-) -> nn.Module:
+def _materialize(build: Callable[[], ModelT], generator: torch.Generator) -> ModelT:
     """Build on the meta device, allocate on CPU, draw parameters from ``generator``."""
     with torch.device("meta"):
         model = build()
@@ -183,15 +184,15 @@ def quadratic_model(
         The model.
     """
     del generator
-    readout = torch.as_tensor(np.asarray(readout), dtype=torch.float64)
-    dim = readout.shape[0]
+    matrix = torch.as_tensor(np.asarray(readout), dtype=torch.float64)
+    dim = matrix.shape[0]
     with torch.device("meta"):
-        model = nn.Sequential(
-            nn.Linear(1, dim, bias=False), nn.Linear(dim, dim, bias=False)
-        )
+        theta = nn.Linear(1, dim, bias=False)
+        readout_layer = nn.Linear(dim, dim, bias=False)
+        model = nn.Sequential(theta, readout_layer)
     model = model.to_empty(device="cpu").double()
     with torch.no_grad():
-        model[0].weight.fill_(init_value)
-        model[1].weight.copy_(readout)
-    model[1].weight.requires_grad_(False)
+        theta.weight.fill_(init_value)
+        readout_layer.weight.copy_(matrix)
+    readout_layer.weight.requires_grad_(False)
     return model

@@ -19,7 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from benchmarks.aggregate import Setting, Tuned
-from benchmarks.result import RunResult
+from benchmarks.result import RunResult, recorded
 
 #: A sensitivity curve whose means differ by less than this fraction is flat.
 FLAT_TOLERANCE = 1e-4
@@ -116,7 +116,7 @@ def curves_figure(problem: str, tuned: dict[str, Tuned]) -> Figure:
     }
     trained = {optimizer: runs for optimizer, runs in trained.items() if runs}
     first = next(iter(trained.values()), [None])[0]
-    metric = first.metric if first is not None else "metric"
+    metric = (first.metric if first is not None else None) or "metric"
     maximize = first.maximize if first is not None else True
     log = not maximize  # a loss metric spans decades
     for optimizer, runs in trained.items():
@@ -196,8 +196,8 @@ def _final_metrics(
     )
     finals = np.full((max(len(s.runs) for _, s in points), len(points)), np.nan)
     for column, (_, setting) in enumerate(points):
-        values = [r.final.test_metric for r in setting.ok_runs]
-        finals[: len(values), column] = values
+        metrics = [recorded(r.final, "final").test_metric for r in setting.ok_runs]
+        finals[: len(metrics), column] = metrics
     values = np.array([value for value, _ in points])
     return values, finals, [value for value, s in points if not s.complete]
 

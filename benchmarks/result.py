@@ -20,7 +20,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from benchmarks.measure import MemoryReading
 from benchmarks.training import Curves
@@ -28,6 +28,8 @@ from benchmarks.training import Curves
 RESULT_FILE = "result.json"
 
 Status = Literal["ok", "diverged", "failed", "skipped"]
+
+T = TypeVar("T")
 STATUSES: tuple[Status, ...] = ("ok", "diverged", "failed", "skipped")
 
 
@@ -44,6 +46,24 @@ class FinalMetrics:
     train_loss: float | None = None
     test_loss: float | None = None
     test_metric: float | None = None
+
+
+def recorded(value: T | None, name: str) -> T:
+    """A measurement that every successful run (``status == "ok"``) records.
+
+    Args:
+        value: The run's field.
+        name: Its name, for the error.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        ValueError: If the run has no such measurement.
+    """
+    if value is None:
+        raise ValueError(f"A successful run records {name}; this one has none.")
+    return value
 
 
 @dataclass

@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from backpack import backpack, extend
@@ -79,7 +79,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def round_robin_medians(
-    steps: dict[str, Callable[[], None]],
+    steps: Mapping[str, Callable[[], object]],
     device: torch.device,
     repeats: int,
     rounds: int = 8,
@@ -115,12 +115,12 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
     kind, _, ggn = variant.partition(":")
     mc_samples = 1 if ggn == "mc1" else 0
     if kind == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
 
         def step() -> None:
-            optimizer.zero_grad()
+            sgd.zero_grad()
             loss_fn(model(X), y).backward()
-            optimizer.step()
+            sgd.step()
 
         return step
     model, loss_fn = extend(model), extend(loss_fn)

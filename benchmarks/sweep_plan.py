@@ -21,6 +21,7 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from benchmarks.config_dict import config_dict
 from benchmarks.eta import format_duration, job_kind, prior_seconds, remaining_seconds
 from benchmarks.grid import skip_reason
 
@@ -106,7 +107,7 @@ def compose_job(config: DictConfig, overrides: Sequence[str]) -> DictConfig:
     try:
         with open_dict(job):
             del job["hydra"]
-        return OmegaConf.create(OmegaConf.to_container(job, resolve=True))
+        return OmegaConf.create(config_dict(job, resolve=True))
     finally:
         HydraConfig.instance().set_config(config)
 

@@ -28,6 +28,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from backpack import extend
@@ -37,7 +38,7 @@ from benchmarks.step_cost import MODELS, NUM_CLASSES, round_robin_medians
 from dampednewton import DampedNewton, threads
 from dampednewton.math.linalg import symmetric_eigh
 
-SETTINGS = {
+SETTINGS: dict[str, dict[str, Any]] = {
     # The package's defaults: MC-1 GGN averaged across steps (Gram N + rank).
     "defaults": {},
     # ViViT's step on this batch's MC-1 GGN (Gram N×N).
@@ -55,7 +56,7 @@ GRAM_EIGH = "gram-eigh"
 VARIANTS = ("default", "helper", "one-thread")
 
 
-def make_step(model_name: str, setting: str, batch_size: int) -> Callable[[], None]:
+def make_step(model_name: str, setting: str, batch_size: int) -> Callable[[], object]:
     """A DampedNewton step (closure included) on random data, or the Gram's eigh."""
     generator = torch.Generator().manual_seed(0)
     if setting == GRAM_EIGH:
@@ -80,7 +81,7 @@ def make_step(model_name: str, setting: str, batch_size: int) -> Callable[[], No
     return lambda: optimizer.step(closure)
 
 
-def in_variant(variant: str, step: Callable[[], None]) -> Callable[[], None]:
+def in_variant(variant: str, step: Callable[[], object]) -> Callable[[], None]:
     """The step run under a variant's thread settings (restored afterwards)."""
     default_threads = torch.get_num_threads()
 

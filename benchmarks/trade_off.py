@@ -106,7 +106,7 @@ def trade_off(
             f"{lead}; no other optimizer reached it. One {name} step costs "
             f"{format_number(cost, 2)}× one {rival_name} step. {ending}"
         )
-    fastest = min(contenders, key=contenders.get)
+    fastest = min(contenders, key=contenders.__getitem__)
     fastest_steps = contenders[fastest]
     fastest_seconds, _, _ = others[fastest].best.to_target("time_to_target", index)
     cost = step_time_ratio(settings, problem, name, fastest)

@@ -161,7 +161,8 @@ def _step(
         return loss
 
     if needs.closure:
-        optimizer.step(closure)
+        # torch's stub types closures as returning float; they may return the loss.
+        optimizer.step(closure)  # type: ignore[arg-type]
     else:
         closure()
         optimizer.step()
