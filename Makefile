@@ -1,5 +1,5 @@
 # Two set-up-and-go targets: `make bench` (the default benchmark comparison) and
-# `make test` (lint + tests). Both create .venv and install what they need.
+# `make test` (lint, type check, tests). Both create .venv and install what they need.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,13 +13,14 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	@echo "Installing $(TORCH_PIN) + BackPACK, Hydra, matplotlib, ruff, pytest into $(VENV) (~2 min the first time)..."
+	@echo "Installing $(TORCH_PIN) + BackPACK, Hydra, matplotlib, ruff, mypy, pytest into $(VENV) (~2 min the first time)..."
 	$(PY) -m pip install --quiet "$(TORCH_PIN)" -e ".[test]"
 	touch $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test: lint
 	$(PY) -m pytest -q -n 2
