@@ -40,7 +40,7 @@ class CurvatureTrace:
         schedule: When to compute.
         curvature: ``"diag_h"``, ``"diag_ggn_exact"`` or ``"diag_ggn_mc"``.
         mc_samples: Monte-Carlo samples of ``diag_ggn_mc``.
-        label: Key prefix; ``None`` uses the curvature name.
+        label: Key prefix (the curvature name unless given).
     """
 
     schedule: Schedule
