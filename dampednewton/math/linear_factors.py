@@ -110,22 +110,8 @@ class LinearFactor:
     def mean_gradient_products(
         self, gradient: Tensor, cache: LayerCache | None = None
     ) -> Tensor:
-        """Return ``ḡᵀ V_p``: ``b_cmᵀ ḡ_W x_m`` (weight) or ``b_cmᵀ ḡ_b`` (bias).
-
-        With ``output_gradients`` (see :func:`mean_products_via_kernel`) the products
-        are the mean of :meth:`gradient_products`, which never touches ``ḡ`` (cheaper
-        when ``N'·C < d_in``); otherwise they come from ``gradient``.
-
-        Args:
-            gradient: The parameter's mean gradient ``[d_out, d_in]`` or ``[d_out]``.
-            cache: Optional cache, as for :meth:`gradient_products`.
-
-        Returns:
-            ``[1, C·N]`` products.
-        """
-        if self.output_gradients is not None:
-            return self.gradient_products(cache).mean(0, keepdim=True)
-        return self.vector_products(gradient.unsqueeze(0))
+        """``ḡᵀ V_p``: ``b_cmᵀ ḡ_W x_m`` or ``b_cmᵀ ḡ_b``; see :func:`mean_products`."""
+        return mean_products(self, gradient, cache)
 
     def vector_products(self, vectors: Tensor) -> Tensor:
         """Return ``xᵀ V_p``: ``b_cmᵀ x_W x_m`` (weight) or ``b_cmᵀ x_b`` (bias).
@@ -246,18 +232,8 @@ class SharedLinearFactor:
     def mean_gradient_products(
         self, gradient: Tensor, cache: LayerCache | None = None
     ) -> Tensor:
-        """Return ``ḡᵀ V_p = Σ_q b_cmqᵀ ḡ x_mq`` for the mean gradient.
-
-        Args:
-            gradient: The parameter's mean gradient (``shape``).
-            cache: Optional cache of one layer.
-
-        Returns:
-            ``[1, C·N]`` products.
-        """
-        if self.output_gradients is not None:
-            return self.gradient_products(cache).mean(0, keepdim=True)
-        return self.vector_products(gradient.unsqueeze(0))
+        """``ḡᵀ V_p = Σ_q b_cmqᵀ ḡ x_mq``; see :func:`mean_products`."""
+        return mean_products(self, gradient, cache)
 
     def vector_products(self, vectors: Tensor) -> Tensor:
         """Return ``xᵀ V_p = Σ_q b_cmqᵀ x x_mq`` for vectors ``[K, *shape]``.
@@ -295,3 +271,28 @@ class SharedLinearFactor:
     def _input_kernel(self) -> Tensor:
         rows = _position_rows(self.inputs)
         return rows @ rows.T
+
+
+def mean_products(
+    factor: LinearFactor | SharedLinearFactor,
+    gradient: Tensor,
+    cache: LayerCache | None = None,
+) -> Tensor:
+    """Return ``ḡᵀ V_p`` of a linear layer's factor for its mean gradient ``ḡ``.
+
+    With ``output_gradients`` (see
+    :func:`~dampednewton.math.cost.mean_products_via_kernel`) the products are the
+    mean of the factor's gradient products, which never touch ``ḡ`` (cheaper when
+    ``N'·C < d_in``); otherwise they are ``gradient``'s vector products.
+
+    Args:
+        factor: A linear layer's factor.
+        gradient: The parameter's mean gradient, shaped like the parameter.
+        cache: Optional cache of one layer.
+
+    Returns:
+        ``[1, C·N]`` products.
+    """
+    if factor.output_gradients is not None:
+        return factor.gradient_products(cache).mean(0, keepdim=True)
+    return factor.vector_products(gradient.unsqueeze(0))

@@ -8,15 +8,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
 from dampednewton import DampedNewton, LevenbergMarquardt, SmallestCurvature
 from tests import reference
 from tests.cases import PROBLEMS
-from tests.utils import build_case, copy_parameters, flat, make_closure
+from tests.utils import Case, build_case, copy_parameters, flat, make_closure
 
 PROBLEM = {problem.id: problem for problem in PROBLEMS}
 BATCH_GGN = {"mc_samples": 0, "averaging": None, "kl_clip": None}
 """This batch's exact GGN, no trust region (the defaults average a Monte-Carlo GGN)."""
+
+
+def ggn_and_mean_gradient(case: Case) -> tuple[Tensor, Tensor]:
+    """Explicit GGN and mean gradient at the case's current parameters."""
+    args = (case.reference_model, case.reference_loss_fn)
+    reference_params = list(case.reference_model.parameters())
+    copy_parameters(case.reference_model, case.model)
+    G = reference.ggn(*args, reference_params, case.X, case.y)
+    gradient = reference.per_sample_gradients(
+        *args, reference_params, case.X, case.y
+    ).mean(0)
+    return G, gradient
 
 
 @pytest.mark.parametrize("complement", [None, SmallestCurvature()], ids=str)
@@ -34,13 +47,7 @@ def test_reduction_ratio_uses_the_full_quadratic_model(complement):
         warn_small_eigvals=0,
         **BATCH_GGN,
     )
-    args = (case.reference_model, case.reference_loss_fn)
-    reference_params = list(case.reference_model.parameters())
-    copy_parameters(case.reference_model, case.model)
-    G = reference.ggn(*args, reference_params, case.X, case.y)
-    gradient = reference.per_sample_gradients(
-        *args, reference_params, case.X, case.y
-    ).mean(0)
+    G, gradient = ggn_and_mean_gradient(case)
     before = flat(params)
 
     loss = optimizer.step(
@@ -102,13 +109,7 @@ def test_levenberg_marquardt_adapts_each_policy_object_once(owners):
         for p, owner in zip(params, owners, strict=True)
     ]
     optimizer = DampedNewton(groups, criterion=2, warn_small_eigvals=0, **BATCH_GGN)
-    args = (case.reference_model, case.reference_loss_fn)
-    reference_params = list(case.reference_model.parameters())
-    copy_parameters(case.reference_model, case.model)
-    G = reference.ggn(*args, reference_params, case.X, case.y)
-    gradient = reference.per_sample_gradients(
-        *args, reference_params, case.X, case.y
-    ).mean(0)
+    G, gradient = ggn_and_mean_gradient(case)
     before = flat(params)
     expected_before = [policy.value for policy in policies]
 
