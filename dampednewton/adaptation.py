@@ -42,6 +42,7 @@ def adapt(
     closure: Callable[[], Tensor],
     loss: Tensor,
     steps: Iterable[tuple[Tensor | float, GroupStep | None]],
+    mean_over_ranks: Callable[[float], float] | None = None,
 ) -> float:
     """Update every policy once with the reduction ratio of the step taken.
 
@@ -51,6 +52,8 @@ def adapt(
         loss: The loss before the step.
         steps: Per group, the multiple ``lr·ν`` of its direction and the direction
             (``None``: no step).
+        mean_over_ranks: Under data parallelism, the ranks' mean of a number: the
+            loss after the step is the global batch's (``loss`` already is).
 
     Returns:
         The ratio (NaN when no policy needed it or nothing was predicted, ``−∞`` for
@@ -65,6 +68,8 @@ def adapt(
         )
         with torch.enable_grad(), quiet_backward_hook_warning():
             new_loss = closure().item()
+        if mean_over_ranks is not None:
+            new_loss = mean_over_ranks(new_loss)
         if not math.isfinite(new_loss):
             ratio = -math.inf
         elif predicted != 0:

@@ -28,6 +28,7 @@ from dampednewton.options import (
     SharedOptions,
     check_known_keys,
     check_nonfinite,
+    check_process_group,
 )
 from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature
 from dampednewton.policies.criteria import Criterion
@@ -126,6 +127,7 @@ class DampedNewton(Optimizer):
         nonfinite: str = "raise",
         seed: int | None = None,
         monitor: DiagnosticsMonitor | None = None,
+        process_group: Any = None,
     ):
         """Set the defaults of every parameter group.
 
@@ -161,6 +163,10 @@ class DampedNewton(Optimizer):
             monitor: Diagnostics computed in the same backward pass as the step, on
                 their schedules; each record also gets the step's eigenvalues,
                 damping and number of directions per group (``newton/...`` keys).
+            process_group: ``torch.distributed`` group of data parallelism
+                (:mod:`dampednewton.distributed`); ``None``: the world group when
+                ``torch.distributed`` is initialized with more than one process,
+                else a single process. Not part of the state dict.
 
         Raises:
             ValueError: For invalid hyperparameters.
@@ -182,7 +188,10 @@ class DampedNewton(Optimizer):
         }
         self._nonfinite = check_nonfinite(nonfinite)
         self.monitor = monitor
+        self._communicator = check_process_group(process_group, monitor)
         self._seeded = SeededGenerator(seed)
+        if self._communicator is not None and seed is None:
+            self._seeded.seed = self._communicator.broadcast_seed(self._seeded.seed)
         self._pass = StepPass()
         self._recorder = StepRecorder()
         super().__init__(params, defaults)
@@ -254,12 +263,17 @@ class DampedNewton(Optimizer):
                 generator=generator,
                 monitor=monitor,
                 step=step_index,
+                communicator=self._communicator,
             )
             problem = nonfinite_problem(
                 loss,
                 (s for r in results if r is not None for s in r.step),
                 curvature_finite,
             )
+            if self._communicator is not None:
+                refused = self._communicator.any_refuses(problem is not None)
+                if refused and problem is None:
+                    problem = "another rank refused the step"
             if problem is not None:
                 snapshot.restore()
                 refuse(problem, self._nonfinite)
@@ -288,7 +302,13 @@ class DampedNewton(Optimizer):
         if adaptive:
             multiples = [o.lr * scale for o, scale in zip(options, scales, strict=True)]
             self.state[GLOBAL]["reduction_ratio"] = adapt(
-                adaptive, closure, loss, zip(multiples, results, strict=True)
+                adaptive,
+                closure,
+                loss,
+                zip(multiples, results, strict=True),
+                mean_over_ranks=None
+                if self._communicator is None
+                else self._communicator.mean,
             )
         return loss
 
@@ -339,6 +359,10 @@ class DampedNewton(Optimizer):
         """The Monte-Carlo generator, ``None`` for the exact GGN."""
         if self.param_groups[0]["mc_samples"] == 0:
             return None
+        if self._communicator is not None:
+            return self._seeded.for_rank(
+                self._device(), self._communicator.rank, self.state[GLOBAL]["step"]
+            )
         return self._seeded.get(self._device())
 
     def _active_monitor(self, step: int) -> DiagnosticsMonitor | None:

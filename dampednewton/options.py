@@ -24,6 +24,7 @@ from dampednewton.checks import (
     check_subsampling,
     check_warn_small_eigvals,
 )
+from dampednewton.distributed import Communicator, resolve_process_group
 from dampednewton.policies.complement import ComplementPolicy, as_complement
 from dampednewton.policies.criteria import Criterion, as_criterion
 from dampednewton.policies.damping import (
@@ -54,6 +55,33 @@ def check_nonfinite(mode: Any) -> str:
     if mode not in NONFINITE_MODES:
         raise ValueError(f"nonfinite must be 'raise' or 'skip', got {mode!r}.")
     return mode
+
+
+def check_process_group(
+    process_group: Any, monitor: object | None
+) -> Communicator | None:
+    """Check the data-parallel process group; its communicator, if distributed.
+
+    Args:
+        process_group: ``None`` (the ``torch.distributed`` world group when it is
+            initialized) or a process group.
+        monitor: The optimizer's diagnostics monitor, or ``None``.
+
+    Returns:
+        The communicator; ``None`` for a single process.
+
+    Raises:
+        TypeError: For anything but ``None`` or a process group.
+        ValueError: For a diagnostics monitor under data parallelism (its
+            diagnostics would be the local batch's).
+    """
+    communicator = resolve_process_group(process_group)
+    if communicator is not None and monitor is not None:
+        raise ValueError(
+            "A diagnostics monitor is not supported under torch.distributed yet (it "
+            "would describe the local batch only): pass monitor=None."
+        )
+    return communicator
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Generator
 
@@ -45,6 +46,26 @@ class SeededGenerator:
         if self._generator is None:
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         return self._generator
+
+    def for_rank(self, device: torch.device, rank: int, step: int) -> Generator:
+        """The generator, reseeded for one rank's draws of one step.
+
+        Under data parallelism each rank draws different Monte-Carlo labels,
+        determined by the seed, the rank and the step, so that a checkpoint (which
+        holds the seed and the step) resumes the same draws on every rank.
+
+        Args:
+            device: The device of the optimizer's parameters.
+            rank: This process's rank.
+            step: The step's index.
+
+        Returns:
+            The reseeded generator.
+        """
+        entropy = np.random.SeedSequence([self.seed, rank, step])
+        return self.get(device).manual_seed(
+            int(entropy.generate_state(1, np.uint64)[0])
+        )
 
     def state_dict(self, device: torch.device) -> dict[str, Any]:
         """The seed and the generator's state, for the optimizer's state dict.

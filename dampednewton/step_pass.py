@@ -18,12 +18,18 @@ import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
-from dampednewton.backpack.extensions import IndividualGradients, NonFiniteModelOutput
+from dampednewton.backpack.buffers import GlobalBatch
+from dampednewton.backpack.extensions import (
+    IndividualGradients,
+    MonteCarloSqrtGGN,
+    NonFiniteModelOutput,
+)
 from dampednewton.backpack.passes import Hook, backward_pass
 from dampednewton.backpack.savefields import GRAD_BATCH
 from dampednewton.backward import SingleBackwardCheck, quiet_backward_hook_warning
 from dampednewton.computations.engine import GGNEngine, GGNSettings
 from dampednewton.diagnostics import DiagnosticsMonitor
+from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
 from dampednewton.group_step import (
     AveragedFactor,
     GroupStep,
@@ -68,12 +74,15 @@ class StepPass:
         generator: Generator | None,
         monitor: DiagnosticsMonitor | None,
         step: int,
+        communicator: Communicator | None = None,
     ) -> tuple[Tensor, list[GroupStep | None], bool]:
         """Run the closure's one backward pass and compute every group's direction.
 
         Groups whose averaged factor is not refreshed this step reuse it; when no
         group refreshes and no monitor is active, the closure runs without BackPACK
-        extensions.
+        extensions. Under data parallelism (``communicator``) the ranks agree on
+        their passes after the backward pass, then reduce the global batch; the
+        loss returned is the ranks' mean.
 
         Args:
             closure: ``zero_grad``, forward, ``backward``; returns the loss.
@@ -84,11 +93,22 @@ class StepPass:
             generator: The Monte-Carlo generator, or ``None``.
             monitor: The diagnostics monitor if it is active this step.
             step: The step's index.
+            communicator: The ranks' collectives, ``None`` for one process.
 
         Returns:
             The loss, every group's step (``None``: no trainable parameter), and
             whether every group's curvature was finite.
+
+        Raises:
+            ValueError: For sub-sampling under data parallelism.
         """
+        if communicator is not None and (
+            shared.subsampling_ggn is not None or shared.subsampling_grad is not None
+        ):
+            raise ValueError(
+                "subsampling_ggn and subsampling_grad are not supported under "
+                "torch.distributed: leave them None."
+            )
         blocks = [
             step_block(group, option, state, index)
             for index, (group, option) in enumerate(zip(groups, options, strict=True))
@@ -107,7 +127,7 @@ class StepPass:
         hooks: list[Hook] = []
         if any(refreshing):
             engine, finisher, extensions = self.get(
-                shared, per_sample_gradients, generator
+                shared, per_sample_gradients, generator, communicator
             )
             hooks = [
                 engine.hook(
@@ -125,16 +145,35 @@ class StepPass:
         params = [p for block in blocks for p in block["params"]]
         try:
             loss = run_closure(closure, params, extensions, hooks)
-            with torch.no_grad():
-                results = [
-                    _result(engine, block)
-                    if refresh
-                    else averaged_step(block, block["factor"])
-                    for block, refresh in zip(blocks, refreshing, strict=True)
-                ]
         except NonFiniteModelOutput:
             # Raised inside backward, before the closure could return its loss.
-            return torch.tensor(math.nan), [None] * len(blocks), True
+            loss = torch.tensor(math.nan)
+            if communicator is None:
+                return loss, [None] * len(blocks), True
+        except Exception:
+            if communicator is not None:  # the other ranks wait for this one
+                communicator.agree_on_pass(
+                    math.nan, UNKNOWN_BATCH_SIZE, failed=True, check_sizes=False
+                )
+            raise
+        if communicator is not None:
+            if any(
+                getattr(extension, "saw_nonfinite_output", False)
+                for extension in extensions
+            ):
+                loss = torch.tensor(math.nan)
+            loss = global_loss(communicator, loss, engine)
+            if not torch.isfinite(loss):
+                return loss, [None] * len(blocks), True
+            if engine is not None:
+                engine.reduce_global_batch()
+        with torch.no_grad():
+            results = [
+                _result(engine, block)
+                if refresh
+                else averaged_step(block, block["factor"])
+                for block, refresh in zip(blocks, refreshing, strict=True)
+            ]
         finite = finisher is None or finisher.curvature_finite
         return loss, results, finite
 
@@ -143,6 +182,7 @@ class StepPass:
         shared: SharedOptions,
         per_sample_gradients: bool,
         generator: Generator | None,
+        communicator: Communicator | None = None,
     ) -> tuple[StepEngine, StepFinisher, list]:
         """The engine, its finisher (reset for a new step) and BackPACK extensions.
 
@@ -150,6 +190,8 @@ class StepPass:
             shared: The options of the backward pass.
             per_sample_gradients: Whether a damping policy needs per-sample slopes.
             generator: The Monte-Carlo generator, or ``None`` for the exact GGN.
+            communicator: The ranks' collectives: the engine then reduces the
+                global batch. ``None`` for one process.
 
         Returns:
             The engine, the finisher it calls, and its extensions.
@@ -160,6 +202,7 @@ class StepPass:
             tuple(shared.subsampling_ggn or ()),
             tuple(shared.subsampling_grad or ()),
             id(generator),
+            id(communicator),
         )
         if self._cached is None or self._cached[0] != key:
             settings = GGNSettings(
@@ -180,10 +223,61 @@ class StepPass:
                 needs_gradients=per_sample_gradients,
                 defers_finish=True,  # the finisher reads the complete .grad
             )
-            self._cached = (key, engine, finisher, engine.extensions())
+            extensions = engine.extensions()
+            if communicator is not None:
+                engine.global_batch = GlobalBatch(
+                    communicator.gather_samples, communicator.world_size
+                )
+                for extension in extensions:
+                    if isinstance(extension, MonteCarloSqrtGGN):
+                        extension.sample_despite_nonfinite = True
+            self._cached = (key, engine, finisher, extensions)
         _, engine, finisher, extensions = self._cached
         finisher.reset()
+        for extension in extensions:
+            if isinstance(extension, MonteCarloSqrtGGN):
+                extension.saw_nonfinite_output = False
         return engine, finisher, extensions
+
+
+def global_loss(
+    communicator: Communicator, loss: Any, engine: StepEngine | None
+) -> Tensor:
+    """The ranks' mean loss, once every rank's backward pass ended.
+
+    Args:
+        communicator: The ranks' collectives.
+        loss: What this rank's closure returned (NaN if its model output was not
+            finite).
+        engine: The step's engine (``None``: no BackPACK pass this step).
+
+    Returns:
+        The mean loss (NaN if one rank's loss is not finite).
+
+    Raises:
+        TypeError: If the closure did not return a tensor.
+        RuntimeError: If another rank's backward pass raised.
+    """
+    is_tensor = isinstance(loss, Tensor)
+    batch_size = UNKNOWN_BATCH_SIZE
+    if engine is not None and engine.batch_size is not None:
+        batch_size = engine.batch_size
+    agreement = communicator.agree_on_pass(
+        loss.detach().item() if is_tensor else math.nan,
+        batch_size,
+        failed=not is_tensor,
+        check_sizes=engine is not None,
+    )
+    if not is_tensor:
+        raise TypeError(
+            f"The closure must return the loss tensor, got {type(loss).__name__}."
+        )
+    if agreement.failed_ranks:
+        raise RuntimeError(
+            f"DampedNewton refused the step: the backward pass raised on rank(s) "
+            f"{list(agreement.failed_ranks)}; parameters unchanged on every rank."
+        )
+    return torch.tensor(agreement.mean_loss, dtype=loss.dtype, device=loss.device)
 
 
 def with_monitor(

@@ -13,8 +13,8 @@ from ``∇ℓ_n/N`` (or output gradients of the mean loss) to those of ``ℓ_n``
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from backpack.utils.subsampling import subsample
 from torch import Size, Tensor
@@ -151,6 +151,77 @@ class SharedLinearBuffers:
 
 Buffers = LinearBuffers | SharedLinearBuffers
 """Everything the structured square-root extensions store."""
+
+SampleGather = Callable[[Tensor, int], Tensor]
+"""Concatenates every rank's tensor along a sample dimension (rank order)."""
+
+
+class GlobalBatch:
+    """Buffers of the global batch from a rank's buffers of its local batch.
+
+    Every rank's local batch has ``N`` samples, the global one ``R·N``. BackPACK's
+    square roots of the local mean loss carry ``1/√N`` and its output and individual
+    gradients ``1/N``; rescaled by ``1/√R`` and ``1/R`` and concatenated along the
+    samples, they are those of the global batch's mean loss, which the single-process
+    assembly then reduces unchanged (with batch size ``R·N``). Tensors shared by the
+    parameters of one layer are gathered once.
+    """
+
+    world_size: int
+
+    def __init__(self, gather: SampleGather, world_size: int):
+        """Keep the collective.
+
+        Args:
+            gather: Concatenates every rank's tensor along a dimension.
+            world_size: Number of ranks ``R``.
+        """
+        self._gather = gather
+        self.world_size = world_size
+        self._memo: dict[tuple[int, float], Tensor] = {}
+
+    def new_layer(self) -> None:
+        """Forget the tensors of the previous layer."""
+        self._memo = {}
+
+    def sqrt_ggn(self, sqrt_ggn: Tensor | Buffers) -> Tensor | Buffers:
+        """The global square root (or buffers) of what a parameter stores.
+
+        Args:
+            sqrt_ggn: BackPACK's ``[C, N, …]`` square root or structured buffers.
+
+        Returns:
+            Its global counterpart.
+        """
+        root = 1 / math.sqrt(self.world_size)
+        if isinstance(sqrt_ggn, Tensor):
+            return self._gathered(sqrt_ggn, 1, root)
+        gradient_scale = 1 / self.world_size
+        return replace(
+            sqrt_ggn,
+            backproped=self._gathered(sqrt_ggn.backproped, 1, root),
+            inputs=self._optional(sqrt_ggn.inputs),
+            output_gradients=self._gathered(
+                sqrt_ggn.output_gradients, 0, gradient_scale
+            ),
+            layer_inputs=self._optional(sqrt_ggn.layer_inputs),
+        )
+
+    def gradients(self, grad_batch: Tensor | None) -> Tensor | None:
+        """The global individual gradients ``∇ℓ_n/(R·N)`` (``None`` stays)."""
+        if grad_batch is None:
+            return None
+        return self._gathered(grad_batch, 0, 1 / self.world_size)
+
+    def _optional(self, tensor: Tensor | None) -> Tensor | None:
+        return None if tensor is None else self._gathered(tensor, 0, 1.0)
+
+    def _gathered(self, tensor: Tensor, dim: int, scale: float) -> Tensor:
+        key = (id(tensor), scale)
+        if key not in self._memo:
+            local = tensor if scale == 1.0 else tensor * scale
+            self._memo[key] = self._gather(local, dim)
+        return self._memo[key]
 
 
 def make_factor(

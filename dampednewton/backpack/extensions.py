@@ -182,6 +182,11 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
         """
         super().__init__(mc_samples=mc_samples, subsampling=subsampling)
         self.generator = generator
+        # Under data parallelism a rank must not raise inside backward (the others
+        # would wait for it): it zeroes the non-finite model outputs in place, samples,
+        # notes it, and the ranks refuse the step together.
+        self.sample_despite_nonfinite = False
+        self.saw_nonfinite_output = False
         self.set_module_extension(
             CrossEntropyLoss,
             _GeneratorSqrtGGNCrossEntropyLoss(generator),
@@ -190,11 +195,20 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension; sample from the generator at the loss."""
-        if isinstance(module, _Loss) and not all_finite(module_input(module)):
-            raise NonFiniteModelOutput(
-                "The model output is not finite, so the loss Hessian cannot be "
-                "sampled (Monte-Carlo GGN)."
-            )
+        if isinstance(module, _Loss):
+            self.saw_nonfinite_output = not all_finite(module_input(module))
+            if self.saw_nonfinite_output and not self.sample_despite_nonfinite:
+                raise NonFiniteModelOutput(
+                    "The model output is not finite, so the loss Hessian cannot be "
+                    "sampled (Monte-Carlo GGN)."
+                )
+            if self.saw_nonfinite_output:
+                # In place: BackPACK keys the backpropagated quantity by data_ptr.
+                module_input(module).detach().nan_to_num_(0.0, 0.0, 0.0)
+        self._sample(module, g_inp, g_out)
+
+    def _sample(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
+        """Run BackPACK's extension, drawing from the generator at the loss."""
         if (
             self.generator is None
             or not isinstance(module, _Loss)

@@ -7,6 +7,11 @@ gradient products) of their block, frees the buffers, and finishes a block as so
 all of its parameters were seen (or, for finishers that read ``.grad``, when its
 result is asked for). The loss module is reached first: it starts a new backward pass.
 
+With a :class:`~dampednewton.backpack.buffers.GlobalBatch` (data parallelism), the
+hook only keeps the buffers; :meth:`GGNEngine.reduce_global_batch`, called on every
+rank after the backward pass, gathers them over the ranks and reduces them, so that
+no collective runs inside a backward pass that may fail on one rank.
+
 :class:`GGNComputation` is the ViViT interface that each computation class exposes
 over its engine; the classes only say what they need and how to finish a block.
 """
@@ -22,7 +27,13 @@ from torch import Generator, Tensor
 from torch.nn import Module
 from torch.nn.modules.loss import _Loss
 
-from dampednewton.backpack.buffers import Assembly, factor_size, make_factor
+from dampednewton.backpack.buffers import (
+    Assembly,
+    Buffers,
+    GlobalBatch,
+    factor_size,
+    make_factor,
+)
 from dampednewton.backpack.extensions import (
     ExactSqrtGGN,
     IndividualGradients,
@@ -150,6 +161,37 @@ class GGNEngine(Generic[ResultT]):
         self._ready: dict[tuple[int, ...], Block] = {}
         self._results: dict[tuple[int, ...], ResultT] = {}
         self._batch_size: int | None = None
+        self.global_batch: GlobalBatch | None = None
+        self._kept: list[tuple[int, list[_KeptBuffers]]] = []
+
+    @property
+    def batch_size(self) -> int | None:
+        """The local batch size of the last backward pass (``None``: none ran)."""
+        return self._batch_size
+
+    def reduce_global_batch(self) -> None:
+        """Gather the kept buffers over the ranks and reduce them (every rank).
+
+        Raises:
+            RuntimeError: Without a :attr:`global_batch`.
+        """
+        global_batch = self.global_batch
+        if global_batch is None:
+            raise RuntimeError("reduce_global_batch needs a global_batch.")
+        kept, self._kept = self._kept, []
+        for batch_size, layer in kept:
+            global_batch.new_layer()
+            cache = LayerCache()
+            for entry in layer:
+                self._reduce(
+                    entry.index,
+                    entry.param,
+                    global_batch.sqrt_ggn(entry.sqrt_ggn),
+                    global_batch.gradients(entry.grad_batch),
+                    batch_size * global_batch.world_size,
+                    cache,
+                )
+            global_batch.new_layer()
 
     @property
     def savefields(self) -> tuple[str, ...]:
@@ -237,6 +279,7 @@ class GGNEngine(Generic[ResultT]):
         self._ready = {}
         self._results = {}
         self._batch_size = None
+        self._kept = []
         for index, group in enumerate(self._groups):
             trainable = {id(p) for p in group["params"] if p.requires_grad}
             if trainable:
@@ -265,7 +308,9 @@ class GGNEngine(Generic[ResultT]):
         if isinstance(module, _Loss):
             self._start_pass(module)
             return
+        batch_size = self._batch_size or _input_batch_size(module)
         cache = LayerCache()  # lets the parameters of this layer share work
+        kept: list[_KeptBuffers] = []
         for param in module.parameters(recurse=False):
             index = self._group_of_param.get(id(param))
             if index is None:
@@ -273,27 +318,31 @@ class GGNEngine(Generic[ResultT]):
             block = self._blocks.get(index)
             if block is None or id(param) not in block.pending:
                 continue
-            self._reduce(block, param, module, cache)
-            if not block.pending:
-                self._print(f"group {index}: all parameters reduced")
-                if self.defers_finish:
-                    self._ready[group_key(block.group)] = block
-                else:
-                    self._results[group_key(block.group)] = self._finish(block)
-                del self._blocks[index]
+            sqrt_ggn = getattr(param, self.savefields[0])
+            grad_batch = getattr(param, GRAD_BATCH, None)
+            if self.global_batch is None:
+                self._reduce(index, param, sqrt_ggn, grad_batch, batch_size, cache)
+            else:
+                kept.append(_KeptBuffers(index, param, sqrt_ggn, grad_batch))
+        if kept:
+            self._kept.append((batch_size, kept))
 
     def _reduce(
-        self, block: Block, param: Tensor, module: Module, cache: LayerCache
+        self,
+        index: int,
+        param: Tensor,
+        sqrt_ggn: Tensor | Buffers,
+        grad_batch: Tensor | None,
+        batch_size: int,
+        cache: LayerCache,
     ) -> None:
-        sqrt_ggn = getattr(param, self.savefields[0])
+        block = self._blocks[index]
         assembly = Assembly(
-            batch_size=self._batch_size or _input_batch_size(module),
+            batch_size=batch_size,
             subsampling_grad=self.settings.subsampling_grad,
             with_gradients=self.needs_gradients,
         )
-        factor = make_factor(
-            sqrt_ggn, getattr(param, GRAD_BATCH, None), assembly, cache
-        )
+        factor = make_factor(sqrt_ggn, grad_batch, assembly, cache)
         block.num_outputs, block.num_samples = factor_size(sqrt_ggn)
         block.gram = _add(block.gram, factor.gram(cache))
         if self.needs_gradients:
@@ -304,6 +353,23 @@ class GGNEngine(Generic[ResultT]):
         if self._keeps_factors:
             block.factors[id(param)] = factor
         block.pending.discard(id(param))
+        if not block.pending:
+            self._print(f"group {index}: all parameters reduced")
+            if self.defers_finish:
+                self._ready[group_key(block.group)] = block
+            else:
+                self._results[group_key(block.group)] = self._finish(block)
+            del self._blocks[index]
+
+
+@dataclass(frozen=True)
+class _KeptBuffers:
+    """A parameter's BackPACK buffers, kept until the ranks gather them."""
+
+    index: int
+    param: Tensor
+    sqrt_ggn: Tensor | Buffers
+    grad_batch: Tensor | None
 
 
 class GGNComputation(Generic[ResultT]):

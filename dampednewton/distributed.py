@@ -1,0 +1,190 @@
+"""Every ``torch.distributed`` call of the optimizer: one :class:`Communicator`.
+
+Under data parallelism each rank runs the closure's backward pass on its local batch.
+The step is the one of the global batch (the ranks' batches concatenated in rank
+order): the engine gathers each layer's BackPACK buffers along the sample dimension
+(:meth:`Communicator.gather_samples`), the ranks agree on the mean loss and on
+refusals (:meth:`Communicator.agree_on_pass`, :meth:`Communicator.any_refuses`), and
+the Levenberg-Marquardt ratio uses the mean loss after the step
+(:meth:`Communicator.mean`). Everything else is computed identically on each rank
+from identical inputs, so no other module communicates.
+
+The local batch sizes must be equal: the mean gradient that ``DistributedDataParallel``
+averages is the global batch's mean only then.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# Status of a rank's backward pass, all-gathered with the loss and batch size.
+PASS_OK = 0.0
+PASS_FAILED = 1.0
+UNKNOWN_BATCH_SIZE = -1
+
+
+def resolve_process_group(process_group: Any) -> Communicator | None:
+    """The communicator of ``process_group``, or ``None`` for a single process.
+
+    Args:
+        process_group: A ``torch.distributed`` process group, or ``None`` for the
+            world group when ``torch.distributed`` is initialized.
+
+    Returns:
+        The communicator; ``None`` when not distributed or with one process.
+
+    Raises:
+        TypeError: For anything but ``None`` or a process group.
+    """
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        process_group = dist.group.WORLD
+    elif not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise TypeError(
+            "process_group must be None (the torch.distributed world group when "
+            "initialized) or a torch.distributed ProcessGroup, got "
+            f"{type(process_group).__name__}."
+        )
+    if dist.get_world_size(process_group) == 1:
+        return None
+    return Communicator(process_group)
+
+
+@dataclass(frozen=True)
+class PassAgreement:
+    """What the ranks agreed on after their backward passes.
+
+    Attributes:
+        mean_loss: Mean of the ranks' losses (NaN if one is not finite).
+        failed_ranks: Ranks whose backward pass raised.
+        world_size: Number of ranks.
+    """
+
+    mean_loss: float
+    failed_ranks: tuple[int, ...]
+    world_size: int
+
+
+class Communicator:
+    """Collectives of one process group, as the optimizer needs them.
+
+    Attributes:
+        group: The ``torch.distributed`` process group.
+        rank: This process's rank in the group.
+        world_size: Number of processes in the group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup):
+        """Wrap the group.
+
+        Args:
+            group: The process group (more than one rank).
+        """
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def gather_samples(self, tensor: Tensor, dim: int) -> Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim``, in rank order.
+
+        Args:
+            tensor: This rank's tensor; the same shape on every rank (equal local
+                batch sizes, checked by :meth:`agree_on_pass`).
+            dim: The sample dimension.
+
+        Returns:
+            The concatenated tensor.
+        """
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def agree_on_pass(
+        self, loss: float, batch_size: int, failed: bool, *, check_sizes: bool
+    ) -> PassAgreement:
+        """All-gather the ranks' losses, batch sizes and failures of one pass.
+
+        Args:
+            loss: This rank's loss (NaN if its pass failed).
+            batch_size: Its local batch size (:data:`UNKNOWN_BATCH_SIZE`: no
+                BackPACK pass ran).
+            failed: Whether its backward pass raised.
+            check_sizes: Refuse unequal local batch sizes (when buffers will be
+                gathered).
+
+        Returns:
+            The agreement.
+
+        Raises:
+            ValueError: For unequal local batch sizes with ``check_sizes``.
+        """
+        local = torch.tensor(
+            [loss, float(batch_size), PASS_FAILED if failed else PASS_OK],
+            dtype=torch.float64,
+        )
+        table = self.gather_samples(local.unsqueeze(0), dim=0)
+        failed_ranks = tuple(
+            rank for rank in range(self.world_size) if table[rank, 2] != PASS_OK
+        )
+        sizes = {int(size) for size in table[:, 1].tolist()}
+        if check_sizes and not failed_ranks and len(sizes - {UNKNOWN_BATCH_SIZE}) > 1:
+            raise ValueError(
+                "DampedNewton under torch.distributed needs the same local batch size "
+                f"on every rank (got {table[:, 1].long().tolist()} by rank): the mean "
+                "gradient that DistributedDataParallel averages is the global batch's "
+                "mean only then. Use drop_last=True in the DistributedSampler's "
+                "DataLoader."
+            )
+        return PassAgreement(
+            mean_loss=float(table[:, 0].mean()),
+            failed_ranks=failed_ranks,
+            world_size=self.world_size,
+        )
+
+    def any_refuses(self, refuses: bool) -> bool:
+        """Whether any rank refuses the step (all-reduced flag).
+
+        Args:
+            refuses: Whether this rank refuses.
+
+        Returns:
+            ``True`` if at least one rank refuses.
+        """
+        flag = torch.tensor([1.0 if refuses else 0.0], dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item() > 0)
+
+    def mean(self, value: float) -> float:
+        """The mean of a number over the ranks (NaN if one is not finite).
+
+        Args:
+            value: This rank's number.
+
+        Returns:
+            The mean.
+        """
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total, group=self.group)
+        mean = total.item() / self.world_size
+        return mean if math.isfinite(mean) else math.nan
+
+    def broadcast_seed(self, seed: int) -> int:
+        """Rank 0's seed, on every rank.
+
+        Args:
+            seed: This rank's seed.
+
+        Returns:
+            Rank 0's seed.
+        """
+        value = torch.tensor([seed], dtype=torch.int64)
+        dist.broadcast(value, group_src=0, group=self.group)
+        return int(value.item())

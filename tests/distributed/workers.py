@@ -1,0 +1,194 @@
+"""Spawned ranks of the distributed tests and their single-process references.
+
+Every worker joins a gloo group through a ``file://`` rendezvous, trains a float64
+model on its shard of one global batch (rank ``r`` gets rows ``r·N … (r+1)·N−1``) and
+saves what the test compares to ``<out>/<rank>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from backpack import extend
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dampednewton import DampedNewton, LevenbergMarquardt
+
+LOCAL_BATCH = 4
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every rank runs.
+
+    Attributes:
+        model: ``'mlp'`` or ``'cnn'``.
+        steps: Steps to take.
+        options: Keyword arguments of :class:`DampedNewton` besides the defaults here.
+        ddp: Wrap the model in ``DistributedDataParallel`` (else average gradients in
+            the closure by hand).
+        nan_rank: Rank whose inputs are NaN at step ``nan_step`` (``None``: none).
+        nan_step: See ``nan_rank``.
+        resume_at: Save on rank 0 after this many steps, load on every rank into a
+            fresh model and optimizer, and step on from both (``None``: no resume).
+    """
+
+    model: str = "mlp"
+    steps: int = 2
+    options: dict[str, Any] = field(default_factory=dict)
+    ddp: bool = False
+    nan_rank: int | None = None
+    nan_step: int = 1
+    resume_at: int | None = None
+
+
+def make_model(name: str) -> nn.Module:
+    """The same float64 model on every rank (seed 0)."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    else:
+        model = nn.Sequential(
+            nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3)
+        )
+    return extend(model.double())
+
+
+def global_batch(name: str, world_size: int, step: int) -> tuple[Tensor, Tensor]:
+    """The global batch of a step: inputs and class labels."""
+    generator = torch.Generator().manual_seed(100 + step)
+    shape = (5,) if name == "mlp" else (1, 6, 6)
+    inputs = torch.randn(
+        world_size * LOCAL_BATCH, *shape, generator=generator, dtype=torch.float64
+    )
+    labels = torch.randint(3, (world_size * LOCAL_BATCH,), generator=generator)
+    return inputs, labels
+
+
+def make_optimizer(model: nn.Module, options: dict[str, Any]) -> DampedNewton:
+    """The optimizer of every rank and of the reference."""
+    settings: dict[str, Any] = {
+        "lr": 0.5,
+        "damping": 0.1,
+        "criterion": 5,
+        "mc_samples": 0,
+        "seed": 0,
+        "momentum": 0.5,
+    }
+    settings.update(options)
+    if settings.get("damping") == "lm":
+        settings["damping"] = LevenbergMarquardt(0.1)
+    return DampedNewton(model.parameters(), **settings)
+
+
+def reference(job: Job, world_size: int) -> list[Tensor]:
+    """Parameters after each step of one process on the concatenated batches."""
+    model = make_model(job.model)
+    optimizer = make_optimizer(model, job.options)
+    loss_fn = extend(nn.CrossEntropyLoss())
+    history = []
+    for step in range(job.steps):
+        inputs, labels = global_batch(job.model, world_size, step)
+
+        def closure(inputs: Tensor = inputs, labels: Tensor = labels) -> Tensor:
+            optimizer.zero_grad()
+            loss = loss_fn(model(inputs), labels)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+        history.append(_flat(model))
+    return history
+
+
+def run_rank(rank: int, world_size: int, init_file: str, out: str, job: Job) -> None:
+    """One rank of a job; saves parameters, losses and states per step."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        results = _train(rank, world_size, job, Path(out))
+        torch.save(results, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
+    model = make_model(job.model)
+    stepped: nn.Module = DistributedDataParallel(model) if job.ddp else model
+    optimizer = make_optimizer(model, job.options)
+    loss_fn = extend(nn.CrossEntropyLoss())
+    history, losses, skipped = [], [], []
+    resumed: tuple[nn.Module, DampedNewton] | None = None
+    resumed_history = []
+    for step in range(job.steps):
+        inputs, labels = _local(job, world_size, rank, step)
+        if job.resume_at is not None and step == job.resume_at:
+            resumed = _resume(rank, job, out, model, optimizer)
+        losses.append(
+            optimizer.step(_closure(stepped, optimizer, loss_fn, inputs, labels, job))
+        )
+        skipped.append(optimizer.state["global"]["skipped_steps"])
+        history.append(_flat(model))
+        if resumed is not None:
+            twin, twin_optimizer = resumed
+            twin_optimizer.step(
+                _closure(twin, twin_optimizer, loss_fn, inputs, labels, job)
+            )
+            resumed_history.append(_flat(twin))
+    return {
+        "history": history,
+        "losses": losses,
+        "skipped": skipped,
+        "resumed": resumed_history,
+    }
+
+
+def _local(job: Job, world_size: int, rank: int, step: int) -> tuple[Tensor, Tensor]:
+    inputs, labels = global_batch(job.model, world_size, step)
+    rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    inputs, labels = inputs[rows].clone(), labels[rows]
+    if rank == job.nan_rank and step == job.nan_step:
+        inputs[0] = torch.nan
+    return inputs, labels
+
+
+def _closure(model, optimizer, loss_fn, inputs, labels, job):
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), labels)
+        loss.backward()
+        if not job.ddp:  # replicated by hand: average the gradients ourselves
+            for param in model.parameters():
+                dist.all_reduce(param.grad)
+                param.grad /= dist.get_world_size()
+        return loss
+
+    return closure
+
+
+def _resume(rank, job, out, model, optimizer):
+    """Rank 0 saves; every rank loads into a fresh model and optimizer."""
+    path = out / "checkpoint.pt"
+    if rank == 0:
+        torch.save(
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path
+        )
+    dist.barrier()
+    checkpoint = torch.load(path, weights_only=False)
+    twin = make_model(job.model)
+    twin.load_state_dict(checkpoint["model"])
+    twin_optimizer = make_optimizer(twin, {**job.options, "seed": 12345})
+    twin_optimizer.load_state_dict(checkpoint["optimizer"])
+    return twin, twin_optimizer
+
+
+def _flat(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
