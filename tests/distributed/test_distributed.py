@@ -13,9 +13,11 @@ import torch.multiprocessing as mp
 
 from tests.distributed.workers import Job, reference, run_rank
 
-pytestmark = pytest.mark.skipif(
-    not dist.is_available(), reason="needs torch.distributed"
-)
+# Each test spawns processes that import torch and BackPACK: 5-25 s.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed"),
+]
 
 
 def _spawn(job: Job, world_size: int, tmp_path: Path) -> list[dict[str, Any]]:
