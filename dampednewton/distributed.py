@@ -149,6 +149,40 @@ class Communicator:
             world_size=self.world_size,
         )
 
+    def mean_loss_of_pass(self, loss: Any, batch_size: int | None) -> Tensor:
+        """The ranks' mean loss, once every rank's backward pass ended.
+
+        Args:
+            loss: What this rank's closure returned (NaN if its model output was
+                not finite).
+            batch_size: This rank's local batch size, ``None`` if no BackPACK
+                pass ran (then buffers are not gathered and sizes not checked).
+
+        Returns:
+            The mean loss (NaN if one rank's loss is not finite).
+
+        Raises:
+            TypeError: If the closure did not return a tensor.
+            RuntimeError: If another rank's backward pass raised.
+        """
+        is_tensor = isinstance(loss, Tensor)
+        agreement = self.agree_on_pass(
+            loss.detach().item() if is_tensor else math.nan,
+            UNKNOWN_BATCH_SIZE if batch_size is None else batch_size,
+            failed=not is_tensor,
+            check_sizes=batch_size is not None,
+        )
+        if not is_tensor:
+            raise TypeError(
+                f"The closure must return the loss tensor, got {type(loss).__name__}."
+            )
+        if agreement.failed_ranks:
+            raise RuntimeError(
+                "DampedNewton refused the step: the backward pass raised on rank(s) "
+                f"{list(agreement.failed_ranks)}; parameters unchanged on every rank."
+            )
+        return torch.tensor(agreement.mean_loss, dtype=loss.dtype, device=loss.device)
+
     def any_refuses(self, refuses: bool) -> bool:
         """Whether any rank refuses the step (all-reduced flag).
 

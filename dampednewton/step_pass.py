@@ -162,7 +162,9 @@ class StepPass:
                 for extension in extensions
             ):
                 loss = torch.tensor(math.nan)
-            loss = global_loss(communicator, loss, engine)
+            loss = communicator.mean_loss_of_pass(
+                loss, None if engine is None else engine.batch_size
+            )
             if not torch.isfinite(loss):
                 return loss, [None] * len(blocks), True
             if engine is not None:
@@ -238,46 +240,6 @@ class StepPass:
             if isinstance(extension, MonteCarloSqrtGGN):
                 extension.saw_nonfinite_output = False
         return engine, finisher, extensions
-
-
-def global_loss(
-    communicator: Communicator, loss: Any, engine: StepEngine | None
-) -> Tensor:
-    """The ranks' mean loss, once every rank's backward pass ended.
-
-    Args:
-        communicator: The ranks' collectives.
-        loss: What this rank's closure returned (NaN if its model output was not
-            finite).
-        engine: The step's engine (``None``: no BackPACK pass this step).
-
-    Returns:
-        The mean loss (NaN if one rank's loss is not finite).
-
-    Raises:
-        TypeError: If the closure did not return a tensor.
-        RuntimeError: If another rank's backward pass raised.
-    """
-    is_tensor = isinstance(loss, Tensor)
-    batch_size = UNKNOWN_BATCH_SIZE
-    if engine is not None and engine.batch_size is not None:
-        batch_size = engine.batch_size
-    agreement = communicator.agree_on_pass(
-        loss.detach().item() if is_tensor else math.nan,
-        batch_size,
-        failed=not is_tensor,
-        check_sizes=engine is not None,
-    )
-    if not is_tensor:
-        raise TypeError(
-            f"The closure must return the loss tensor, got {type(loss).__name__}."
-        )
-    if agreement.failed_ranks:
-        raise RuntimeError(
-            f"DampedNewton refused the step: the backward pass raised on rank(s) "
-            f"{list(agreement.failed_ranks)}; parameters unchanged on every rank."
-        )
-    return torch.tensor(agreement.mean_loss, dtype=loss.dtype, device=loss.device)
 
 
 def with_monitor(
