@@ -196,14 +196,23 @@ class GlobalBatch:
         root = 1 / math.sqrt(self.world_size)
         if isinstance(sqrt_ggn, Tensor):
             return self._gathered(sqrt_ggn, 1, root)
-        gradient_scale = 1 / self.world_size
+        backproped = self._gathered(sqrt_ggn.backproped, 1, root)
+        output_gradients = self._gathered(
+            sqrt_ggn.output_gradients, 0, 1 / self.world_size
+        )
+        if isinstance(sqrt_ggn, SharedLinearBuffers):
+            return replace(
+                sqrt_ggn,
+                backproped=backproped,
+                inputs=self._gathered(sqrt_ggn.inputs, 0, 1.0),
+                output_gradients=output_gradients,
+                layer_inputs=self._gathered(sqrt_ggn.layer_inputs, 0, 1.0),
+            )
         return replace(
             sqrt_ggn,
-            backproped=self._gathered(sqrt_ggn.backproped, 1, root),
+            backproped=backproped,
             inputs=self._optional(sqrt_ggn.inputs),
-            output_gradients=self._gathered(
-                sqrt_ggn.output_gradients, 0, gradient_scale
-            ),
+            output_gradients=output_gradients,
             layer_inputs=self._optional(sqrt_ggn.layer_inputs),
         )
 
