@@ -9,7 +9,8 @@ from torch import Generator, Tensor
 
 from dampednewton.computations.block import Block, slope_products, to_parameter_space
 from dampednewton.computations.directional_derivatives import slopes_and_curvatures
-from dampednewton.computations.engine import GGNComputation, GGNEngine, GGNSettings
+from dampednewton.computations.engine import GGNEngine, GGNSettings
+from dampednewton.computations.interface import GGNComputation
 from dampednewton.computations.selection import select_directions
 from dampednewton.math.gram_space import gram_space_step, newton_coefficients
 from dampednewton.policies.damping import as_damping, checked_damping

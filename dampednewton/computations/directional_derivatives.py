@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from torch import Generator, Tensor
 
 from dampednewton.computations.block import Block, slope_products
-from dampednewton.computations.engine import GGNComputation, GGNEngine, GGNSettings
+from dampednewton.computations.engine import GGNEngine, GGNSettings
+from dampednewton.computations.interface import GGNComputation
 from dampednewton.computations.selection import Directions, select_directions
 from dampednewton.math.gram_space import directional_curvatures, directional_gradients
 

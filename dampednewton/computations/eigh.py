@@ -9,7 +9,8 @@ import torch
 from torch import Generator, Tensor
 
 from dampednewton.computations.block import Block, to_parameter_space
-from dampednewton.computations.engine import GGNComputation, GGNEngine, GGNSettings
+from dampednewton.computations.engine import GGNEngine, GGNSettings
+from dampednewton.computations.interface import GGNComputation
 from dampednewton.computations.selection import select_directions
 
 

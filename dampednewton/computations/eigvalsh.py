@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from torch import Generator, Tensor
 
 from dampednewton.computations.block import Block
-from dampednewton.computations.engine import GGNComputation, GGNEngine, GGNSettings
+from dampednewton.computations.engine import GGNEngine, GGNSettings
+from dampednewton.computations.interface import GGNComputation
 from dampednewton.math.linalg import symmetric_eigvalsh
 
 
