@@ -7,6 +7,7 @@ job of a multirun.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -19,6 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from tqdm import tqdm
 
+from benchmarks.data_parallel import launched_rank
 from benchmarks.eta import format_duration, remaining_seconds
 from benchmarks.result import RunResult, recorded
 from benchmarks.sweep_plan import SweepPlan
@@ -105,7 +107,9 @@ class SweepProgress(Callback):
     def on_job_end(
         self, config: DictConfig, job_return: JobReturn, **kwargs: Any
     ) -> None:
-        """Print the job's summary line and advance the bar."""
+        """Print the job's summary line and advance the bar (rank 0 only)."""
+        if launched_rank() != 0:
+            return
         try:  # `return_value` raises the job's exception when it failed
             line = summary_line(job_return.return_value)
         except Exception as err:
@@ -161,6 +165,7 @@ class SweepReport(Callback):
     rounds) runs its jobs in this process, into new numbered job directories.
     The process exits with status 1 when a job failed (its exception is in its
     ``result.json``), after the report; a diverged run is a result, not a failure.
+    Under ``torchrun`` only rank 0 reports, and the grid extension is off.
     """
 
     # Hydra declares on_run_end(config, **kwargs) and passes job_return by keyword.
@@ -177,6 +182,8 @@ class SweepReport(Callback):
         result: RunResult = job_return.return_value
         if result.status == "failed":
             raise SystemExit(1)
+        if launched_rank() != 0:
+            return  # only rank 0 wrote the result
         print(f"Result: {result.result_file}", flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -188,12 +195,16 @@ class SweepReport(Callback):
         from benchmarks.extension import extend_sweep
         from benchmarks.report import print_locations, write_report
 
+        if launched_rank() != 0:
+            return  # rank 0 reports
         sweep_dir = Path(config.hydra.sweep.dir)
         report_failed = False
+        # The extension's jobs would run on rank 0 alone: not under torchrun.
+        rounds = 0 if "RANK" in os.environ else config.grid_extension.rounds
         try:
             extend_sweep(
                 sweep_dir,
-                config.grid_extension.rounds,
+                rounds,
                 log=lambda line: print(line, file=sys.stderr, flush=True),
             )
             print_locations(write_report(sweep_dir))

@@ -20,6 +20,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from benchmarks.config_dict import config_dict
+from benchmarks.data_parallel import (
+    join_process_group,
+    launched_rank,
+    local_device,
+)
 from benchmarks.grid import select_grid_point, skip_reason
 from benchmarks.measure import (
     PeakMemory,
@@ -77,9 +82,19 @@ def _build_optimizer(cfg: DictConfig, problem: Problem) -> torch.optim.Optimizer
     return factory(problem.trainable_parameters())
 
 
+def _communication_seconds(optimizer: torch.optim.Optimizer) -> float | None:
+    """Seconds the optimizer spent in collectives so far (``None``: not counted)."""
+    return getattr(optimizer, "communication_seconds", None)
+
+
 def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
     """Build everything from the config, train, and record into ``result``."""
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
+    data_parallel = join_process_group(device)
+    if data_parallel is not None:
+        device = local_device(device)
+        data_parallel.check_batch_size(cfg.problem.batch_size)
+        result.world_size = data_parallel.world_size
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     needs = OptimizerNeeds(**config_dict(cfg.optimizer_needs))
@@ -103,7 +118,9 @@ def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
         torch.Generator().manual_seed(batch_seed),
         device,
     )
-    log = train(problem, optimizer, needs, batches, Stopwatch(device))
+    communication_start = _communication_seconds(optimizer)
+    log = train(problem, optimizer, needs, batches, Stopwatch(device), data_parallel)
+    communication_end = _communication_seconds(optimizer)
     curves = log.curves
     maximize = problem.protocol.maximize
     finite = [m for m in curves.test_metric if math.isfinite(m)]
@@ -137,6 +154,10 @@ def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
     result.num_threads = torch.get_num_threads()
     result.torch_version = torch.__version__
     result.num_parameters = sum(p.numel() for p in problem.trainable_parameters())
+    if data_parallel is not None and communication_end is not None and log.step_times:
+        result.communication_per_step = (
+            communication_end - (communication_start or 0.0)
+        ) / len(log.step_times)
 
 
 def _config_container(cfg: DictConfig) -> dict[str, Any]:
@@ -149,6 +170,9 @@ def _config_container(cfg: DictConfig) -> dict[str, Any]:
 
 def run_job(cfg: DictConfig, output_dir: Path) -> RunResult:
     """Run one job and write ``result.json`` into ``output_dir``.
+
+    Under ``torchrun`` (see :mod:`benchmarks.data_parallel`) every rank trains and
+    only rank 0 writes.
 
     Args:
         cfg: The composed job config (its ``optimizer`` node receives the grid point).
@@ -173,5 +197,6 @@ def run_job(cfg: DictConfig, output_dir: Path) -> RunResult:
         result.error = f"{type(err).__name__}: {err}"
         result.traceback = traceback.format_exc()
     result.config = _config_container(cfg)
-    result.write(output_dir)
+    if launched_rank() == 0:
+        result.write(output_dir)
     return result

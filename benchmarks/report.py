@@ -63,6 +63,8 @@ CSV_COLUMNS = [
     "peak_memory_mb",
     "memory_kind",
     "device",
+    "world_size",
+    "communication_per_step",
     "divergence",
     "extended_from",
     "error",
@@ -95,6 +97,8 @@ def _csv_row(result: RunResult) -> dict[str, Any]:
         "peak_memory_mb": result.memory and result.memory.peak_mb,
         "memory_kind": result.memory and result.memory.kind,
         "device": result.device,
+        "world_size": result.world_size,
+        "communication_per_step": result.communication_per_step,
         "divergence": result.divergence,
         "extended_from": json.dumps(result.extended_from),
         "error": result.error,
@@ -180,6 +184,18 @@ def _target_cell(setting: Setting, key: str, index: int, seeds: int) -> str:
     return f"{format_pm(mean, std, 3)} ({reached}/{seeds})"
 
 
+def _parallel_cells(setting: Setting) -> list[str]:
+    """World size(s) and median communication ms per step of a setting's runs."""
+    sizes = "/".join(str(n) for n in sorted({r.world_size for r in setting.runs}))
+    seconds = sorted(
+        r.communication_per_step
+        for r in setting.runs
+        if r.communication_per_step is not None
+    )
+    ms = 1e3 * seconds[len(seconds) // 2] if seconds else math.nan
+    return [sizes, format_number(ms, 3)]
+
+
 def problem_table(
     problem: str, tuned: dict[str, Tuned], settings: list[Setting]
 ) -> str:
@@ -198,6 +214,9 @@ def problem_table(
     metric = first.metric or config.get("metric", "metric")
     direction = "higher" if next(iter(tuned.values())).best.maximize else "lower"
     targets = first.targets
+    parallel = any(
+        r.world_size > 1 for s in settings if s.problem == problem for r in s.runs
+    )
     columns = [
         "optimizer",
         "tuned",
@@ -212,6 +231,7 @@ def problem_table(
             for column in (f"steps to {target:g}", f"time to {target:g} [s]")
         ),
         "ms/step",
+        *(["world size", "comm ms/step"] if parallel else []),
         "× sgd",
         "peak memory [MiB]",
     ]
@@ -249,6 +269,7 @@ def problem_table(
                 for key in ("steps_to_target", "time_to_target")
             ),
             format_number(ms, 3),
+            *(_parallel_cells(best) if parallel else []),
             format_number(step_time_ratio(settings, problem, optimizer), 3),
             format_number(peak, 4),
         ]
@@ -266,6 +287,14 @@ def problem_table(
     diverged = _divergence_lines([s for s in settings if s.problem == problem])
     if diverged:
         lines += ["Diverged runs (per setting):", "", *diverged, ""]
+    if parallel:
+        lines += [
+            "World size: processes of the data-parallel job (torchrun; each trains "
+            "on its shard of the global batch). comm ms/step: median over the runs "
+            "of the time per step in the optimizer's torch.distributed collectives "
+            "(DampedNewton's count; — for optimizers without one).",
+            "",
+        ]
     if "cpu_job_peak_rss" in memory_kinds:
         lines.append(
             "Peak memory on CPU is the process's resident-set high-water mark during "

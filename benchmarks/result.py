@@ -113,6 +113,11 @@ class RunResult:
         num_threads: ``torch.get_num_threads()`` during the job.
         torch_version: ``torch.__version__``.
         num_parameters: Trainable parameters of the model.
+        world_size: Processes of a data-parallel job (``torchrun``; 1: one process).
+        communication_per_step: Mean seconds per step that rank 0's optimizer spent
+            in its ``torch.distributed`` collectives (``DampedNewton``'s
+            ``communication_seconds``; ``None`` for one process or an optimizer
+            without that count).
         config: The job's resolved config.
         job_dir: The directory of ``result.json`` (set when read or written, not
             stored in the file).
@@ -145,6 +150,8 @@ class RunResult:
     num_threads: int | None = None
     torch_version: str | None = None
     num_parameters: int | None = None
+    world_size: int = 1
+    communication_per_step: float | None = None
     config: dict[str, Any] = field(default_factory=dict)
     job_dir: str | None = field(default=None, compare=False)
 

@@ -5,17 +5,21 @@ Examples (from the repository root)::
     python -m benchmarks.run                                  # digits_mlp, SGD
     python -m benchmarks.run problem=mnist1d_mlp optimizer=adam optimizer.lr=1e-3
     python -m benchmarks.run --multirun +sweep=default         # the default comparison
+    torchrun --nproc-per-node 2 -m benchmarks.run problem=digits_mlp  # data-parallel
 
 Every job writes ``result.json`` into its Hydra job directory; a multirun ends with
-a report (CSV, Markdown tables, plots) in ``<sweep dir>/report``.
+a report (CSV, Markdown tables, plots) in ``<sweep dir>/report``. Under ``torchrun``
+(:mod:`benchmarks.data_parallel`) the ranks other than 0 neither log nor write.
 """
 
+import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from benchmarks.data_parallel import launched_rank, leave_process_group
 from benchmarks.job import run_job
 from benchmarks.result import RunResult
 
@@ -33,5 +37,14 @@ def main(cfg: DictConfig) -> RunResult:
     return run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
+# Ranks other than 0 under torchrun: no .hydra/ copy of the config, no job log.
+FOLLOWER_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=disabled")
+
+
 if __name__ == "__main__":
-    main()
+    if launched_rank() != 0:
+        sys.argv += FOLLOWER_OVERRIDES
+    try:
+        main()
+    finally:
+        leave_process_group()

@@ -14,9 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from benchmarks.data_parallel import DataParallel
 from benchmarks.measure import Stopwatch
 from benchmarks.problems import Problem, Protocol
 
@@ -141,15 +142,19 @@ def evaluate(
 
 
 def _step(
-    problem: Problem, optimizer: Optimizer, needs: OptimizerNeeds, index: Tensor
+    problem: Problem,
+    model: nn.Module,
+    optimizer: Optimizer,
+    needs: OptimizerNeeds,
+    index: Tensor,
 ) -> float:
-    """One optimizer step on the mini-batch ``index``; returns its loss."""
+    """One optimizer step of ``model`` on the mini-batch ``index``; returns its loss."""
     x, y = problem.data.x_train[index], problem.data.y_train[index]
     losses: list[Tensor] = []
 
     def closure() -> Tensor:
         optimizer.zero_grad()
-        loss = problem.loss_fn(problem.model(x), y)
+        loss = problem.loss_fn(model(x), y)
         with warnings.catch_warnings():
             # Hessian-vector optimizers (AdaHessian) need the graph; torch warns that
             # it may leak when parameters keep their .grad: they are zeroed above.
@@ -175,6 +180,7 @@ def train(
     needs: OptimizerNeeds,
     batches: Iterator[Tensor],
     stopwatch: Stopwatch,
+    data_parallel: DataParallel | None = None,
 ) -> TrainingLog:
     """Train for the problem's step budget, evaluating on its schedule.
 
@@ -191,6 +197,10 @@ def train(
         needs: How to call the optimizer.
         batches: Mini-batch indices (see :func:`mini_batches`).
         stopwatch: Timer of the steps (synchronizes CUDA).
+        data_parallel: Under ``torchrun``: the model trains wrapped in
+            ``DistributedDataParallel`` on this rank's shard of every batch of
+            ``batches`` (a global batch); the mini-batch loss is the ranks' mean,
+            and every rank evaluates identically, so all take the same decisions.
 
     Returns:
         The log.
@@ -201,6 +211,10 @@ def train(
     log.steps_to_target = [None] * len(protocol.targets)
     log.time_to_target = [None] * len(protocol.targets)
     elapsed = 0.0
+    model = problem.model
+    if data_parallel is not None:
+        device = next(problem.model.parameters()).device
+        model = data_parallel.wrap(problem.model, device)
 
     def record(step: int) -> str | None:
         """Evaluate and log; return why the run diverged, if it did."""
@@ -244,9 +258,13 @@ def train(
     while not log.diverged and step < protocol.steps:
         step += 1
         index = next(batches)
+        if data_parallel is not None:
+            index = data_parallel.shard(index)
         stopwatch.start()
-        loss = _step(problem, optimizer, needs, index)
+        loss = _step(problem, model, optimizer, needs, index)
         seconds = stopwatch.stop()
+        if data_parallel is not None:
+            loss = data_parallel.mean(loss)
         elapsed += seconds
         log.step_times.append(seconds)
         if not math.isfinite(loss):

@@ -7,7 +7,8 @@ order): the engine gathers each layer's BackPACK buffers along the sample dimens
 refusals (:meth:`Communicator.agree_on_pass`, :meth:`Communicator.any_refuses`), and
 the Levenberg-Marquardt ratio uses the mean loss after the step
 (:meth:`Communicator.mean`). Everything else is computed identically on each rank
-from identical inputs, so no other module communicates.
+from identical inputs, so no other module communicates. The communicator sums the
+wall-clock seconds spent in its collectives (:attr:`Communicator.seconds`).
 
 The local batch sizes must be equal: the mean gradient that ``DistributedDataParallel``
 averages is the global batch's mean only then.
@@ -16,6 +17,9 @@ averages is the global batch's mean only then.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +83,10 @@ class Communicator:
         group: The ``torch.distributed`` process group.
         rank: This process's rank in the group.
         world_size: Number of processes in the group.
+        seconds: Host wall-clock seconds spent in this communicator's collectives
+            so far (with NCCL, a collective returns once queued: waiting for it
+            is counted where its result is read, e.g. ``.item()`` in the
+            agreement).
     """
 
     def __init__(self, group: dist.ProcessGroup):
@@ -90,6 +98,16 @@ class Communicator:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.seconds = 0.0
+
+    @contextmanager
+    def _timed(self) -> Iterator[None]:
+        """Add the block's wall-clock seconds to :attr:`seconds`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
 
     def gather_samples(self, tensor: Tensor, dim: int) -> Tensor:
         """Concatenate every rank's ``tensor`` along ``dim``, in rank order.
@@ -104,7 +122,8 @@ class Communicator:
         """
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor, group=self.group)
+        with self._timed():
+            dist.all_gather(parts, tensor, group=self.group)
         return torch.cat(parts, dim=dim)
 
     def agree_on_pass(
@@ -193,8 +212,9 @@ class Communicator:
             ``True`` if at least one rank refuses.
         """
         flag = torch.tensor([1.0 if refuses else 0.0], dtype=torch.float64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item() > 0)
+        with self._timed():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            return bool(flag.item() > 0)
 
     def mean(self, value: float) -> float:
         """The mean of a number over the ranks (NaN if one is not finite).
@@ -206,8 +226,9 @@ class Communicator:
             The mean.
         """
         total = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(total, group=self.group)
-        mean = total.item() / self.world_size
+        with self._timed():
+            dist.all_reduce(total, group=self.group)
+            mean = total.item() / self.world_size
         return mean if math.isfinite(mean) else math.nan
 
     def broadcast_seed(self, seed: int) -> int:
@@ -220,5 +241,6 @@ class Communicator:
             Rank 0's seed.
         """
         value = torch.tensor([seed], dtype=torch.int64)
-        dist.broadcast(value, group_src=0, group=self.group)
-        return int(value.item())
+        with self._timed():
+            dist.broadcast(value, group_src=0, group=self.group)
+            return int(value.item())

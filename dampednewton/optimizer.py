@@ -312,6 +312,16 @@ class DampedNewton(Optimizer):
             )
         return loss
 
+    @property
+    def communication_seconds(self) -> float:
+        """Wall-clock seconds spent in ``torch.distributed`` collectives so far.
+
+        The time of every collective of this optimizer (see
+        :class:`~dampednewton.distributed.Communicator`); ``0.0`` for one process.
+        Not part of the state dict.
+        """
+        return 0.0 if self._communicator is None else self._communicator.seconds
+
     def _group_stats(self) -> list[dict[str, Any]]:
         return self.state.setdefault(
             GROUPS, [empty_group_stats() for _ in self.param_groups]

@@ -1,0 +1,85 @@
+"""A benchmark job data-parallel under ``torchrun``: shards; the one-process run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.data_parallel import DataParallel
+from benchmarks.report import write_report
+from benchmarks.result import RESULT_FILE, RunResult
+
+REPO = Path(__file__).resolve().parents[2]
+JOB = [
+    "problem=digits_logreg",
+    "optimizer=dampednewton",
+    "optimizer.mc_samples=0",  # exact GGN: Monte-Carlo labels differ per rank
+    "dtype=float64",
+    "problem.steps=12",
+    "problem.eval_every=6",
+]
+
+
+def test_shards_are_contiguous_in_rank_order():
+    index = torch.arange(12)
+    shards = [DataParallel(rank, 3).shard(index) for rank in range(3)]
+    assert torch.equal(torch.cat(shards), index)
+    assert all(shard.shape == (4,) for shard in shards)
+
+
+def test_global_batch_not_divisible_by_world_size_is_refused():
+    with pytest.raises(ValueError, match=r"batch_size=10 .* world size 4"):
+        DataParallel(0, 4).check_batch_size(10)
+    with pytest.raises(ValueError, match="rank must lie"):
+        DataParallel(2, 2)
+
+
+def _run(command: list[str], job_dir: Path) -> RunResult:
+    """Run ``benchmarks.run`` with ``command`` as launcher; its ``result.json``."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(
+        [*command, "-m", "benchmarks.run", *JOB, f"hydra.run.dir={job_dir}"],
+        cwd=REPO,
+        env={k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    return RunResult.read(job_dir / RESULT_FILE)
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path):
+    """``torchrun --nproc-per-node 2`` trains the one-process run's model.
+
+    Each rank takes half of every global batch of 64; DDP averages the gradients and
+    DampedNewton gathers the BackPACK buffers, so the step is the global batch's.
+    In float64 the only differences are summation orders (gradient all-reduce,
+    gathered Gram blocks), ~1e-15 relative per step, hence the 1e-9 tolerance over
+    12 steps; the test accuracy is equal.
+    """
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    two = _run([*torchrun, "--nproc-per-node", "2"], tmp_path / "two")
+    one = _run([sys.executable], tmp_path / "one")
+    assert (two.status, one.status) == ("ok", "ok")
+    assert (two.world_size, one.world_size) == (2, 1)
+    assert two.communication_per_step is not None and two.communication_per_step > 0
+    assert one.communication_per_step is None
+    assert two.final is not None and one.final is not None
+    assert two.final.train_loss == pytest.approx(one.final.train_loss, rel=1e-9)
+    assert two.final.test_loss == pytest.approx(one.final.test_loss, rel=1e-9)
+    assert two.final.test_metric == one.final.test_metric
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
+        ".hydra",
+        RESULT_FILE,
+        "run.log",
+    ]
+    report = write_report(tmp_path)["markdown"].read_text()
+    assert "| world size | comm ms/step |" in report
+    assert "| 1/2 |" in report
