@@ -8,7 +8,8 @@ refusals (:meth:`Communicator.agree_on_pass`, :meth:`Communicator.any_refuses`),
 the Levenberg-Marquardt ratio uses the mean loss after the step
 (:meth:`Communicator.mean`). Everything else is computed identically on each rank
 from identical inputs, so no other module communicates. The communicator sums the
-wall-clock seconds spent in its collectives (:attr:`Communicator.seconds`).
+wall-clock seconds spent in its collectives (:attr:`Communicator.seconds`) and the
+bytes each rank receives in them (:attr:`Communicator.bytes_received`).
 
 The local batch sizes must be equal: the mean gradient that ``DistributedDataParallel``
 averages is the global batch's mean only then.
@@ -87,6 +88,10 @@ class Communicator:
             so far (with NCCL, a collective returns once queued: waiting for it
             is counted where its result is read, e.g. ``.item()`` in the
             agreement).
+        bytes_received: Payload bytes this rank received in the collectives so
+            far: ``(world_size - 1)`` times the local tensor for an all-gather or
+            a broadcast to it, ``2 (world_size - 1) / world_size`` times the tensor
+            for an all-reduce (a ring's traffic, the bandwidth-optimal schedule).
     """
 
     def __init__(self, group: dist.ProcessGroup):
@@ -99,15 +104,27 @@ class Communicator:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.seconds = 0.0
+        self.bytes_received = 0.0
 
     @contextmanager
-    def _timed(self) -> Iterator[None]:
-        """Add the block's wall-clock seconds to :attr:`seconds`."""
+    def _timed(self, tensor: Tensor, traffic: float) -> Iterator[None]:
+        """Add the block's seconds and ``traffic`` times ``tensor``'s bytes.
+
+        Args:
+            tensor: The local tensor of the collective.
+            traffic: Bytes received per byte of ``tensor``.
+        """
+        self.bytes_received += traffic * tensor.numel() * tensor.element_size()
         start = time.perf_counter()
         try:
             yield
         finally:
             self.seconds += time.perf_counter() - start
+
+    @property
+    def _all_reduce_traffic(self) -> float:
+        """Bytes a ring all-reduce receives per byte of its tensor."""
+        return 2 * (self.world_size - 1) / self.world_size
 
     def gather_samples(self, tensor: Tensor, dim: int) -> Tensor:
         """Concatenate every rank's ``tensor`` along ``dim``, in rank order.
@@ -122,7 +139,7 @@ class Communicator:
         """
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        with self._timed():
+        with self._timed(tensor, self.world_size - 1):
             dist.all_gather(parts, tensor, group=self.group)
         return torch.cat(parts, dim=dim)
 
@@ -212,7 +229,7 @@ class Communicator:
             ``True`` if at least one rank refuses.
         """
         flag = torch.tensor([1.0 if refuses else 0.0], dtype=torch.float64)
-        with self._timed():
+        with self._timed(flag, self._all_reduce_traffic):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             return bool(flag.item() > 0)
 
@@ -226,7 +243,7 @@ class Communicator:
             The mean.
         """
         total = torch.tensor([value], dtype=torch.float64)
-        with self._timed():
+        with self._timed(total, self._all_reduce_traffic):
             dist.all_reduce(total, group=self.group)
             mean = total.item() / self.world_size
         return mean if math.isfinite(mean) else math.nan
@@ -241,6 +258,6 @@ class Communicator:
             Rank 0's seed.
         """
         value = torch.tensor([seed], dtype=torch.int64)
-        with self._timed():
+        with self._timed(value, 0 if self.rank == 0 else 1):
             dist.broadcast(value, group_src=0, group=self.group)
             return int(value.item())

@@ -322,6 +322,17 @@ class DampedNewton(Optimizer):
         """
         return 0.0 if self._communicator is None else self._communicator.seconds
 
+    @property
+    def communication_bytes(self) -> float:
+        """Payload bytes this rank received in ``torch.distributed`` collectives.
+
+        Counted by :class:`~dampednewton.distributed.Communicator` (all-gathers:
+        ``world_size - 1`` local tensors; all-reduces: a ring's
+        ``2 (world_size - 1) / world_size`` times the tensor); ``0.0`` for one
+        process. Not part of the state dict.
+        """
+        return 0.0 if self._communicator is None else self._communicator.bytes_received
+
     def _group_stats(self) -> list[dict[str, Any]]:
         return self.state.setdefault(
             GROUPS, [empty_group_stats() for _ in self.param_groups]
