@@ -261,3 +261,46 @@ class Communicator:
         with self._timed(value, 0 if self.rank == 0 else 1):
             dist.broadcast(value, group_src=0, group=self.group)
             return int(value.item())
+
+    def sum_over_ranks(self, tensor: Tensor) -> Tensor:
+        """The elementwise sum of every rank's ``tensor`` (all-reduced copy).
+
+        Args:
+            tensor: This rank's tensor; the same shape and dtype on every rank.
+
+        Returns:
+            The sum, a new tensor.
+        """
+        total = tensor.detach().clone().contiguous()
+        with self._timed(total, self._all_reduce_traffic):
+            dist.all_reduce(total, group=self.group)
+        return total
+
+    def max_over_ranks(self, tensor: Tensor) -> Tensor:
+        """The elementwise maximum of every rank's ``tensor`` (all-reduced copy).
+
+        Args:
+            tensor: This rank's tensor; the same shape and dtype on every rank.
+
+        Returns:
+            The maximum, a new tensor.
+        """
+        largest = tensor.detach().clone().contiguous()
+        with self._timed(largest, self._all_reduce_traffic):
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+        return largest
+
+    def stack_over_ranks(self, tensor: Tensor) -> Tensor:
+        """Every rank's ``tensor`` stacked along a new first dimension, in rank order.
+
+        Args:
+            tensor: This rank's tensor; the same shape and dtype on every rank.
+
+        Returns:
+            Shape ``[world_size, *tensor.shape]``.
+        """
+        tensor = tensor.detach().contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        with self._timed(tensor, self.world_size - 1):
+            dist.all_gather(parts, tensor, group=self.group)
+        return torch.stack(parts)

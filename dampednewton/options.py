@@ -57,9 +57,7 @@ def check_nonfinite(mode: Any) -> str:
     return mode
 
 
-def check_process_group(
-    process_group: Any, monitor: object | None
-) -> Communicator | None:
+def check_process_group(process_group: Any, monitor: Any) -> Communicator | None:
     """Check the data-parallel process group; its communicator, if distributed.
 
     Args:
@@ -72,14 +70,20 @@ def check_process_group(
 
     Raises:
         TypeError: For anything but ``None`` or a process group.
-        ValueError: For a diagnostics monitor under data parallelism (its
-            diagnostics would be the local batch's).
+        ValueError: For a diagnostics monitor of another process group (its records
+            would describe another batch than the step's).
     """
     communicator = resolve_process_group(process_group)
-    if communicator is not None and monitor is not None:
+    if monitor is None:
+        return communicator
+    group = None if communicator is None else communicator.group
+    monitor_group = None if monitor.communicator is None else monitor.communicator.group
+    if monitor_group is not group:
         raise ValueError(
-            "A diagnostics monitor is not supported under torch.distributed yet (it "
-            "would describe the local batch only): pass monitor=None."
+            "The diagnostics monitor must describe the optimizer's global batch: "
+            "create it with the same process_group as DampedNewton (both None: the "
+            "torch.distributed world group when initialized, so create both after "
+            "init_process_group)."
         )
     return communicator
 

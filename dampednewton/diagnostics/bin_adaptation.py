@@ -72,7 +72,15 @@ def quantile(values: Tensor, q: float) -> float:
     return lower + fraction * (upper - lower)
 
 
-def _largest_finite_magnitude(values: Tensor) -> float:
+def largest_finite_magnitude(values: Tensor) -> float:
+    """Largest absolute value among the finite elements (``0.0`` if none).
+
+    Args:
+        values: Floating-point tensor, any shape.
+
+    Returns:
+        ``max|x|`` over the finite elements, as a Python float.
+    """
     if values.numel() == 0:
         return 0.0
     largest = values.detach().abs().amax().item()
@@ -102,8 +110,26 @@ def max_abs_range(values: Tensor, padding: float) -> tuple[float, float]:
     Raises:
         ValueError: If ``padding`` is negative or not finite.
     """
+    return max_abs_range_of_magnitude(largest_finite_magnitude(values), padding)
+
+
+def max_abs_range_of_magnitude(largest: float, padding: float) -> tuple[float, float]:
+    """Symmetric range ``±largest·(1 + padding)`` from a largest finite magnitude.
+
+    :func:`max_abs_range` of data whose largest finite magnitude is ``largest``.
+
+    Args:
+        largest: Largest finite magnitude of the data (``≥ 0``).
+        padding: Relative widening, ``≥ 0``.
+
+    Returns:
+        ``(low, high)``; :data:`FALLBACK_RANGE` if ``largest`` is 0.
+
+    Raises:
+        ValueError: If ``padding`` is negative or not finite.
+    """
     _check_padding(padding)
-    half_width = _largest_finite_magnitude(values) * (1.0 + padding)
+    half_width = largest * (1.0 + padding)
     if not half_width > 0 or not math.isfinite(half_width):
         return FALLBACK_RANGE
     return (-half_width, half_width)
@@ -269,3 +295,31 @@ class PercentileRange:
 
 RangePolicy = FixedRange | MaxAbsRange | PercentileRange
 """Any of the bin-range policies."""
+
+
+def range_of_largest_magnitude(
+    policy: RangePolicy, largest: float
+) -> tuple[float, float]:
+    """The range ``policy`` picks for data of a given largest finite magnitude.
+
+    The data's ranks agree on a range by the maximum of their magnitudes alone:
+    :class:`FixedRange` ignores the data, :class:`MaxAbsRange` needs nothing else.
+
+    Args:
+        policy: A :class:`FixedRange` or a :class:`MaxAbsRange`.
+        largest: Largest finite magnitude of the data.
+
+    Returns:
+        ``(low, high)``, as ``policy.compute`` on the data.
+
+    Raises:
+        ValueError: For a :class:`PercentileRange` (it needs the values).
+    """
+    if isinstance(policy, FixedRange):
+        return (policy.low, policy.high)
+    if isinstance(policy, MaxAbsRange):
+        return max_abs_range_of_magnitude(largest, policy.padding)
+    raise ValueError(
+        f"{type(policy).__name__} needs every rank's values, which a monitor under "
+        "torch.distributed does not exchange: use MaxAbsRange or FixedRange."
+    )

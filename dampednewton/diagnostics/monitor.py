@@ -27,6 +27,15 @@ re-assembles the record of that step for the parameters (and loss) it is given.
 The model and the loss function must be extended with ``backpack.extend``, the
 loss must use ``reduction="mean"``, and gradients must be zeroed before backward
 (``p.grad`` is taken as the mini-batch gradient).
+
+Under ``torch.distributed`` (``process_group``, by default the world group when it
+is initialized, as for :class:`~dampednewton.DampedNewton`) the record is the one of
+the global batch (the ranks' equal local batches concatenated), the same on every
+rank: :meth:`~DiagnosticsMonitor.finish` exchanges the diagnostics' small sufficient
+statistics (:mod:`~dampednewton.diagnostics.ranks`), and ``p.grad`` must then hold
+the global batch's mean gradient (``DistributedDataParallel`` averages it in
+backward; replicating by hand, average it and call ``finish`` again). Every rank
+calls ``finish`` for the same steps; write the log from one rank.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from backpack.extensions.backprop_extension import BackpropExtension
@@ -47,8 +57,10 @@ from dampednewton.backpack.savefields import (
     SUM_GRAD_SQUARED,
 )
 from dampednewton.diagnostics.log import DiagnosticsLog, Record
+from dampednewton.diagnostics.ranks import SINGLE_PROCESS, Ranks, global_batch
 from dampednewton.diagnostics.reducer import DiagnosticSpec, Reducer
 from dampednewton.diagnostics.specs import CurvatureTrace
+from dampednewton.distributed import resolve_process_group
 
 _USAGE = (
     "Run loss.backward() inside `with monitor.backward_context(step):`, or pass "
@@ -90,6 +102,7 @@ class DiagnosticsMonitor:
     Attributes:
         diagnostics: The diagnostic specs, in order.
         log: Records of the finished steps.
+        communicator: The ranks' collectives, ``None`` for one process.
     """
 
     def __init__(
@@ -97,6 +110,7 @@ class DiagnosticsMonitor:
         diagnostics: Sequence[DiagnosticSpec],
         named_parameters: NamedParameters | None = None,
         log: DiagnosticsLog | None = None,
+        process_group: Any = None,
     ) -> None:
         """Create a monitor.
 
@@ -107,11 +121,16 @@ class DiagnosticsMonitor:
                 called ``param_i`` (``i``: position in the list given to
                 :meth:`finish`).
             log: Log to append to; a new one by default.
+            process_group: ``torch.distributed`` group of data parallelism whose
+                global batch the records describe; ``None``: the world group when
+                ``torch.distributed`` is initialized with more than one process,
+                else a single process.
 
         Raises:
             ValueError: If there are no diagnostics, two share a label, or two
                 Monte-Carlo traces ask for different numbers of samples.
-            TypeError: If a diagnostic is not a spec (has no ``make_reducer``).
+            TypeError: If a diagnostic is not a spec (has no ``make_reducer``), or
+                ``process_group`` is not a process group.
         """
         self.diagnostics = list(diagnostics)
         if not self.diagnostics:
@@ -140,8 +159,19 @@ class DiagnosticsMonitor:
             named_parameters = named_parameters.items()
         self._names = {id(p): name for name, p in (named_parameters or ())}
         self.log = DiagnosticsLog() if log is None else log
+        self.communicator = resolve_process_group(process_group)
+        self._ranks: Ranks = self.communicator or SINGLE_PROCESS
         self._pending: _PendingStep | None = None
         self._finished: _FinishedStep | None = None
+
+    @property
+    def communication_bytes(self) -> float:
+        """Payload bytes this rank received in the monitor's collectives so far.
+
+        Counted as by :attr:`DampedNewton.communication_bytes
+        <dampednewton.DampedNewton.communication_bytes>`; ``0.0`` for one process.
+        """
+        return 0.0 if self.communicator is None else self.communicator.bytes_received
 
     def is_active(self, step: int) -> bool:
         """Return whether any diagnostic is scheduled at ``step``.
@@ -187,7 +217,7 @@ class DiagnosticsMonitor:
         """
         pending = _PendingStep(step, self._active(step))
         for reducer in pending.reducers:
-            reducer.begin()
+            reducer.begin(self._ranks)
         self._pending = pending
         self._finished = None
 
@@ -272,13 +302,15 @@ class DiagnosticsMonitor:
         Returns:
             The record: ``"step"``, ``"batch_size"``, optionally ``"loss"``, and
             the diagnostics' entries as Python scalars and NumPy arrays. Empty
-            (and not logged) if no diagnostic is scheduled at ``step``.
+            (and not logged) if no diagnostic is scheduled at ``step``. Under
+            ``torch.distributed``: the global batch size, the ranks' mean loss and
+            the global batch's diagnostics.
 
         Raises:
             RuntimeError: If the backward pass of ``step`` was not monitored, BackPACK
                 recorded nothing (model or loss not extended), some parameter with
                 a gradient has no BackPACK quantities, or the batch size is not
-                consistent across layers.
+                consistent across layers (or ranks).
         """
         pending, self._pending = self._pending, None
         finished, self._finished = self._finished, None
@@ -302,7 +334,7 @@ class DiagnosticsMonitor:
                 f"Layers saw different batch sizes {sorted(pending.batch_sizes)}; "
                 "the diagnostics need one mini-batch per backward pass."
             )
-        (batch_size,) = pending.batch_sizes
+        (local_batch_size,) = pending.batch_sizes
         if params is None:
             params = pending.reached_parameters()
         named = [
@@ -312,9 +344,10 @@ class DiagnosticsMonitor:
         ]
         if not named:
             raise RuntimeError(f"None of the parameters has a gradient at step {step}.")
+        batch_size, mean_loss = global_batch(self._ranks, local_batch_size, loss)
         record: dict = {"step": step, "batch_size": batch_size}
-        if loss is not None:
-            record["loss"] = float(loss.detach() if isinstance(loss, Tensor) else loss)
+        if mean_loss is not None:
+            record["loss"] = mean_loss
         for reducer in pending.reducers:
             record.update(
                 {

@@ -7,8 +7,9 @@ compute and when; its :meth:`~DiagnosticSpec.make_reducer` creates the
 (counts, sums, references to parameter-sized tensors) so the per-sample tensors can be
 freed layer by layer; it never deletes BackPACK's attributes. After backward,
 :meth:`Reducer.assemble` builds the record entries (tensors, still on the device)
-from those pieces and ``p.grad``. Reducers hold the state of one step at a time
-(:meth:`Reducer.begin`).
+from those pieces and ``p.grad``, exchanging what the global batch needs under data
+parallelism (:mod:`~dampednewton.diagnostics.ranks`). Reducers hold the state of one
+step at a time (:meth:`Reducer.begin`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Protocol
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor
 
+from dampednewton.diagnostics.ranks import Ranks
 from dampednewton.diagnostics.schedules import Schedule
 
 NamedParams = Sequence[tuple[str, Tensor]]
@@ -44,8 +46,8 @@ class Reducer(Protocol):
         """BackPACK extensions this diagnostic needs."""
         ...
 
-    def begin(self) -> None:
-        """Forget the pieces of the previous step."""
+    def begin(self, ranks: Ranks) -> None:
+        """Forget the previous step; this one's global batch is split over ``ranks``."""
         ...
 
     def reduce(self, param: Tensor, batch_size: int) -> None:
@@ -53,7 +55,10 @@ class Reducer(Protocol):
         ...
 
     def assemble(self, named_params: NamedParams, batch_size: int) -> Entries:
-        """Record entries for the parameters ``named_params`` (after backward)."""
+        """Record entries for the parameters ``named_params`` (after backward).
+
+        ``batch_size`` is the global batch's; ``.grad`` is its mean gradient.
+        """
         ...
 
 

@@ -11,6 +11,7 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor
 
 from dampednewton.backpack.savefields import DIAG_GGN_EXACT
+from dampednewton.diagnostics.ranks import SINGLE_PROCESS, Ranks, summed_over_ranks
 from dampednewton.diagnostics.reducer import Entries, NamedParams, pieces_of, quantity
 from dampednewton.diagnostics.schedules import EveryKSteps, Schedule
 from dampednewton.diagnostics.specs.checks import (
@@ -94,14 +95,20 @@ class CurvatureTraceReducer:
             spec: The trace diagnostic.
         """
         self.spec = spec
+        self._ranks: Ranks = SINGLE_PROCESS
         self._pieces: dict[int, Tensor] = {}
 
     def extensions(self) -> list[BackpropExtension]:
         """Return the diagonal curvature extension of the spec."""
         return [curvature_extension(self.spec.curvature, self.spec.mc_samples)]
 
-    def begin(self) -> None:
-        """Forget the pieces of the previous step."""
+    def begin(self, ranks: Ranks) -> None:
+        """Forget the previous step; this one's global batch is split over ``ranks``.
+
+        Args:
+            ranks: The ranks of the step's global batch.
+        """
+        self._ranks = ranks
         self._pieces = {}
 
     def reduce(self, param: Tensor, batch_size: int) -> None:
@@ -126,10 +133,16 @@ class CurvatureTraceReducer:
             Record entries (0-dim tensors).
         """
         key = f"{self.spec.label}/trace"
-        traces = {
-            name: pieces_of(self._pieces, name, param, self.spec.curvature)
+        local = [
+            pieces_of(self._pieces, name, param, self.spec.curvature)
             for name, param in named_params
+        ]
+        # Each rank's trace is of its local mean loss: the global mean is their mean.
+        world_size = self._ranks.world_size
+        traces = [t / world_size for t in summed_over_ranks(local, self._ranks)]
+        entries: Entries = {
+            f"{key}/{name}": trace
+            for (name, _), trace in zip(named_params, traces, strict=True)
         }
-        entries: Entries = {f"{key}/{name}": trace for name, trace in traces.items()}
-        entries[key] = total_trace(traces.values())
+        entries[key] = total_trace(traces)
         return entries

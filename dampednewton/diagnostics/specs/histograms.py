@@ -1,7 +1,8 @@
 """Histograms of individual gradients (1D) and of gradient–parameter pairs (2D).
 
-Both specs share one :class:`HistogramReducer`; a spec says how many axes it bins,
-their range policies and the histogram function. Binning and the accounting of
+Both specs share one reducer
+(:mod:`~dampednewton.diagnostics.specs.histogram_reducer`); a spec says how many axes
+it bins, their range policies and the histogram function. Binning and the accounting of
 out-of-range values are in :mod:`dampednewton.diagnostics.histogram`, range policies
 in :mod:`dampednewton.diagnostics.bin_adaptation`.
 """
@@ -11,17 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-import torch
-from backpack.extensions import BatchGrad
-from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor
 
-from dampednewton.backpack.savefields import GRAD_BATCH
 from dampednewton.diagnostics.bin_adaptation import (
     FALLBACK_RANGE,
     MaxAbsRange,
     RangePolicy,
-    range_hull,
 )
 from dampednewton.diagnostics.histogram import (
     Histogram1d,
@@ -30,7 +26,6 @@ from dampednewton.diagnostics.histogram import (
     histogram1d,
     histogram2d,
 )
-from dampednewton.diagnostics.reducer import Entries, NamedParams, pieces_of, quantity
 from dampednewton.diagnostics.schedules import EveryKSteps, Schedule
 from dampednewton.diagnostics.specs.checks import (
     check_count,
@@ -39,6 +34,7 @@ from dampednewton.diagnostics.specs.checks import (
     check_range,
     check_schedule,
 )
+from dampednewton.diagnostics.specs.histogram_reducer import HistogramReducer
 
 HistogramSemantics = Literal["dampednewton", "cockpit"]
 """How histograms treat out-of-range values and choose the network range.
@@ -51,33 +47,6 @@ HistogramSemantics = Literal["dampednewton", "cockpit"]
   per-parameter ranges, so the layers' individual gradients are kept until the record
   is assembled (memory ``N·D``).
 """
-
-
-def _check_semantics(semantics: str) -> None:
-    if semantics not in get_args(HistogramSemantics):
-        raise ValueError(
-            f"semantics must be one of {get_args(HistogramSemantics)}, got "
-            f"{semantics!r}."
-        )
-
-
-_OUT_OF_RANGE: dict[str, OutOfRange] = {"dampednewton": "count", "cockpit": "clamp"}
-"""How each histogram semantics bins out-of-range values."""
-
-_FIELDS = {
-    Histogram1d: (
-        ("counts", "edges", "below", "above", "nan"),
-        ("counts", "below", "above", "nan"),
-    ),
-    Histogram2d: (
-        ("counts", "x_edges", "y_edges", "margins", "nan"),
-        ("counts", "margins", "nan"),
-    ),
-}
-"""Per histogram type: the record fields, and those summed into the network's."""
-
-Ranges = tuple[tuple[float, float], ...]
-"""One ``(low, high)`` range per axis."""
 
 
 def check_semantics(semantics: str) -> None:
@@ -253,118 +222,3 @@ class GradientParameterHistogram:
     def make_reducer(self) -> HistogramReducer:
         """A fresh :class:`HistogramReducer` that computes this diagnostic."""
         return HistogramReducer(self, pairs_with_values=True)
-
-
-class HistogramReducer:
-    """Per-parameter and network histograms of a 1D or 2D histogram spec.
-
-    Each parameter is binned in its own range (from the spec's range policies) and,
-    for the network histogram, in the network range: with ``"dampednewton"``
-    semantics the hull of the per-parameter ranges of the previous tracked step,
-    so the layers are binned while they stream by; with ``"cockpit"`` semantics the
-    hull of this step's ranges, so the data are kept and binned in :meth:`assemble`.
-
-    Attributes:
-        spec: The histogram diagnostic.
-        network_ranges: The network histogram's ranges, one per axis.
-    """
-
-    def __init__(
-        self,
-        spec: GradientHistogram | GradientParameterHistogram,
-        *,
-        pairs_with_values: bool,
-    ) -> None:
-        """Create the reducer.
-
-        Args:
-            spec: The histogram diagnostic.
-            pairs_with_values: Pair each gradient element with its parameter's value
-                (two axes) instead of binning gradient elements alone.
-        """
-        self.spec = spec
-        self.network_ranges: Ranges = spec.initial_ranges
-        self._pairs_with_values = pairs_with_values
-        self._pieces: dict[int, tuple] = {}
-
-    def extensions(self) -> list[BackpropExtension]:
-        """Return ``[BatchGrad()]``."""
-        return [BatchGrad()]
-
-    def begin(self) -> None:
-        """Forget the pieces of the previous step."""
-        self._pieces = {}
-
-    def reduce(self, param: Tensor, batch_size: int) -> None:
-        """Bin ``N·grad_batch`` (and the parameter) with own and network ranges.
-
-        Args:
-            param: Parameter whose module's backward just ran.
-            batch_size: Number of samples ``N``.
-        """
-        grad_batch = quantity(param, GRAD_BATCH)
-        if grad_batch is None:
-            return
-        axes: tuple[Tensor, ...] = (grad_batch * batch_size,)
-        if self._pairs_with_values:
-            axes = (*axes, param.detach())
-        spec = self.spec
-        own_ranges = tuple(
-            policy.compute(values)
-            for policy, values in zip(spec.range_policies, axes, strict=True)
-        )
-        own = spec.binned(axes, own_ranges, _OUT_OF_RANGE[spec.semantics])
-        if spec.semantics == "cockpit":
-            # Binned in assemble; parameter values as they are now, before any update.
-            network = (axes[0], *(values.clone() for values in axes[1:]))
-        elif own_ranges != self.network_ranges:
-            network = spec.binned(axes, self.network_ranges, "count")
-        else:
-            network = own
-        self._pieces[id(param)] = (own_ranges, own, network)
-
-    def assemble(self, named_params: NamedParams, batch_size: int) -> Entries:
-        """Per-parameter and network histograms; update the next network ranges.
-
-        Args:
-            named_params: ``(name, param)`` pairs with gradients.
-            batch_size: Number of samples (unused).
-
-        Returns:
-            Record entries (tensors).
-        """
-        label = self.spec.label
-        entries: Entries = {}
-        ranges, network = [], []
-        for name, param in named_params:
-            own_ranges, own, in_network = pieces_of(
-                self._pieces, name, param, GRAD_BATCH
-            )
-            entries.update(_entries(label, own, f"/{name}"))
-            ranges.append(own_ranges)
-            network.append(in_network)
-        self.network_ranges = tuple(
-            range_hull(axis) for axis in zip(*ranges, strict=True)
-        )
-        if self.spec.semantics == "cockpit":
-            network = [
-                self.spec.binned(axes, self.network_ranges, "clamp") for axes in network
-            ]
-        entries.update(_entries(label, _summed(network), ""))
-        return entries
-
-
-def _summed(histograms: list):
-    """The network histogram: per-parameter ones in the same range, added up."""
-    _, summed_fields = _FIELDS[type(histograms[0])]
-    return histograms[0]._replace(
-        **{
-            name: torch.stack([getattr(h, name) for h in histograms]).sum(0)
-            for name in summed_fields
-        }
-    )
-
-
-def _entries(label: str, histogram, suffix: str) -> Entries:
-    fields, _ = _FIELDS[type(histogram)]
-    return {f"{label}/{name}{suffix}": getattr(histogram, name) for name in fields}

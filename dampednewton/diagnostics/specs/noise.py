@@ -20,6 +20,7 @@ from dampednewton.diagnostics.gsnr import (
     plain_noise_scale,
     unbiased_noise_scale,
 )
+from dampednewton.diagnostics.ranks import SINGLE_PROCESS, Ranks, summed_over_ranks
 from dampednewton.diagnostics.reducer import (
     Entries,
     NamedParams,
@@ -110,14 +111,20 @@ class SumGradSquaredReducer(Generic[SpecT]):
             spec: GSNR or noise-scale diagnostic.
         """
         self.spec: SpecT = spec
+        self._ranks: Ranks = SINGLE_PROCESS
         self._pieces: dict[int, Tensor] = {}
 
     def extensions(self) -> list[BackpropExtension]:
         """Return ``[SumGradSquared()]``."""
         return [SumGradSquared()]
 
-    def begin(self) -> None:
-        """Forget the pieces of the previous step."""
+    def begin(self, ranks: Ranks) -> None:
+        """Forget the previous step; this one's global batch is split over ``ranks``.
+
+        Args:
+            ranks: The ranks of the step's global batch.
+        """
+        self._ranks = ranks
         self._pieces = {}
 
     def reduce(self, param: Tensor, batch_size: int) -> None:
@@ -136,18 +143,22 @@ class SumGradSquaredReducer(Generic[SpecT]):
 
         Args:
             named_params: ``(name, param)`` pairs with gradients.
-            batch_size: Number of samples ``N``.
+            batch_size: Number of samples ``N`` of the global batch.
 
         Returns:
             One variance tensor per parameter.
         """
-        return [
-            per_sample_variance(
-                gradient_of(param),
-                pieces_of(self._pieces, name, param, SUM_GRAD_SQUARED),
-                batch_size,
-            )
+        local = [
+            pieces_of(self._pieces, name, param, SUM_GRAD_SQUARED)
             for name, param in named_params
+        ]
+        # Each rank's Σ_n (g_n/N)² has its local N = N_global/R: rescale by 1/R².
+        rescale = self._ranks.world_size**2
+        return [
+            per_sample_variance(gradient_of(param), total / rescale, batch_size)
+            for (_, param), total in zip(
+                named_params, summed_over_ranks(local, self._ranks), strict=True
+            )
         ]
 
 

@@ -1,0 +1,166 @@
+"""Spawned ranks of the monitor's distributed tests and their single-process reference.
+
+Every rank trains the float64 model of :mod:`tests.distributed.workers` on its shard
+of one global batch, with a :class:`DiagnosticsMonitor` standalone (SGD) or as
+``DampedNewton``'s monitor, and saves the monitor's log to ``<out>/<rank>.pt``; the
+reference runs the same on the concatenated batches in one process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from backpack import extend
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dampednewton import DampedNewton
+from dampednewton.diagnostics import (
+    GSNR,
+    CurvatureTrace,
+    DiagnosticsMonitor,
+    FixedRange,
+    GradientHistogram,
+    GradientParameterHistogram,
+    NoiseScale,
+)
+from tests.distributed.workers import LOCAL_BATCH, global_batch, make_model
+
+
+@dataclass(frozen=True)
+class MonitorJob:
+    """What every rank runs.
+
+    Attributes:
+        model: ``'mlp'`` or ``'cnn'``.
+        steps: Steps to take (the second bins the network histogram in the first's
+            ranges).
+        ddp: Wrap the model in ``DistributedDataParallel`` (else average the
+            gradients by hand, then finish the record again).
+        in_optimizer: The monitor is ``DampedNewton``'s (else standalone, with SGD).
+    """
+
+    model: str = "mlp"
+    steps: int = 2
+    ddp: bool = True
+    in_optimizer: bool = False
+
+
+def diagnostics() -> list:
+    """Every diagnostic the monitor offers, both histogram semantics, exact traces."""
+    return [
+        GSNR(),
+        NoiseScale(),
+        GradientHistogram(bins=8),
+        GradientHistogram(bins=8, semantics="cockpit", label="hist_cockpit"),
+        GradientHistogram(bins=8, range_policy=FixedRange(-0.2, 0.2), label="fixed"),
+        GradientParameterHistogram(bins=(6, 5)),
+        GradientParameterHistogram(
+            bins=(6, 5), semantics="cockpit", label="hist2d_cockpit"
+        ),
+        CurvatureTrace(),
+        CurvatureTrace(curvature="diag_h"),
+    ]
+
+
+def run_rank(
+    rank: int, world_size: int, init_file: str, out: str, job: MonitorJob
+) -> None:
+    """One rank of a job; saves the monitor's records and bytes received."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        results = monitored(job, world_size, rank)
+        results["refuses_other_group"] = job.in_optimizer and _refuses_other_group(
+            world_size
+        )
+        torch.save(results, os.path.join(out, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def monitored(job: MonitorJob, world_size: int, rank: int | None) -> dict[str, Any]:
+    """Train with the monitor on rank ``rank``'s shard (``None``: the whole batch).
+
+    Returns:
+        ``"records"``: the monitor's log; ``"bytes"``: bytes it received.
+    """
+    model = make_model(job.model)
+    distributed = rank is not None
+    stepped: nn.Module = (
+        DistributedDataParallel(model) if distributed and job.ddp else model
+    )
+    monitor = DiagnosticsMonitor(diagnostics(), model.named_parameters())
+    loss_fn = extend(nn.CrossEntropyLoss())
+    optimizer: torch.optim.Optimizer
+    if job.in_optimizer:
+        optimizer = DampedNewton(
+            model.parameters(),
+            lr=0.5,
+            damping=0.1,
+            criterion=5,
+            mc_samples=0,
+            seed=0,
+            monitor=monitor,
+        )
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    average_by_hand = distributed and not job.ddp
+    for step in range(job.steps):
+        inputs, labels = global_batch(job.model, world_size, step)
+        if rank is not None:
+            rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+            inputs, labels = inputs[rows], labels[rows]
+        forward = _loss(stepped, loss_fn, inputs, labels)
+        if job.in_optimizer:
+            optimizer.step(_closure(optimizer, forward, model, average_by_hand))
+            continue
+        optimizer.zero_grad()
+        loss = forward()
+        with monitor.backward_context(step, loss):
+            loss.backward()
+        if average_by_hand:  # .grad becomes the global mean only now
+            _average_gradients(model)
+            monitor.finish(step, loss=loss)
+        optimizer.step()
+    return {"records": list(monitor.log), "bytes": monitor.communication_bytes}
+
+
+def _refuses_other_group(world_size: int) -> bool:
+    """Whether ``DampedNewton`` refuses a monitor of another process group."""
+    group = dist.new_group(list(range(world_size)))
+    monitor = DiagnosticsMonitor([GSNR()], process_group=group)
+    try:
+        DampedNewton(make_model("mlp").parameters(), monitor=monitor)
+    except ValueError:
+        return True
+    return False
+
+
+def _loss(model, loss_fn, inputs: Tensor, labels: Tensor) -> Callable[[], Tensor]:
+    return lambda: loss_fn(model(inputs), labels)
+
+
+def _closure(optimizer, forward, model, average_by_hand: bool):
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        loss = forward()
+        loss.backward()
+        if average_by_hand:
+            _average_gradients(model)
+        return loss
+
+    return closure
+
+
+def _average_gradients(model: nn.Module) -> None:
+    for param in model.parameters():
+        dist.all_reduce(param.grad)
+        param.grad /= dist.get_world_size()

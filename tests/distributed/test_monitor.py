@@ -1,0 +1,72 @@
+"""The diagnostics monitor under torch.distributed (gloo, CPU): the global batch's."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.distributed.monitor_workers import MonitorJob, monitored, run_rank
+
+# Each test spawns processes that import torch and BackPACK: 5-15 s.
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed"),
+]
+
+
+def _spawn(job: MonitorJob, world_size: int, tmp_path: Path) -> list[dict[str, Any]]:
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(
+        run_rank,
+        args=(world_size, str(tmp_path / "rendezvous"), str(out), job),
+        nprocs=world_size,
+    )
+    return [
+        torch.load(out / f"{rank}.pt", weights_only=False) for rank in range(world_size)
+    ]
+
+
+def _assert_records_match(records, expected, *, exact: bool) -> None:
+    assert len(records) == len(expected)
+    for record, reference in zip(records, expected, strict=True):
+        assert record.keys() == reference.keys()
+        for key, value in record.items():
+            wanted = reference[key]
+            integral = np.issubdtype(np.asarray(wanted).dtype, np.integer)
+            if exact or integral:
+                np.testing.assert_array_equal(value, wanted, err_msg=key)
+            else:
+                np.testing.assert_allclose(
+                    value, wanted, rtol=1e-10, atol=1e-12, err_msg=key
+                )
+
+
+@pytest.mark.parametrize(
+    ("world_size", "job"),
+    [
+        (2, MonitorJob(ddp=True)),
+        (2, MonitorJob(ddp=False)),
+        (2, MonitorJob(ddp=True, in_optimizer=True)),
+        (3, MonitorJob(model="cnn", ddp=False, in_optimizer=True)),
+    ],
+    ids=["standalone-ddp-2", "standalone-by-hand-2", "optimizer-ddp-2", "cnn-3"],
+)
+def test_records_equal_single_process_on_concatenated_batch(world_size, job, tmp_path):
+    ranks = _spawn(job, world_size, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = monitored(job, world_size, rank=None)["records"]
+    assert expected[0]["batch_size"] == world_size * 4
+    for rank in ranks:
+        _assert_records_match(rank["records"], expected, exact=False)
+        _assert_records_match(rank["records"], ranks[0]["records"], exact=True)
+        assert rank["bytes"] > 0
+        assert rank["refuses_other_group"] == job.in_optimizer
