@@ -7,7 +7,10 @@ order): the engine gathers each layer's BackPACK buffers along the sample dimens
 refusals (:meth:`Communicator.agree_on_pass`, :meth:`Communicator.any_refuses`), and
 the Levenberg-Marquardt ratio uses the mean loss after the step
 (:meth:`Communicator.mean`). Everything else is computed identically on each rank
-from identical inputs, so no other module communicates. The communicator sums the
+from identical inputs; a diagnostics monitor sums, maximizes or stacks its small
+statistics over the ranks (:meth:`Communicator.sum_over_ranks`,
+:meth:`Communicator.max_over_ranks`, :meth:`Communicator.stack_over_ranks`, see
+:mod:`dampednewton.diagnostics.ranks`). The communicator sums the
 wall-clock seconds spent in its collectives (:attr:`Communicator.seconds`) and the
 bytes each rank receives in them (:attr:`Communicator.bytes_received`).
 
