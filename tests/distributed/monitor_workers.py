@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,12 +43,16 @@ class MonitorJob:
         ddp: Wrap the model in ``DistributedDataParallel`` (else average the
             gradients by hand, then finish the record again).
         in_optimizer: The monitor is ``DampedNewton``'s (else standalone, with SGD).
+        options: ``DampedNewton``'s keyword arguments besides the defaults here (a
+            damping with per-sample statistics makes the step's engine compute
+            individual gradients too).
     """
 
     model: str = "mlp"
     steps: int = 2
     ddp: bool = True
     in_optimizer: bool = False
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 def diagnostics() -> list:
@@ -101,12 +105,10 @@ def monitored(job: MonitorJob, world_size: int, rank: int | None) -> dict[str, A
     loss_fn = extend(nn.CrossEntropyLoss())
     optimizer: torch.optim.Optimizer
     if job.in_optimizer:
+        settings = {"lr": 0.5, "damping": 0.1, "criterion": 5, "mc_samples": 0}
         optimizer = DampedNewton(
             model.parameters(),
-            lr=0.5,
-            damping=0.1,
-            criterion=5,
-            mc_samples=0,
+            **{**settings, **job.options},
             seed=0,
             monitor=monitor,
         )

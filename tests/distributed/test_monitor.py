@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dampednewton import NoiseAwareDamping
 from tests.distributed.monitor_workers import MonitorJob, monitored, run_rank
 
 # Each test spawns processes that import torch and BackPACK: 5-15 s.
@@ -55,9 +56,22 @@ def _assert_records_match(records, expected, *, exact: bool) -> None:
         (2, MonitorJob(ddp=True)),
         (2, MonitorJob(ddp=False)),
         (2, MonitorJob(ddp=True, in_optimizer=True)),
-        (3, MonitorJob(model="cnn", ddp=False, in_optimizer=True)),
+        (
+            3,
+            MonitorJob(
+                model="cnn",
+                ddp=False,
+                in_optimizer=True,
+                options={"damping": NoiseAwareDamping(), "averaging": None},
+            ),
+        ),
     ],
-    ids=["standalone-ddp-2", "standalone-by-hand-2", "optimizer-ddp-2", "cnn-3"],
+    ids=[
+        "standalone-ddp-2",
+        "standalone-by-hand-2",
+        "optimizer-ddp-2",
+        "cnn-by-hand-noise-aware-3",
+    ],
 )
 def test_records_equal_single_process_on_concatenated_batch(world_size, job, tmp_path):
     ranks = _spawn(job, world_size, tmp_path)
