@@ -18,12 +18,12 @@ import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
-from dampednewton.backpack.buffers import GlobalBatch
 from dampednewton.backpack.extensions import (
     IndividualGradients,
     MonteCarloSqrtGGN,
     NonFiniteModelOutput,
 )
+from dampednewton.backpack.global_batch import GlobalBatch
 from dampednewton.backpack.passes import Hook, backward_pass
 from dampednewton.backpack.savefields import GRAD_BATCH
 from dampednewton.backward import SingleBackwardCheck, quiet_backward_hook_warning
@@ -225,11 +225,15 @@ class StepPass:
                 needs_gradients=per_sample_gradients,
                 defers_finish=True,  # the finisher reads the complete .grad
             )
-            extensions = engine.extensions()
             if communicator is not None:
                 engine.global_batch = GlobalBatch(
-                    communicator.gather_samples, communicator.world_size
+                    communicator.gather_samples,
+                    communicator.world_size,
+                    subsampling_grad=settings.subsampling_grad,
+                    per_sample_gradients=per_sample_gradients,
                 )
+            extensions = engine.extensions()
+            if communicator is not None:
                 for extension in extensions:
                     if isinstance(extension, MonteCarloSqrtGGN):
                         extension.sample_despite_nonfinite = True

@@ -13,13 +13,14 @@ from ``∇ℓ_n/N`` (or output gradients of the mean loss) to those of ``ℓ_n``
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+import torch
 from backpack.utils.subsampling import subsample
 from torch import Size, Tensor
 
-from dampednewton.math.cost import mean_products_via_kernel
+from dampednewton.math.cost import mean_products_via_kernel, prefers_structured
 from dampednewton.math.factors import (
     DenseFactor,
     Factor,
@@ -64,6 +65,24 @@ class LinearBuffers:
     inputs: Tensor | None
     output_gradients: Tensor
     layer_inputs: Tensor | None = None
+
+    def sqrt_ggn(self) -> Tensor:
+        """The materialized square root ``[C, N, d_out(, d_in)]``, BackPACK's layout."""
+        if self.inputs is None:
+            return self.backproped
+        return torch.einsum("cno,ni->cnoi", self.backproped, self.inputs)
+
+    def individual_gradients(self, subsampling: Sequence[int] | None) -> Tensor:
+        """Per-sample gradients ``[N', d_out(, d_in)]`` in BackPACK's scaling.
+
+        Args:
+            subsampling: The gradient samples (``None``: the whole batch).
+        """
+        gradients = subsample(self.output_gradients, subsampling=subsampling)
+        if self.layer_inputs is None:
+            return gradients
+        inputs = subsample(self.layer_inputs, subsampling=subsampling)
+        return torch.einsum("no,ni->noi", gradients, inputs)
 
     def to_factor(self, assembly: Assembly, cache: LayerCache) -> LinearFactor:
         """The rescaled factor; see :func:`make_factor`.
@@ -132,9 +151,42 @@ class SharedLinearBuffers:
     layer_inputs: Tensor
     shape: Size
 
-    def to_factor(self, assembly: Assembly, cache: LayerCache) -> SharedLinearFactor:
-        """The rescaled factor; see :func:`make_factor`."""
+    def sqrt_ggn(self) -> Tensor:
+        """The materialized square root ``[C, N, *shape]``, BackPACK's layout."""
+        num_outputs, num_samples = self.backproped.shape[:2]
+        products = torch.einsum("cnpo,npi->cnoi", self.backproped, self.inputs)
+        return products.reshape(num_outputs, num_samples, *self.shape)
+
+    def individual_gradients(self, subsampling: Sequence[int] | None) -> Tensor:
+        """Per-sample gradients ``[N', *shape]`` in BackPACK's scaling.
+
+        Args:
+            subsampling: The gradient samples (``None``: the whole batch).
+        """
+        gradients = subsample(self.output_gradients, subsampling=subsampling)
+        inputs = subsample(self.layer_inputs, subsampling=subsampling)
+        products = torch.einsum("npo,npi->noi", gradients, inputs)
+        return products.reshape(-1, *self.shape)
+
+    def to_factor(self, assembly: Assembly, cache: LayerCache) -> Factor:
+        """The rescaled factor; see :func:`make_factor`.
+
+        Materialized when :func:`~dampednewton.math.cost.prefers_structured` says
+        so for these shapes (buffers of the global batch under data parallelism
+        are kept whatever the local shapes preferred).
+        """
         batch_size, subsampling_grad = assembly.batch_size, assembly.subsampling_grad
+        num_outputs, num_samples, positions, out_features = self.backproped.shape
+        in_features = self.inputs.shape[-1]
+        if not prefers_structured(
+            num_outputs, num_samples, positions, in_features, out_features
+        ):
+            gradients = (
+                self.individual_gradients(subsampling_grad)
+                if assembly.with_gradients
+                else None
+            )
+            return dense_factor(self.sqrt_ggn(), gradients, assembly)
         factor = SharedLinearFactor(
             _rescaled(self.backproped, batch_size, None), self.inputs, self.shape
         )
@@ -151,86 +203,6 @@ class SharedLinearBuffers:
 
 Buffers = LinearBuffers | SharedLinearBuffers
 """Everything the structured square-root extensions store."""
-
-SampleGather = Callable[[Tensor, int], Tensor]
-"""Concatenates every rank's tensor along a sample dimension (rank order)."""
-
-
-class GlobalBatch:
-    """Buffers of the global batch from a rank's buffers of its local batch.
-
-    Every rank's local batch has ``N`` samples, the global one ``R·N``. BackPACK's
-    square roots of the local mean loss carry ``1/√N`` and its output and individual
-    gradients ``1/N``; rescaled by ``1/√R`` and ``1/R`` and concatenated along the
-    samples, they are those of the global batch's mean loss, which the single-process
-    assembly then reduces unchanged (with batch size ``R·N``). Tensors shared by the
-    parameters of one layer are gathered once.
-    """
-
-    world_size: int
-
-    def __init__(self, gather: SampleGather, world_size: int):
-        """Keep the collective.
-
-        Args:
-            gather: Concatenates every rank's tensor along a dimension.
-            world_size: Number of ranks ``R``.
-        """
-        self._gather = gather
-        self.world_size = world_size
-        self._memo: dict[tuple[int, float], Tensor] = {}
-
-    def new_layer(self) -> None:
-        """Forget the tensors of the previous layer."""
-        self._memo = {}
-
-    def sqrt_ggn(self, sqrt_ggn: Tensor | Buffers) -> Tensor | Buffers:
-        """The global square root (or buffers) of what a parameter stores.
-
-        Args:
-            sqrt_ggn: BackPACK's ``[C, N, …]`` square root or structured buffers.
-
-        Returns:
-            Its global counterpart.
-        """
-        root = 1 / math.sqrt(self.world_size)
-        if isinstance(sqrt_ggn, Tensor):
-            return self._gathered(sqrt_ggn, 1, root)
-        backproped = self._gathered(sqrt_ggn.backproped, 1, root)
-        output_gradients = self._gathered(
-            sqrt_ggn.output_gradients, 0, 1 / self.world_size
-        )
-        if isinstance(sqrt_ggn, SharedLinearBuffers):
-            return replace(
-                sqrt_ggn,
-                backproped=backproped,
-                inputs=self._gathered(sqrt_ggn.inputs, 0, 1.0),
-                output_gradients=output_gradients,
-                layer_inputs=self._gathered(sqrt_ggn.layer_inputs, 0, 1.0),
-            )
-        return replace(
-            sqrt_ggn,
-            backproped=backproped,
-            inputs=self._optional(sqrt_ggn.inputs),
-            output_gradients=output_gradients,
-            layer_inputs=self._optional(sqrt_ggn.layer_inputs),
-        )
-
-    def gradients(self, grad_batch: Tensor | None) -> Tensor | None:
-        """The global individual gradients ``∇ℓ_n/(R·N)`` (``None`` stays)."""
-        if grad_batch is None:
-            return None
-        return self._gathered(grad_batch, 0, 1 / self.world_size)
-
-    def _optional(self, tensor: Tensor | None) -> Tensor | None:
-        return None if tensor is None else self._gathered(tensor, 0, 1.0)
-
-    def _gathered(self, tensor: Tensor, dim: int, scale: float) -> Tensor:
-        key = (id(tensor), scale)
-        if key not in self._memo:
-            local = tensor if scale == 1.0 else tensor * scale
-            self._memo[key] = self._gather(local, dim)
-        return self._memo[key]
 
 
 def make_factor(
@@ -253,6 +225,22 @@ def make_factor(
     """
     if isinstance(sqrt_ggn, LinearBuffers | SharedLinearBuffers):
         return sqrt_ggn.to_factor(assembly, cache)
+    return dense_factor(sqrt_ggn, grad_batch, assembly)
+
+
+def dense_factor(
+    sqrt_ggn: Tensor, grad_batch: Tensor | None, assembly: Assembly
+) -> DenseFactor:
+    """The rescaled factor of a materialized square root.
+
+    Args:
+        sqrt_ggn: BackPACK's square root ``[C, N, *p.shape]``.
+        grad_batch: BackPACK's individual gradients ``[N', *p.shape]`` (or ``None``).
+        assembly: Batch size and whether gradients are needed.
+
+    Returns:
+        The factor.
+    """
     batch_size = assembly.batch_size
     scale = math.sqrt(batch_size / sqrt_ggn.shape[1])
     gradients = (

@@ -49,11 +49,12 @@ def _shared_or_dense(extension, ext, module, g_inp, g_out, backproped, *, layout
     """Shared-weight buffers when the cost model prefers them, else BackPACK's.
 
     ``layout`` maps ``[C, N, <layer's output layout>]`` to ``[C, N, P, d_out]``.
+    With ``extension.always_buffers`` the buffers are kept regardless.
     """
     outputs_last = layout(backproped)
     num_outputs, num_samples, positions, out_features = outputs_last.shape
     in_features = module.weight[0].numel()  # d_in (times the kernel size)
-    if prefers_structured(
+    if extension.always_buffers or prefers_structured(
         num_outputs, num_samples, positions, in_features, out_features
     ):
         inputs = (
@@ -93,7 +94,22 @@ def _channels_last(tensor: Tensor) -> Tensor:
 
 
 class StructuredSqrtGGNLinear(SqrtGGNLinear):
-    """Square-root extension for ``nn.Linear`` storing (shared) linear buffers."""
+    """Square-root extension for ``nn.Linear`` storing (shared) linear buffers.
+
+    Attributes:
+        always_buffers: Store shared-weight buffers even where the cost model
+            prefers BackPACK's materialized square root (the global batch's layout
+            is decided after gathering under data parallelism).
+    """
+
+    def __init__(self, *, always_buffers: bool = False):
+        """Use BackPACK's linear derivatives.
+
+        Args:
+            always_buffers: See the attribute.
+        """
+        super().__init__()
+        self.always_buffers = always_buffers
 
     def weight(self, ext, module, g_inp, g_out, backproped):
         """Return the weight's buffers, or BackPACK's dense square root."""
@@ -112,16 +128,22 @@ class StructuredSqrtGGNLinear(SqrtGGNLinear):
 
 
 class StructuredSqrtGGNConv(SqrtGGNBaseModule):
-    """Square-root extension for ``nn.Conv1d/2d/3d`` deciding per layer."""
+    """Square-root extension for ``nn.Conv1d/2d/3d`` deciding per layer.
 
-    def __init__(self, derivatives: type):
+    Attributes:
+        always_buffers: As for :class:`StructuredSqrtGGNLinear`.
+    """
+
+    def __init__(self, derivatives: type, *, always_buffers: bool = False):
         """Use BackPACK's derivatives of the convolution's dimension.
 
         Args:
             derivatives: BackPACK's derivatives class of the convolution, e.g.
                 ``Conv2DDerivatives``.
+            always_buffers: See the attribute.
         """
         super().__init__(derivatives(), params=["bias", "weight"])
+        self.always_buffers = always_buffers
 
     def weight(self, ext, module, g_inp, g_out, backproped):
         """Return shared-weight buffers, or BackPACK's dense square root."""
@@ -188,12 +210,13 @@ class Layer:
     """How the structured route handles one module type.
 
     Attributes:
-        sqrt_ggn: Makes the square-root module extension that stores buffers.
+        sqrt_ggn: Makes the square-root module extension that stores buffers
+            (keyword ``always_buffers``, see :class:`StructuredSqrtGGNLinear`).
         individual_gradients: Makes the individual-gradient module extension that
             skips parameters whose buffers carry their gradients.
     """
 
-    sqrt_ggn: Callable[[], ModuleExtension]
+    sqrt_ggn: Callable[..., ModuleExtension]
     individual_gradients: Callable[[], ModuleExtension]
 
 
@@ -215,14 +238,19 @@ LAYERS: dict[type[Module], Layer] = {
 """Module types whose square roots are stored as buffers, not materialized."""
 
 
-def use_structured_sqrt_ggn(extension: BackpropExtension) -> None:
+def use_structured_sqrt_ggn(
+    extension: BackpropExtension, *, always_buffers: bool = False
+) -> None:
     """Register the structured square roots of :data:`LAYERS` on an extension.
 
     Args:
         extension: A square-root extension (exact or Monte-Carlo).
+        always_buffers: Store shared-weight buffers whatever the cost model says.
     """
     for module_class, layer in LAYERS.items():
-        extension.set_module_extension(module_class, layer.sqrt_ggn(), overwrite=True)
+        extension.set_module_extension(
+            module_class, layer.sqrt_ggn(always_buffers=always_buffers), overwrite=True
+        )
 
 
 def use_structured_individual_gradients(extension: BackpropExtension) -> None:

@@ -7,7 +7,7 @@ gradient products) of their block, frees the buffers, and finishes a block as so
 all of its parameters were seen (or, for finishers that read ``.grad``, when its
 result is asked for). The loss module is reached first: it starts a new backward pass.
 
-With a :class:`~dampednewton.backpack.buffers.GlobalBatch` (data parallelism), the
+With a :class:`~dampednewton.backpack.global_batch.GlobalBatch` (data parallelism), the
 hook only keeps the buffers; :meth:`GGNEngine.reduce_global_batch`, called on every
 rank after the backward pass, gathers them over the ranks and reduces them, so that
 no collective runs inside a backward pass that may fail on one rank.
@@ -31,7 +31,6 @@ from torch.nn.modules.loss import _Loss
 from dampednewton.backpack.buffers import (
     Assembly,
     Buffers,
-    GlobalBatch,
     factor_size,
     make_factor,
 )
@@ -40,6 +39,7 @@ from dampednewton.backpack.extensions import (
     IndividualGradients,
     MonteCarloSqrtGGN,
 )
+from dampednewton.backpack.global_batch import GlobalBatch, Stored
 from dampednewton.backpack.layers import (
     use_structured_individual_gradients,
     use_structured_sqrt_ggn,
@@ -173,6 +173,8 @@ class GGNEngine(Generic[ResultT]):
     def reduce_global_batch(self) -> None:
         """Gather the kept buffers over the ranks and reduce them (every rank).
 
+        The gathered gradient samples are all used: sub-sampling took them locally.
+
         Raises:
             RuntimeError: Without a :attr:`global_batch`.
         """
@@ -181,18 +183,18 @@ class GGNEngine(Generic[ResultT]):
             raise RuntimeError("reduce_global_batch needs a global_batch.")
         kept, self._kept = self._kept, []
         for batch_size, layer in kept:
-            global_batch.new_layer()
             cache = LayerCache()
-            for entry in layer:
+            stored = [Stored(entry.sqrt_ggn, entry.grad_batch) for entry in layer]
+            for entry, gathered in zip(layer, global_batch.layer(stored), strict=True):
                 self._reduce(
                     entry.index,
                     entry.param,
-                    global_batch.sqrt_ggn(entry.sqrt_ggn),
-                    global_batch.gradients(entry.grad_batch),
+                    gathered.sqrt_ggn,
+                    gathered.grad_batch,
                     batch_size * global_batch.world_size,
                     cache,
+                    subsampling_grad=None,
                 )
-            global_batch.new_layer()
 
     @property
     def savefields(self) -> tuple[str, ...]:
@@ -214,7 +216,10 @@ class GGNEngine(Generic[ResultT]):
         else:
             sqrt_ggn = ExactSqrtGGN(subsampling=settings.subsampling_ggn)
         if settings.structured:
-            use_structured_sqrt_ggn(sqrt_ggn)
+            # The global batch's layout is decided after gathering.
+            use_structured_sqrt_ggn(
+                sqrt_ggn, always_buffers=self.global_batch is not None
+            )
         extensions: list[BackpropExtension] = [sqrt_ggn]
         if self.needs_gradients:
             # After the square roots: their buffers tell which gradients to skip.
@@ -322,7 +327,15 @@ class GGNEngine(Generic[ResultT]):
             sqrt_ggn = getattr(param, self.savefields[0])
             grad_batch = getattr(param, GRAD_BATCH, None)
             if self.global_batch is None:
-                self._reduce(index, param, sqrt_ggn, grad_batch, batch_size, cache)
+                self._reduce(
+                    index,
+                    param,
+                    sqrt_ggn,
+                    grad_batch,
+                    batch_size,
+                    cache,
+                    subsampling_grad=self.settings.subsampling_grad,
+                )
             else:
                 kept.append(_KeptBuffers(index, param, sqrt_ggn, grad_batch))
         if kept:
@@ -336,11 +349,13 @@ class GGNEngine(Generic[ResultT]):
         grad_batch: Tensor | None,
         batch_size: int,
         cache: LayerCache,
+        *,
+        subsampling_grad: Sequence[int] | None,
     ) -> None:
         block = self._blocks[index]
         assembly = Assembly(
             batch_size=batch_size,
-            subsampling_grad=self.settings.subsampling_grad,
+            subsampling_grad=subsampling_grad,
             with_gradients=self.needs_gradients,
         )
         factor = make_factor(sqrt_ggn, grad_batch, assembly, cache)

@@ -18,7 +18,9 @@ from backpack import extend
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dampednewton import DampedNewton, LevenbergMarquardt
+import dampednewton.backpack.global_batch
+from dampednewton import DampedNewton, LevenbergMarquardt, NoiseAwareDamping
+from dampednewton.math.traffic import Route
 
 LOCAL_BATCH = 4
 
@@ -37,6 +39,8 @@ class Job:
         nan_step: See ``nan_rank``.
         resume_at: Save on rank 0 after this many steps, load on every rank into a
             fresh model and optimizer, and step on from both (``None``: no resume).
+        route: Gather every structured layer by this route (a
+            :class:`~dampednewton.math.traffic.Route` value; ``None``: the cheaper).
     """
 
     model: str = "mlp"
@@ -46,6 +50,7 @@ class Job:
     nan_rank: int | None = None
     nan_step: int = 1
     resume_at: int | None = None
+    route: str | None = None
 
 
 def make_model(name: str) -> nn.Module:
@@ -84,6 +89,8 @@ def make_optimizer(model: nn.Module, options: dict[str, Any]) -> DampedNewton:
     settings.update(options)
     if settings.get("damping") == "lm":
         settings["damping"] = LevenbergMarquardt(0.1)
+    if settings.get("damping") == "noise":  # needs per-sample gradients
+        settings["damping"] = NoiseAwareDamping(0.1, 0.5)
     return DampedNewton(model.parameters(), **settings)
 
 
@@ -110,6 +117,9 @@ def reference(job: Job, world_size: int) -> list[Tensor]:
 def run_rank(rank: int, world_size: int, init_file: str, out: str, job: Job) -> None:
     """One rank of a job; saves parameters, losses and states per step."""
     torch.set_num_threads(1)
+    if job.route is not None:
+        forced = Route(job.route)
+        dampednewton.backpack.global_batch.cheaper_route = lambda shapes: forced
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
@@ -125,7 +135,7 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
     stepped: nn.Module = DistributedDataParallel(model) if job.ddp else model
     optimizer = make_optimizer(model, job.options)
     loss_fn = extend(nn.CrossEntropyLoss())
-    history, losses, skipped = [], [], []
+    history, losses, skipped, sent = [], [], [], []
     resumed: tuple[nn.Module, DampedNewton] | None = None
     resumed_history = []
     for step in range(job.steps):
@@ -136,6 +146,7 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
             optimizer.step(_closure(stepped, optimizer, loss_fn, inputs, labels, job))
         )
         skipped.append(optimizer.state["global"]["skipped_steps"])
+        sent.append(optimizer.communication_bytes)
         history.append(_flat(model))
         if resumed is not None:
             twin, twin_optimizer = resumed
@@ -148,6 +159,7 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
         "losses": losses,
         "skipped": skipped,
         "resumed": resumed_history,
+        "communication_bytes": sent,
     }
 
 

@@ -1,0 +1,165 @@
+"""Per-layer gather route by bytes moved: cost function, equivalence, byte count."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dampednewton.math.traffic import (
+    LinearLayerShapes,
+    Route,
+    bytes_received,
+    cheaper_route,
+    gathered_numbers,
+)
+from tests.distributed.workers import LOCAL_BATCH, Job, reference, run_rank
+
+FLOAT32, FLOAT64 = 4, 8
+
+
+def test_plain_linear_bytes_by_hand():
+    # Linear(5, 6) with bias, C = 3 columns, N = N' = 4 samples: the weight and the
+    # bias share the back-propagated square root and the output gradients.
+    layer = LinearLayerShapes(
+        num_outputs=3,
+        num_samples=4,
+        gradient_samples=4,
+        positions=None,
+        in_features=5,
+        out_features=6,
+        bias=True,
+    )
+    factors = 3 * 4 * 6 + 4 * 5 + 4 * 6  # backproped, inputs, output gradients
+    sqrt_ggn = 3 * 4 * 6 * 5 + (3 * 4 * 6 + 4 * 6)  # V, then the bias's buffers
+    assert gathered_numbers(layer) == {Route.FACTORS: factors, Route.SQRT_GGN: sqrt_ggn}
+    assert bytes_received(layer, world_size=3, element_size=FLOAT32) == {
+        Route.FACTORS: 2 * 4 * factors,
+        Route.SQRT_GGN: 2 * 4 * sqrt_ggn,
+    }
+    assert cheaper_route(layer) is Route.FACTORS
+
+
+def test_sequence_linear_bytes_by_hand():
+    # Linear(5, 6) on [N, 7, 5] inputs: the bias's square root is summed over the
+    # P = 7 positions, its own tensor.
+    layer = LinearLayerShapes(
+        num_outputs=3,
+        num_samples=4,
+        gradient_samples=4,
+        positions=7,
+        in_features=5,
+        out_features=6,
+        bias=True,
+    )
+    bias = 3 * 4 * 6 + 4 * 6
+    factors = 7 * (3 * 4 * 6 + 4 * 5 + 4 * 6) + bias
+    sqrt_ggn = 3 * 4 * 6 * 5 + bias
+    assert bytes_received(layer, world_size=2, element_size=FLOAT64) == {
+        Route.FACTORS: 8 * factors,
+        Route.SQRT_GGN: 8 * sqrt_ggn,
+    }
+    assert cheaper_route(layer) is Route.SQRT_GGN
+
+
+def test_conv2d_bytes_by_hand():
+    # Conv2d(16, 32, 3, padding=1) on 14×14: P = 196 positions, d_in = 16·9 = 144;
+    # C = 10, N = 8, per-sample gradients needed, 2 of the samples sub-sampled.
+    layer = LinearLayerShapes(
+        num_outputs=10,
+        num_samples=8,
+        gradient_samples=2,
+        positions=196,
+        in_features=144,
+        out_features=32,
+        bias=True,
+        subsampled=True,
+        per_sample_gradients=True,
+    )
+    bias = 10 * 8 * 32 + 2 * 32
+    factors = 196 * (10 * 8 * 32 + 8 * 144 + 2 * 32) + 2 * 196 * 144 + bias
+    sqrt_ggn = 10 * 8 * 32 * 144 + 2 * 32 * 144 + bias
+    assert bytes_received(layer, world_size=2, element_size=FLOAT32) == {
+        Route.FACTORS: 4 * factors,
+        Route.SQRT_GGN: 4 * sqrt_ggn,
+    }
+    assert cheaper_route(layer) is Route.SQRT_GGN
+
+
+def test_shapes_refuse_empty_sizes():
+    with pytest.raises(ValueError, match="positions must be at least 1"):
+        LinearLayerShapes(3, 4, 4, 0, 5, 6, bias=False)
+
+
+def _spawn(job: Job, world_size: int, tmp_path: Path) -> list[dict[str, Any]]:
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(
+        run_rank,
+        args=(world_size, str(tmp_path / "rendezvous"), str(out), job),
+        nprocs=world_size,
+    )
+    return [torch.load(out / f"{rank}.pt") for rank in range(world_size)]
+
+
+needs_distributed = pytest.mark.skipif(
+    not dist.is_available(), reason="needs torch.distributed"
+)
+
+
+@pytest.mark.slow
+@needs_distributed
+@pytest.mark.parametrize("route", ["factors", "sqrt_ggn"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"damping": "noise", "averaging": None}],
+    ids=["mean", "per-sample"],
+)
+def test_each_route_equals_single_process(route, options, tmp_path):
+    # The CNN's convolution (P = 16, d_in = 9, d_out = 2) prefers V, its linear
+    # layer the factors; each route is forced on both.
+    job = Job(model="cnn", steps=2, options=options, route=route)
+    ranks = _spawn(job, 2, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = reference(job, 2)
+    for rank in ranks:
+        for step, params in enumerate(rank["history"]):
+            torch.testing.assert_close(
+                params, expected[step], rtol=1e-10, atol=1e-12, msg=f"step {step}"
+            )
+
+
+def _cnn_layers(num_outputs: int) -> list[LinearLayerShapes]:
+    """The shapes of the workers' CNN on one rank (4 samples)."""
+    conv = LinearLayerShapes(
+        num_outputs, LOCAL_BATCH, LOCAL_BATCH, 16, 9, 2, bias=True
+    )  # Conv2d(1, 2, 3) on 6×6
+    linear = LinearLayerShapes(num_outputs, LOCAL_BATCH, LOCAL_BATCH, None, 32, 3, True)
+    return [conv, linear]
+
+
+@pytest.mark.slow
+@needs_distributed
+@pytest.mark.parametrize("mc_samples", [0, 1])
+def test_communication_bytes_equal_cost_model(mc_samples, tmp_path):
+    world_size = 2
+    job = Job(model="cnn", steps=1, options={"mc_samples": mc_samples})
+    layers = _cnn_layers(num_outputs=mc_samples or 3)
+    assert [cheaper_route(layer) for layer in layers] == [
+        Route.SQRT_GGN,
+        Route.FACTORS,
+    ]
+    gathers = sum(
+        bytes_received(layer, world_size, FLOAT64)[cheaper_route(layer)]
+        for layer in layers
+    )
+    agreement = (world_size - 1) * 3 * FLOAT64  # loss, batch size, failure flag
+    refusal = 2 * (world_size - 1) / world_size * FLOAT64  # all-reduced flag
+    for rank in _spawn(job, world_size, tmp_path):
+        assert rank["communication_bytes"] == [gathers + agreement + refusal]
