@@ -151,8 +151,10 @@ class DampedNewton(Optimizer):
             weight_decay: Decoupled weight decay (``θ ← (1 − lr·wd) θ``), ``>= 0``.
             mc_samples: ``0`` for the exact GGN, else Monte-Carlo samples of the loss
                 Hessian's square root (``1`` replaces ``C`` by 1 in the costs).
-            subsampling_ggn: Sample indices for directions and curvatures.
-            subsampling_grad: Sample indices for the directional gradients.
+            subsampling_ggn: Sample indices for directions and curvatures (under
+                data parallelism: of each rank's local batch).
+            subsampling_grad: Sample indices for the directional gradients
+                (likewise local).
             warn_small_eigvals: Warn (once per group) when a direction of this
                 batch's GGN is selected with an eigenvalue below this; such steps
                 are counted in ``state['groups'][i]['steps_with_small_eigenvalues']``.

@@ -81,8 +81,9 @@ class StepPass:
         Groups whose averaged factor is not refreshed this step reuse it; when no
         group refreshes and no monitor is active, the closure runs without BackPACK
         extensions. Under data parallelism (``communicator``) the ranks agree on
-        their passes after the backward pass, then reduce the global batch; the
-        loss returned is the ranks' mean.
+        their passes after the backward pass, then reduce the global batch (the
+        sub-sampling indices are local: every rank contributes those samples of its
+        batch); the loss returned is the ranks' mean.
 
         Args:
             closure: ``zero_grad``, forward, ``backward``; returns the loss.
@@ -98,17 +99,7 @@ class StepPass:
         Returns:
             The loss, every group's step (``None``: no trainable parameter), and
             whether every group's curvature was finite.
-
-        Raises:
-            ValueError: For sub-sampling under data parallelism.
         """
-        if communicator is not None and (
-            shared.subsampling_ggn is not None or shared.subsampling_grad is not None
-        ):
-            raise ValueError(
-                "subsampling_ggn and subsampling_grad are not supported under "
-                "torch.distributed: leave them None."
-            )
         blocks = [
             step_block(group, option, state, index)
             for index, (group, option) in enumerate(zip(groups, options, strict=True))

@@ -122,9 +122,9 @@ class GlobalBatch:
         return LinearLayerShapes(
             num_outputs=backproped.shape[0],
             num_samples=backproped.shape[1],
-            gradient_samples=subsample(
-                weight.output_gradients, subsampling=self.subsampling_grad
-            ).shape[0],
+            gradient_samples=weight.output_gradients.shape[0]
+            if self.subsampling_grad is None
+            else len(self.subsampling_grad),
             positions=backproped.shape[2] if shared else None,
             in_features=inputs.shape[-1],
             out_features=backproped.shape[-1],

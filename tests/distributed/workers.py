@@ -97,7 +97,7 @@ def make_optimizer(model: nn.Module, options: dict[str, Any]) -> DampedNewton:
 def reference(job: Job, world_size: int) -> list[Tensor]:
     """Parameters after each step of one process on the concatenated batches."""
     model = make_model(job.model)
-    optimizer = make_optimizer(model, job.options)
+    optimizer = make_optimizer(model, _global_options(job.options, world_size))
     loss_fn = extend(nn.CrossEntropyLoss())
     history = []
     for step in range(job.steps):
@@ -112,6 +112,18 @@ def reference(job: Job, world_size: int) -> list[Tensor]:
         optimizer.step(closure)
         history.append(_flat(model))
     return history
+
+
+def _global_options(options: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """Local sub-sampling indices of every rank as indices into the global batch."""
+    shifted = {
+        name: [
+            index + rank * LOCAL_BATCH for rank in range(world_size) for index in local
+        ]
+        for name in ("subsampling_ggn", "subsampling_grad")
+        if (local := options.get(name)) is not None
+    }
+    return {**options, **shifted}
 
 
 def run_rank(rank: int, world_size: int, init_file: str, out: str, job: Job) -> None:
