@@ -117,8 +117,8 @@ needs_distributed = pytest.mark.skipif(
 @pytest.mark.parametrize("route", ["factors", "sqrt_ggn"])
 @pytest.mark.parametrize(
     "options",
-    [{}, {"damping": "noise", "averaging": None}],
-    ids=["mean", "per-sample"],
+    [{}, {"damping": "noise", "averaging": None}, {"mc_samples": 1}],
+    ids=["mean", "per-sample", "monte-carlo"],
 )
 def test_each_route_equals_single_process(route, options, tmp_path):
     # The CNN's convolution (P = 16, d_in = 9, d_out = 2) prefers V, its linear

@@ -8,9 +8,11 @@ saves what the test compares to ``<out>/<rank>.pt``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -20,9 +22,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dampednewton.backpack.global_batch
 from dampednewton import DampedNewton, LevenbergMarquardt, NoiseAwareDamping
+from dampednewton.math.sampling import sampled_cross_entropy_gradients
 from dampednewton.math.traffic import Route
+from dampednewton.seeding import SeededGenerator
 
 LOCAL_BATCH = 4
+SEED = 0
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,7 @@ def make_optimizer(model: nn.Module, options: dict[str, Any]) -> DampedNewton:
         "damping": 0.1,
         "criterion": 5,
         "mc_samples": 0,
-        "seed": 0,
+        "seed": SEED,
         "momentum": 0.5,
     }
     settings.update(options)
@@ -95,7 +100,10 @@ def make_optimizer(model: nn.Module, options: dict[str, Any]) -> DampedNewton:
 
 
 def reference(job: Job, world_size: int) -> list[Tensor]:
-    """Parameters after each step of one process on the concatenated batches."""
+    """Parameters after each step of one process on the concatenated batches.
+
+    Its Monte-Carlo labels are the ranks' (:func:`per_rank_draws`).
+    """
     model = make_model(job.model)
     optimizer = make_optimizer(model, _global_options(job.options, world_size))
     loss_fn = extend(nn.CrossEntropyLoss())
@@ -109,9 +117,37 @@ def reference(job: Job, world_size: int) -> list[Tensor]:
             loss.backward()
             return loss
 
-        optimizer.step(closure)
+        with mock.patch(
+            "dampednewton.backpack.extensions.sampled_cross_entropy_gradients",
+            per_rank_draws(job.options.get("seed", SEED), world_size, step),
+        ):
+            optimizer.step(closure)
         history.append(_flat(model))
     return history
+
+
+def per_rank_draws(seed: int, world_size: int, step: int) -> Callable[..., Tensor]:
+    """The cross-entropy's Monte-Carlo gradients of one step as the ranks draw them.
+
+    Each rank's (equal) slice of the global batch's logits draws from that rank's
+    generator of the step, seeded from ``(seed, rank, step)``.
+    """
+
+    def draws(logits: Tensor, mc_samples: int, generator: Any = None) -> Tensor:
+        parts = logits.split(logits.shape[0] // world_size)
+        return torch.cat(
+            [
+                sampled_cross_entropy_gradients(
+                    part,
+                    mc_samples,
+                    SeededGenerator(seed).for_rank(part.device, rank, step),
+                )
+                for rank, part in enumerate(parts)
+            ],
+            dim=1,
+        )
+
+    return draws
 
 
 def _global_options(options: dict[str, Any], world_size: int) -> dict[str, Any]:
