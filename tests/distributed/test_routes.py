@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import warnings
-from pathlib import Path
-from typing import Any
-
 import pytest
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dampednewton.math.traffic import (
     LinearLayerShapes,
@@ -18,7 +12,12 @@ from dampednewton.math.traffic import (
     cheaper_route,
     gathered_numbers,
 )
-from tests.distributed.workers import LOCAL_BATCH, Job, reference, run_rank
+from tests.distributed.workers import (
+    LOCAL_BATCH,
+    Job,
+    assert_matches_reference,
+    spawn,
+)
 
 FLOAT32, FLOAT64 = 4, 8
 
@@ -96,17 +95,7 @@ def test_shapes_refuse_empty_sizes():
         LinearLayerShapes(3, 4, 4, 0, 5, 6, bias=False)
 
 
-def _spawn(job: Job, world_size: int, tmp_path: Path) -> list[dict[str, Any]]:
-    out = tmp_path / "out"
-    out.mkdir()
-    mp.spawn(
-        run_rank,
-        args=(world_size, str(tmp_path / "rendezvous"), str(out), job),
-        nprocs=world_size,
-    )
-    return [torch.load(out / f"{rank}.pt") for rank in range(world_size)]
-
-
+PER_SAMPLE = {"damping": "noise", "averaging": None}  # per-sample gradients
 needs_distributed = pytest.mark.skipif(
     not dist.is_available(), reason="needs torch.distributed"
 )
@@ -114,25 +103,22 @@ needs_distributed = pytest.mark.skipif(
 
 @pytest.mark.slow
 @needs_distributed
-@pytest.mark.parametrize("route", ["factors", "sqrt_ggn"])
 @pytest.mark.parametrize(
-    "options",
-    [{}, {"damping": "noise", "averaging": None}, {"mc_samples": 1}],
-    ids=["mean", "per-sample", "monte-carlo"],
+    ("route", "options"),
+    [
+        ("factors", {}),
+        ("factors", PER_SAMPLE),
+        ("sqrt_ggn", PER_SAMPLE),
+        ("sqrt_ggn", {"mc_samples": 1}),
+    ],
+    ids=["factors", "factors-per-sample", "sqrt_ggn-per-sample", "sqrt_ggn-mc"],
 )
 def test_each_route_equals_single_process(route, options, tmp_path):
     # The CNN's convolution (P = 16, d_in = 9, d_out = 2) prefers V, its linear
     # layer the factors; each route is forced on both.
     job = Job(model="cnn", steps=2, options=options, route=route)
-    ranks = _spawn(job, 2, tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expected = reference(job, 2)
-    for rank in ranks:
-        for step, params in enumerate(rank["history"]):
-            torch.testing.assert_close(
-                params, expected[step], rtol=1e-10, atol=1e-12, msg=f"step {step}"
-            )
+    ranks = spawn(job, 2, tmp_path)
+    assert_matches_reference(ranks, job, 2)
 
 
 def _cnn_layers(num_outputs: int) -> list[LinearLayerShapes]:
@@ -161,5 +147,5 @@ def test_communication_bytes_equal_cost_model(mc_samples, tmp_path):
     )
     agreement = (world_size - 1) * 3 * FLOAT64  # loss, batch size, failure flag
     refusal = 2 * (world_size - 1) / world_size * FLOAT64  # all-reduced flag
-    for rank in _spawn(job, world_size, tmp_path):
+    for rank in spawn(job, world_size, tmp_path):
         assert rank["communication_bytes"] == [gathers + agreement + refusal]

@@ -8,6 +8,7 @@ saves what the test compares to ``<out>/<rank>.pt``.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from backpack import extend
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
@@ -160,6 +162,32 @@ def _global_options(options: dict[str, Any], world_size: int) -> dict[str, Any]:
         if (local := options.get(name)) is not None
     }
     return {**options, **shifted}
+
+
+def assert_matches_reference(
+    ranks: list[dict[str, Any]], job: Job, world_size: int
+) -> None:
+    """Every rank's parameters after every step equal the reference's (float64)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = reference(job, world_size)
+    for rank in ranks:
+        for step, params in enumerate(rank["history"]):
+            torch.testing.assert_close(
+                params, expected[step], rtol=1e-10, atol=1e-12, msg=f"step {step}"
+            )
+
+
+def spawn(job: Job, world_size: int, tmp_path: Path) -> list[dict[str, Any]]:
+    """Run the job on ``world_size`` spawned ranks; what each saved, by rank."""
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(
+        run_rank,
+        args=(world_size, str(tmp_path / "rendezvous"), str(out), job),
+        nprocs=world_size,
+    )
+    return [torch.load(out / f"{rank}.pt") for rank in range(world_size)]
 
 
 def run_rank(rank: int, world_size: int, init_file: str, out: str, job: Job) -> None:
