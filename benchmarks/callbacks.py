@@ -85,7 +85,9 @@ class SweepProgress(Callback):
         self._done = 0
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """Print the plan and open the progress bar."""
+        """Print the plan and open the progress bar (rank 0 only under torchrun)."""
+        if launched_rank() != 0:
+            return
         self._plan = SweepPlan.of(config)
         self._durations.clear()
         self._done = 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,11 @@ from torch import Tensor, nn
 def launched_rank() -> int:
     """This process's rank as ``torchrun`` set it (``0`` without ``torchrun``)."""
     return int(os.environ.get("RANK", "0"))
+
+
+def launched_world_size() -> int:
+    """Number of processes ``torchrun`` started (``1`` without ``torchrun``)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,9 @@ class DataParallel:
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
 
-def join_process_group(device: torch.device) -> DataParallel | None:
+def join_process_group(
+    device: torch.device, timeout_seconds: float
+) -> DataParallel | None:
     """Join ``torchrun``'s process group (gloo on CPU, NCCL on CUDA), if launched so.
 
     The group stays initialized for the process's later jobs; ``benchmarks.run``
@@ -118,15 +126,21 @@ def join_process_group(device: torch.device) -> DataParallel | None:
 
     Args:
         device: The job's device.
+        timeout_seconds: How long a rank waits for the others in a collective
+            before it raises (``data_parallel.timeout_s``): a rank that hangs
+            makes the others fail after that long, not wait forever.
 
     Returns:
         This process's place; ``None`` without ``torchrun``'s environment or with
         one process.
     """
-    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if launched_world_size() == 1:
         return None
     if not dist.is_initialized():
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl")
+        dist.init_process_group(
+            "gloo" if device.type == "cpu" else "nccl",
+            timeout=timedelta(seconds=timeout_seconds),
+        )
     return DataParallel(dist.get_rank(), dist.get_world_size())
 
 

@@ -23,6 +23,7 @@ from benchmarks.config_dict import config_dict
 from benchmarks.data_parallel import (
     join_process_group,
     launched_rank,
+    launched_world_size,
     local_device,
 )
 from benchmarks.grid import select_grid_point, skip_reason
@@ -35,6 +36,12 @@ from benchmarks.measure import (
 from benchmarks.problems import Problem, build_problem
 from benchmarks.result import FinalMetrics, RunResult, StepTime
 from benchmarks.training import OptimizerNeeds, mini_batches, train
+
+DATA_PARALLEL_HINT = (
+    " [rank {rank} of {world_size} under torchrun: a collective fails when another "
+    "rank ended (raised) or did not reach it within data_parallel.timeout_s="
+    "{timeout} s; the other ranks' errors are in torchrun's output]"
+)
 
 
 def hyperparameters(optimizer_cfg: DictConfig) -> dict[str, Any]:
@@ -90,7 +97,7 @@ def _communication_seconds(optimizer: torch.optim.Optimizer) -> float | None:
 def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
     """Build everything from the config, train, and record into ``result``."""
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
-    data_parallel = join_process_group(device)
+    data_parallel = join_process_group(device, cfg.data_parallel.timeout_s)
     if data_parallel is not None:
         device = local_device(device)
         data_parallel.check_batch_size(cfg.problem.batch_size)
@@ -172,7 +179,11 @@ def run_job(cfg: DictConfig, output_dir: Path) -> RunResult:
     """Run one job and write ``result.json`` into ``output_dir``.
 
     Under ``torchrun`` (see :mod:`benchmarks.data_parallel`) every rank trains and
-    only rank 0 writes.
+    only rank 0 writes. There a failed job ends the process (``SystemExit``, after
+    rank 0 wrote its result): the other ranks wait for this one in a collective,
+    so it must not go on to a sweep's next job; its exit makes their collectives
+    fail ("Connection closed by peer") and ``torchrun`` stop them. A rank that
+    hangs instead makes the others fail after ``data_parallel.timeout_s``.
 
     Args:
         cfg: The composed job config (its ``optimizer`` node receives the grid point).
@@ -195,8 +206,20 @@ def run_job(cfg: DictConfig, output_dir: Path) -> RunResult:
     except Exception as err:
         result.status = "failed"
         result.error = f"{type(err).__name__}: {err}"
+        if launched_world_size() > 1:
+            result.error += DATA_PARALLEL_HINT.format(
+                rank=launched_rank(),
+                world_size=launched_world_size(),
+                timeout=cfg.data_parallel.timeout_s,
+            )
         result.traceback = traceback.format_exc()
     result.config = _config_container(cfg)
     if launched_rank() == 0:
         result.write(output_dir)
+    if result.status == "failed" and launched_world_size() > 1:
+        raise SystemExit(
+            f"rank {launched_rank()} of {launched_world_size()}: the job failed "
+            f"({result.error}); this process ends so that every rank stops (a "
+            "multirun under torchrun ends at its first failed job)."
+        )
     return result

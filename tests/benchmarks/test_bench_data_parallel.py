@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,44 @@ def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path):
     report = write_report(tmp_path)["markdown"].read_text()
     assert "| world size | comm ms/step |" in report
     assert "| 1/2 |" in report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["raise", "hang"])
+def test_a_failing_rank_stops_every_rank_of_a_torchrun_multirun(mode, tmp_path):
+    """Rank 1 raises (or hangs) at its third step of the first of two jobs.
+
+    The failed rank ends its process instead of going on to the next job (where it
+    would wait for rank 0 forever); rank 0's collective fails, at once when rank 1
+    exited ("Connection closed by peer"), after ``data_parallel.timeout_s`` when it
+    hangs; rank 0 records the failure and ends too, and torchrun stops everything.
+    """
+    script = Path(__file__).with_name("failing_rank.py")
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+        *("--nproc-per-node", "2", str(script), "--multirun", *JOB),
+        *("seed=0,1", "data_parallel.timeout_s=5", f"hydra.sweep.dir={tmp_path}"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "FAILING_RANK_MODE": mode}
+    start = time.perf_counter()
+    completed = subprocess.run(
+        command,
+        cwd=REPO,
+        env={k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    elapsed = time.perf_counter() - start
+    assert completed.returncode != 0
+    assert elapsed < 90, "rank 0 waited for the failed rank"
+    first = RunResult.read(tmp_path / "0" / RESULT_FILE)
+    assert first.status == "failed"
+    assert first.error is not None
+    expected = "Connection closed by peer" if mode == "raise" else "timeout"
+    assert re.search(expected, first.error), first.error
+    assert "[rank 0 of 2 under torchrun: a collective fails" in first.error
+    assert not (tmp_path / "1" / RESULT_FILE).exists()
+    assert "rank 0 of 2: the job failed" in completed.stderr
+    if mode == "raise":
+        assert "rank 1 of 2: the job failed (RuntimeError: injected" in completed.stderr
