@@ -7,7 +7,6 @@ job of a multirun.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import traceback
@@ -20,7 +19,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from benchmarks.data_parallel import launched_rank
+from benchmarks.data_parallel import (
+    broadcast_from_rank_0,
+    in_process_group,
+    launched_rank,
+    launched_world_size,
+)
 from benchmarks.eta import format_duration, remaining_seconds
 from benchmarks.result import RunResult, recorded
 from benchmarks.sweep_plan import SweepPlan
@@ -167,7 +171,8 @@ class SweepReport(Callback):
     rounds) runs its jobs in this process, into new numbered job directories.
     The process exits with status 1 when a job failed (its exception is in its
     ``result.json``), after the report; a diverged run is a result, not a failure.
-    Under ``torchrun`` only rank 0 reports, and the grid extension is off.
+    Under ``torchrun`` every rank runs the extension's jobs (rank 0 plans them) and
+    rank 0 alone reports.
     """
 
     # Hydra declares on_run_end(config, **kwargs) and passes job_return by keyword.
@@ -197,18 +202,21 @@ class SweepReport(Callback):
         from benchmarks.extension import extend_sweep
         from benchmarks.report import print_locations, write_report
 
-        if launched_rank() != 0:
-            return  # rank 0 reports
         sweep_dir = Path(config.hydra.sweep.dir)
         report_failed = False
-        # The extension's jobs would run on rank 0 alone: not under torchrun.
-        rounds = 0 if "RANK" in os.environ else config.grid_extension.rounds
+        data_parallel = launched_world_size() > 1
+        # Under torchrun every rank runs rank 0's extension jobs; with no job
+        # joined, no job trained (all skipped), so there is nothing to extend.
+        extendable = in_process_group() or not data_parallel
         try:
             extend_sweep(
                 sweep_dir,
-                rounds,
+                config.grid_extension.rounds if extendable else 0,
                 log=lambda line: print(line, file=sys.stderr, flush=True),
+                share=broadcast_from_rank_0 if data_parallel else None,
             )
+            if launched_rank() != 0:
+                return  # rank 0 reports
             print_locations(write_report(sweep_dir))
         except Exception:
             traceback.print_exc()

@@ -12,10 +12,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+T = TypeVar("T")
 
 
 def launched_rank() -> int:
@@ -158,7 +161,26 @@ def local_device(device: torch.device) -> torch.device:
     return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
 
 
+def broadcast_from_rank_0(value: T) -> T:
+    """Rank 0's ``value`` (any picklable object) on every rank of the joined group.
+
+    Args:
+        value: This rank's value (ignored except on rank 0).
+
+    Returns:
+        Rank 0's value.
+    """
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def in_process_group() -> bool:
+    """Whether this process joined a process group (a job ran data-parallel)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def leave_process_group() -> None:
     """Destroy the process group if this process joined one."""
-    if dist.is_available() and dist.is_initialized():
+    if in_process_group():
         dist.destroy_process_group()

@@ -10,7 +10,8 @@ new setting is the tuned one with that value changed, run on every seed of the t
 setting: each job is the stored config of one tuned run with the new value (``grid``
 and ``grid_point`` cleared, ``extended_from`` set), run in-process by
 :func:`benchmarks.job.run_job` into the next numbered subdirectory of the sweep
-directory. Then the sweep is tuned again, for at most ``rounds`` rounds.
+directory. Then the sweep is tuned again, for at most ``rounds`` rounds. Under
+``torchrun`` every rank runs the jobs of rank 0's plan (:func:`plan_round`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from benchmarks.aggregate import Tuned, group_settings, load_results, tune
 from benchmarks.callbacks import summary_line
+from benchmarks.config_dict import config_dict
+from benchmarks.data_parallel import launched_rank
 from benchmarks.job import run_job
 from benchmarks.result import RunResult
 
@@ -120,8 +123,54 @@ def _next_job_number(sweep_dir: Path) -> int:
     return max(numbers, default=-1) + 1
 
 
+@dataclass(frozen=True)
+class ExtensionJob:
+    """One job of an extension round, as plain (picklable) data.
+
+    Attributes:
+        announcement: The line announcing its extension (on its first job only).
+        config: The job config (:func:`job_config`) as a container.
+        number: Its numbered subdirectory of the sweep.
+    """
+
+    announcement: str | None
+    config: dict[str, Any]
+    number: int
+
+
+def plan_round(sweep_dir: Path, round_: int, rounds: int) -> list[ExtensionJob]:
+    """The jobs of one extension round, from the sweep's results so far.
+
+    Args:
+        sweep_dir: The sweep directory.
+        round_: This round (1-based).
+        rounds: The number of rounds at most (for the announcement).
+
+    Returns:
+        The jobs, numbered after the sweep's last job; empty when no tuned value
+        is on an extendable edge.
+    """
+    jobs = []
+    number = _next_job_number(sweep_dir)
+    for extension in extensions(tune(group_settings(load_results(sweep_dir)))):
+        announcement: str | None = (
+            f"grid extension {round_}/{rounds}: {extension.problem} "
+            f"{extension.optimizer} {extension.key}={extension.value:g} is the "
+            f"{extension.edge} of its grid; adding {extension.new_value:g}"
+        )
+        for run in extension.runs:
+            config = config_dict(job_config(extension, run, round_), resolve=False)
+            jobs.append(ExtensionJob(announcement, config, number))
+            announcement, number = None, number + 1
+    return jobs
+
+
 def extend_sweep(
-    sweep_dir: Path, rounds: int, log: Callable[[str], None] = print
+    sweep_dir: Path,
+    rounds: int,
+    log: Callable[[str], None] = print,
+    share: Callable[[list[ExtensionJob] | None], list[ExtensionJob] | None]
+    | None = None,
 ) -> int:
     """Extend the sweep's grids at their edges, at most ``rounds`` times.
 
@@ -129,27 +178,26 @@ def extend_sweep(
         sweep_dir: The sweep directory (numbered job subdirectories).
         rounds: Maximum number of rounds (0: none).
         log: Receives one line per extension and per finished job.
+        share: Under ``torchrun``: gives every rank rank 0's plan of a round (the
+            other ranks pass ``None``, and neither read results nor log), so that
+            all ranks run the same jobs together. ``None``: one process.
 
     Returns:
         The number of jobs run.
     """
     sweep_dir = Path(sweep_dir)
+    main = share is None or launched_rank() == 0
     jobs = 0
     for round_ in range(1, rounds + 1):
-        todo = extensions(tune(group_settings(load_results(sweep_dir))))
+        plan = plan_round(sweep_dir, round_, rounds) if main else None
+        todo = plan if share is None else share(plan)
         if not todo:
             break
-        for extension in todo:
-            log(
-                f"grid extension {round_}/{rounds}: {extension.problem} "
-                f"{extension.optimizer} {extension.key}={extension.value:g} is the "
-                f"{extension.edge} of its grid; adding {extension.new_value:g}"
-            )
-            for run in extension.runs:
-                number = _next_job_number(sweep_dir)
-                result = run_job(
-                    job_config(extension, run, round_), sweep_dir / str(number)
-                )
-                log(f"[extension job {number}] {summary_line(result)}")
-                jobs += 1
+        for job in todo:
+            if main and job.announcement is not None:
+                log(job.announcement)
+            result = run_job(OmegaConf.create(job.config), sweep_dir / str(job.number))
+            if main:
+                log(f"[extension job {job.number}] {summary_line(result)}")
+            jobs += 1
     return jobs

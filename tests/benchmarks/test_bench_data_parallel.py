@@ -126,3 +126,31 @@ def test_a_failing_rank_stops_every_rank_of_a_torchrun_multirun(mode, tmp_path):
     assert "rank 0 of 2: the job failed" in completed.stderr
     if mode == "raise":
         assert "rank 1 of 2: the job failed (RuntimeError: injected" in completed.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_multirun_extends_its_grid_on_every_rank(tmp_path):
+    """SGD on lr ∈ {1e-5, 0.1}: 0.1 wins at the edge; all ranks run lr=0.316."""
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+        *("--nproc-per-node", "2", "-m", "benchmarks.run", "--multirun"),
+        *("problem=digits_logreg", "problem.steps=6", "problem.eval_every=3"),
+        *("optimizer=sgd", "optimizer.lr=0.00001,0.1", "grid_extension.rounds=1"),
+        f"hydra.sweep.dir={tmp_path}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(
+        command,
+        cwd=REPO,
+        env={k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    extended = RunResult.read(tmp_path / "2" / RESULT_FILE)
+    assert (extended.status, extended.world_size) == ("ok", 2)
+    assert extended.hyperparameters == {"lr": pytest.approx(0.1 * 10**0.5)}
+    assert completed.stderr.count("grid extension 1/1: digits_logreg sgd lr=0.1") == 1
+    assert completed.stderr.count("2 jobs (2 sgd on digits_logreg)") == 1, "rank 0"
+    assert (tmp_path / "report" / "summary.md").is_file()
