@@ -33,6 +33,12 @@ import torch
 from torch import Tensor, nn
 
 from dampednewton.math.cost import prefers_structured
+from dampednewton.math.traffic import (
+    LinearLayerShapes,
+    Route,
+    cheaper_route,
+    gathered_numbers,
+)
 
 FLOAT32_BYTES = 4
 AGREEMENT_BYTES = 3 * 8
@@ -102,13 +108,13 @@ def gathered_layout(
 ) -> GatheredLayout:
     """What DampedNewton all-gathers for ``model``, from its shapes.
 
-    Per ``nn.Linear`` on ``[N, d_in]`` inputs: the back-propagated square root
-    (``C·d_out``), the output gradients (``d_out``) and the inputs (``d_in``), shared
-    by weight and bias. Per weight shared over ``P`` positions (convolutions): the
-    structured buffers (``C·P·d_out + P·d_out + P·d_in``, inputs unfolded) when
-    :func:`~dampednewton.math.cost.prefers_structured` picks them for the local
-    batch, else BackPACK's square root (``C·|W|``); its bias adds the
-    position-summed ``C·d_out + d_out``. Layers without parameters gather nothing.
+    Per linear layer or convolution, the engine's own rule
+    (:func:`~dampednewton.math.traffic.cheaper_route`): the structured buffers
+    (back-propagated square root, output gradients, inputs; unfolded and per
+    position for shared weights) or the square root ``V`` materialized from them,
+    whichever moves fewer bytes. The Gram matrix's multiply-adds per entry follow
+    :func:`~dampednewton.math.cost.prefers_structured` for the local batch. Layers
+    without parameters gather nothing.
 
     Args:
         model: The model (Linear and Conv layers carry the parameters).
@@ -139,27 +145,34 @@ def gathered_layout(
     for module, shape in shapes.items():
         weight: Tensor = module.weight  # type: ignore[assignment]  # Linear or Conv
         d_out, d_in = weight.shape[0], weight[0].numel()
+        plain = isinstance(module, nn.Linear) and len(shape) == 2
         if isinstance(module, nn.Linear):
             positions = math.prod(shape[1:-1])
         else:
             positions = math.prod(shape[2:])
         forward += positions * weight.numel()
-        if isinstance(module, nn.Linear) and len(shape) == 2:
-            floats += columns * d_out + d_out + d_in
-            tensors += 3
+        has_bias = getattr(module, "bias", None) is not None
+        layer = LinearLayerShapes(
+            num_outputs=columns,
+            num_samples=local_batch,
+            gradient_samples=local_batch,
+            positions=None if plain else positions,
+            in_features=d_in,
+            out_features=d_out,
+            bias=has_bias,
+        )
+        route = cheaper_route(layer)
+        numbers = gathered_numbers(layer)[route]
+        floats += numbers // local_batch  # every term is linear in the samples
+        bias_tensors = 2 if has_bias and (route is Route.SQRT_GGN or not plain) else 0
+        tensors += (3 if route is Route.FACTORS else 1) + bias_tensors
+        if plain:
             gram += d_out + d_in
-            continue
-        if prefers_structured(columns, local_batch, positions, d_in, d_out):
-            floats += positions * (columns * d_out + d_out + d_in)
-            tensors += 3
+        elif prefers_structured(columns, local_batch, positions, d_in, d_out):
             gram += positions**2 * (d_out + 1 + d_in)
         else:
-            floats += columns * weight.numel()
-            tensors += 1
             gram += weight.numel()
-        if getattr(module, "bias", None) is not None:
-            floats += columns * d_out + d_out
-            tensors += 2
+        if has_bias and not plain:
             gram += d_out
     return GatheredLayout(
         floats_per_sample=floats,

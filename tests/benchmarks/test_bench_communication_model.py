@@ -43,10 +43,16 @@ def test_convolutions_gather_structured_buffers_or_the_dense_square_root():
     # 5 positions: P·(C·d_out + d_out + d_in) with d_in = channels × kernel size.
     assert structured.floats_per_sample == 5 * (25 + 25 + 25 * 3)
     assert structured.tensors == 3
+    # The cheaper route by bytes (the engine's rule), whatever the compute route:
     wide = nn.Sequential(nn.Conv1d(8, 64, 3), nn.Flatten())  # 4 positions
-    dense = gathered_layout(wide, (8, 6), columns=1, local_batch=64)
-    # BackPACK's square root C·|W| for the weight, the summed bias C·d_out + d_out.
-    assert dense.floats_per_sample == 64 * 8 * 3 + 64 + 64
+    factors = gathered_layout(wide, (8, 6), columns=1, local_batch=64)
+    # P·(C·d_out + d_out + d_in) = 608 < C·|W| = 1536; the bias's own C·d_out + d_out.
+    assert factors.floats_per_sample == 4 * (64 + 64 + 8 * 3) + 64 + 64
+    assert factors.tensors == 3 + 2
+    long = nn.Sequential(nn.Conv1d(2, 4, 3), nn.Flatten())  # 98 positions
+    dense = gathered_layout(long, (2, 100), columns=1, local_batch=8)
+    # C·|W| = 24 < P·(C·d_out + d_out + d_in) = 1372: the square root V, and the bias.
+    assert dense.floats_per_sample == 4 * 2 * 3 + 4 + 4
     assert dense.tensors == 1 + 2
 
 
