@@ -7,8 +7,9 @@ Per step, each of ``R`` ranks with ``n`` local samples:
   buffers are all-gathered along the samples, so a rank receives the other ranks'
   ``(R − 1)·n`` samples of ``b`` bytes each (:func:`gathered_layout` computes ``b``
   from the model's shapes the way the engine stores them), plus the agreement on the
-  pass (three float64 numbers per rank) and the refusal flag (one all-reduced
-  float64). This grows with ``R`` without bound.
+  pass (three float64 numbers per rank), the refusal flag and, on Levenberg-Marquardt
+  damping's adaptation steps, the mean loss after the step (one all-reduced float64
+  each). This grows with ``R`` without bound.
 * **DDP's gradient all-reduce** (:func:`all_reduce_bytes`): a ring all-reduce of the
   ``P`` parameters' gradients receives ``2 (R − 1) / R · 4 P`` bytes in float32,
   bounded by ``8 P``; DampedNewton reuses it for the mean gradient.
@@ -45,6 +46,8 @@ AGREEMENT_BYTES = 3 * 8
 """Per rank and pass: loss, batch size and status, all-gathered as float64."""
 REFUSAL_BYTES = 8
 """The refusal flag, all-reduced as one float64."""
+LOSS_AFTER_STEP_BYTES = 8
+"""Levenberg-Marquardt's mean loss after the step, one float64."""
 FIXED_COLLECTIVES = 2
 """The agreement's all-gather and the refusal flag's all-reduce."""
 EIGH_FLOPS_PER_CUBE = 9.0
@@ -184,7 +187,11 @@ def gathered_layout(
 
 
 def dampednewton_bytes(
-    bytes_per_sample: float, world_size: int, local_batch: int
+    bytes_per_sample: float,
+    world_size: int,
+    local_batch: int,
+    *,
+    reduction_ratio: bool = False,
 ) -> float:
     """Bytes one rank receives per step in DampedNewton's collectives.
 
@@ -193,12 +200,16 @@ def dampednewton_bytes(
             times the element size).
         world_size: ``R``.
         local_batch: ``n``.
+        reduction_ratio: Whether the damping needs the mean loss after the step
+            (Levenberg-Marquardt, on its adaptation steps).
 
     Returns:
-        ``(R − 1)·(n·b + agreement) + 2 (R − 1)/R · flag``; 0 for one rank.
+        ``(R − 1)·(n·b + agreement) + 2 (R − 1)/R · (flag + loss)``; 0 for one
+        rank.
     """
     gathered = (world_size - 1) * (local_batch * bytes_per_sample + AGREEMENT_BYTES)
-    return gathered + all_reduce_bytes(world_size, REFUSAL_BYTES)
+    reduced = REFUSAL_BYTES + (LOSS_AFTER_STEP_BYTES if reduction_ratio else 0)
+    return gathered + all_reduce_bytes(world_size, reduced)
 
 
 def all_reduce_bytes(world_size: int, num_bytes: float) -> float:

@@ -33,6 +33,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from benchmarks.communication_model import (
+    FIXED_COLLECTIVES,
     FLOAT32_BYTES,
     INFINIBAND,
     NVLINK,
@@ -208,7 +209,9 @@ def extrapolation_table(
             f"{1e3 * seconds:.2f}"
             for link in (NVLINK, INFINIBAND)
             for seconds in (
-                all_gather_seconds(newton, layout.tensors + 2, world_size, link),
+                all_gather_seconds(
+                    newton, layout.tensors + FIXED_COLLECTIVES, world_size, link
+                ),
                 all_reduce_seconds(
                     ddp, ddp_buckets(layout.num_parameters), world_size, link
                 ),

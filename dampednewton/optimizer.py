@@ -32,7 +32,7 @@ from dampednewton.options import (
 )
 from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature
 from dampednewton.policies.criteria import Criterion
-from dampednewton.policies.damping import Damping
+from dampednewton.policies.damping import Damping, LevenbergMarquardt
 from dampednewton.records import StepRecorder, empty_group_stats, store_factors
 from dampednewton.seeding import SeededGenerator
 from dampednewton.step_pass import CLOSURE_PATTERN, StepPass
@@ -40,6 +40,12 @@ from dampednewton.update import apply_steps
 
 GLOBAL = "global"
 GROUPS = "groups"
+
+
+DEFAULT_DAMPING = 0.1
+"""Initial ``δ`` of the default Levenberg-Marquardt damping."""
+DEFAULT_DAMPING_INTERVAL = 5
+"""Steps between adaptations of the default Levenberg-Marquardt damping (K-FAC's T₃)."""
 
 
 class DampedNewton(Optimizer):
@@ -111,7 +117,7 @@ class DampedNewton(Optimizer):
         self,
         params: Iterable[Tensor] | Iterable[dict],
         lr: float = 1.0,
-        damping: float | Damping = 0.1,
+        damping: float | Damping | None = None,
         criterion: int | Criterion = 20,
         *,
         complement: float | ComplementPolicy | None = SmallestCurvature(),  # noqa: B008
@@ -134,8 +140,12 @@ class DampedNewton(Optimizer):
         Args:
             params: Parameters or parameter groups (each group is one GGN block).
             lr: Learning rate (>= 0) multiplying the damped Newton step.
-            damping: Number >= 0 (constant damping) or a damping policy
-                ``(evals, gram_evecs, gammas, lambdas) -> δ``.
+            damping: Number >= 0 (constant damping), a damping policy
+                ``(evals, gram_evecs, gammas, lambdas) -> δ``, or ``None`` (the
+                default) for a new ``LevenbergMarquardt(value=0.1, interval=5)``:
+                ``δ`` adapted by the reduction ratio from 0.1 every 5 steps, which
+                call the closure once more; shared by the groups that do not set
+                their own.
             criterion: Int ``k`` (the ``k`` largest positive eigenvalues) or a
                 callable mapping ascending eigenvalues to indices.
             complement: Curvature ``ρ`` of the complement step: a policy
@@ -173,6 +183,10 @@ class DampedNewton(Optimizer):
         Raises:
             ValueError: For invalid hyperparameters.
         """
+        if damping is None:
+            damping = LevenbergMarquardt(
+                value=DEFAULT_DAMPING, interval=DEFAULT_DAMPING_INTERVAL
+            )
         defaults = {
             "lr": lr,
             "damping": damping,

@@ -11,6 +11,7 @@ from benchmarks.communication_model import (
     AGREEMENT_BYTES,
     DDP_BUCKET_BYTES,
     INFINIBAND,
+    LOSS_AFTER_STEP_BYTES,
     REFUSAL_BYTES,
     Link,
     all_gather_seconds,
@@ -60,6 +61,9 @@ def test_bytes_per_step_follow_the_ring_formulas():
     assert dampednewton_bytes(100.0, 1, 8) == 0
     assert dampednewton_bytes(100.0, 4, 8) == pytest.approx(
         3 * (8 * 100 + AGREEMENT_BYTES) + 1.5 * REFUSAL_BYTES
+    )
+    assert dampednewton_bytes(100.0, 4, 8, reduction_ratio=True) == pytest.approx(
+        3 * (8 * 100 + AGREEMENT_BYTES) + 1.5 * (REFUSAL_BYTES + LOSS_AFTER_STEP_BYTES)
     )
     assert all_reduce_bytes(4, 1000) == 1500
     assert all_reduce_bytes(1, 1000) == 0
