@@ -8,6 +8,7 @@ from :mod:`tests.cases`); no test module imports from another.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -218,6 +219,10 @@ def assert_same_state(actual: Any, expected: Any, path: str = "state_dict") -> N
         )
         for key in expected:
             assert_same_state(actual[key], expected[key], f"{path}[{key!r}]")
+    elif isinstance(expected, float) and math.isnan(expected):
+        assert isinstance(actual, float) and math.isnan(actual), (
+            f"{path}: expected nan, got {actual!r}"
+        )
     elif isinstance(expected, list | tuple):
         assert type(actual) is type(expected) and len(actual) == len(expected), (
             f"{path}: expected {expected!r}, got {actual!r}"

@@ -89,7 +89,9 @@ def test_damping_rule_trains_tiny_model(compose_config, optimizer, damping_rule)
     suffix = "" if damping_rule == "constant" else f"_{damping_rule}"
     assert cfg.optimizer_name == optimizer + suffix
     assert skip_reason(cfg) is None
-    if damping_rule == "constant":
+    if damping_rule == "constant" and optimizer == "dampednewton":
+        assert cfg.optimizer.damping is None  # the class default (Levenberg-Marquardt)
+    elif damping_rule == "constant":
         assert isinstance(cfg.optimizer.damping, float)
     else:
         assert cfg.optimizer.damping._target_.startswith("dampednewton.")

@@ -13,7 +13,7 @@ from torch import nn
 
 from benchmarks.data import load_digits
 from benchmarks.models import mlp
-from dampednewton import DampedNewton
+from dampednewton import DampedNewton, LevenbergMarquardt
 from tests.utils import VIVIT_STEP
 
 STEPS = 150
@@ -74,3 +74,39 @@ def test_without_the_safeguards_small_damping_blows_up(damping: float):
     loss, accuracy = train(0, damping=damping, **VIVIT_STEP)
     assert loss > 10 * INITIAL_LOSS
     assert accuracy < 0.5
+
+
+def test_default_damping_is_a_new_levenberg_marquardt_per_optimizer():
+    """``damping=None``: ``LevenbergMarquardt(0.1, interval=5)``, never shared."""
+    first, second = (
+        DampedNewton([nn.Parameter(torch.zeros(2))]).param_groups[0]["damping"]
+        for _ in range(2)
+    )
+    assert first == LevenbergMarquardt(value=0.1, interval=5)
+    assert first is not second
+
+
+def test_default_damping_adapts_every_fifth_step_with_a_second_closure_call():
+    """Steps 5, 10, … evaluate the loss again: the closure runs twice on them."""
+    torch_generator = torch.Generator().manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(2, 3, dtype=torch.float64)))
+    loss_fn = extend(nn.CrossEntropyLoss())
+    inputs = torch.randn(8, 2, dtype=torch.float64, generator=torch_generator)
+    labels = torch.arange(8) % 3
+    optimizer = DampedNewton(model.parameters(), seed=0)
+    calls = []
+
+    def closure():
+        calls.append(1)
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), labels)
+        loss.backward()
+        return loss
+
+    counts = []
+    for _ in range(10):
+        before = len(calls)
+        optimizer.step(closure)
+        counts.append(len(calls) - before)
+    assert counts == [1, 1, 1, 1, 2, 1, 1, 1, 1, 2]
+    assert optimizer.param_groups[0]["damping"].updates == 10
