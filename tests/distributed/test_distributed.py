@@ -3,32 +3,18 @@
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.distributed.workers import Job, reference, run_rank
+from tests.distributed.workers import Job, reference, spawn
 
 # Each test spawns processes that import torch and BackPACK: 5-25 s.
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed"),
 ]
-
-
-def _spawn(job: Job, world_size: int, tmp_path: Path) -> list[dict[str, Any]]:
-    out = tmp_path / "out"
-    out.mkdir()
-    mp.spawn(
-        run_rank,
-        args=(world_size, str(tmp_path / "rendezvous"), str(out), job),
-        nprocs=world_size,
-    )
-    return [torch.load(out / f"{rank}.pt") for rank in range(world_size)]
 
 
 @pytest.mark.parametrize(
@@ -49,7 +35,7 @@ def _spawn(job: Job, world_size: int, tmp_path: Path) -> list[dict[str, Any]]:
     ids=["mlp-2", "cnn-3", "mlp-lm-ddp-2", "cnn-vivit-2"],
 )
 def test_step_equals_single_process_on_concatenated_batch(world_size, job, tmp_path):
-    ranks = _spawn(job, world_size, tmp_path)
+    ranks = spawn(job, world_size, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected = reference(job, world_size)
@@ -63,7 +49,7 @@ def test_step_equals_single_process_on_concatenated_batch(world_size, job, tmp_p
 @pytest.mark.parametrize("mc_samples", [0, 1])
 def test_replicas_bit_identical_over_20_steps(mc_samples, tmp_path):
     job = Job(model="mlp", steps=20, options={"mc_samples": mc_samples})
-    first, second = _spawn(job, 2, tmp_path)
+    first, second = spawn(job, 2, tmp_path)
     for mine, other in zip(first["history"], second["history"], strict=True):
         assert torch.equal(mine, other)
     assert not torch.equal(first["history"][0], first["history"][-1])
@@ -71,7 +57,7 @@ def test_replicas_bit_identical_over_20_steps(mc_samples, tmp_path):
 
 def test_nan_loss_on_one_rank_every_rank_refuses(tmp_path):
     job = Job(steps=3, nan_rank=1, nan_step=1, options={"nonfinite": "skip"})
-    ranks = _spawn(job, 2, tmp_path)
+    ranks = spawn(job, 2, tmp_path)
     for rank in ranks:
         assert rank["skipped"] == [0, 1, 1]
         assert torch.equal(rank["history"][1], rank["history"][0])
@@ -84,7 +70,7 @@ def test_monte_carlo_nan_output_on_one_rank_every_rank_refuses(tmp_path):
     job = Job(
         steps=2, nan_rank=0, nan_step=0, options={"nonfinite": "skip", "mc_samples": 1}
     )
-    ranks = _spawn(job, 2, tmp_path)
+    ranks = spawn(job, 2, tmp_path)
     for rank in ranks:
         assert rank["skipped"] == [1, 1]
         assert not torch.equal(rank["history"][1], rank["history"][0])
@@ -95,7 +81,7 @@ def test_monte_carlo_nan_output_on_one_rank_every_rank_refuses(tmp_path):
 @pytest.mark.parametrize("mc_samples", [0, 1])
 def test_state_dict_saved_on_rank_0_resumes_identically(mc_samples, tmp_path):
     job = Job(steps=5, resume_at=2, options={"mc_samples": mc_samples, "damping": "lm"})
-    for rank in _spawn(job, 2, tmp_path):
+    for rank in spawn(job, 2, tmp_path):
         for continued, resumed in zip(
             rank["history"][2:], rank["resumed"], strict=True
         ):

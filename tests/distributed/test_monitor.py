@@ -3,36 +3,20 @@
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dampednewton import NoiseAwareDamping
 from tests.distributed.monitor_workers import MonitorJob, monitored, run_rank
+from tests.distributed.spawning import spawn_ranks
 
 # Each test spawns processes that import torch and BackPACK: 5-15 s.
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed"),
 ]
-
-
-def _spawn(job: MonitorJob, world_size: int, tmp_path: Path) -> list[dict[str, Any]]:
-    out = tmp_path / "out"
-    out.mkdir()
-    mp.spawn(
-        run_rank,
-        args=(world_size, str(tmp_path / "rendezvous"), str(out), job),
-        nprocs=world_size,
-    )
-    return [
-        torch.load(out / f"{rank}.pt", weights_only=False) for rank in range(world_size)
-    ]
 
 
 def _assert_records_match(records, expected, *, exact: bool) -> None:
@@ -74,7 +58,7 @@ def _assert_records_match(records, expected, *, exact: bool) -> None:
     ],
 )
 def test_records_equal_single_process_on_concatenated_batch(world_size, job, tmp_path):
-    ranks = _spawn(job, world_size, tmp_path)
+    ranks = spawn_ranks(run_rank, job, world_size, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         expected = monitored(job, world_size, rank=None)["records"]

@@ -17,7 +17,6 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from backpack import extend
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
@@ -27,6 +26,7 @@ from dampednewton import DampedNewton, LevenbergMarquardt, NoiseAwareDamping
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 from dampednewton.math.traffic import Route
 from dampednewton.seeding import SeededGenerator
+from tests.distributed.spawning import spawn_ranks
 
 LOCAL_BATCH = 4
 SEED = 0
@@ -180,14 +180,7 @@ def assert_matches_reference(
 
 def spawn(job: Job, world_size: int, tmp_path: Path) -> list[dict[str, Any]]:
     """Run the job on ``world_size`` spawned ranks; what each saved, by rank."""
-    out = tmp_path / "out"
-    out.mkdir()
-    mp.spawn(
-        run_rank,
-        args=(world_size, str(tmp_path / "rendezvous"), str(out), job),
-        nprocs=world_size,
-    )
-    return [torch.load(out / f"{rank}.pt") for rank in range(world_size)]
+    return spawn_ranks(run_rank, job, world_size, tmp_path)
 
 
 def run_rank(rank: int, world_size: int, init_file: str, out: str, job: Job) -> None:
