@@ -86,6 +86,8 @@ def run_rank(
             world_size
         )
         torch.save(results, os.path.join(out, f"{rank}.pt"))
+        # No rank tears the groups down while another still connects the new one.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
