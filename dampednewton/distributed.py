@@ -274,10 +274,7 @@ class Communicator:
         Returns:
             The sum, a new tensor.
         """
-        total = tensor.detach().clone().contiguous()
-        with self._timed(total, self._all_reduce_traffic):
-            dist.all_reduce(total, group=self.group)
-        return total
+        return self._all_reduced(tensor, dist.ReduceOp.SUM)
 
     def max_over_ranks(self, tensor: Tensor) -> Tensor:
         """The elementwise maximum of every rank's ``tensor`` (all-reduced copy).
@@ -288,10 +285,14 @@ class Communicator:
         Returns:
             The maximum, a new tensor.
         """
-        largest = tensor.detach().clone().contiguous()
-        with self._timed(largest, self._all_reduce_traffic):
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
-        return largest
+        return self._all_reduced(tensor, dist.ReduceOp.MAX)
+
+    def _all_reduced(self, tensor: Tensor, op: Any) -> Tensor:
+        """An all-reduced copy of ``tensor`` (``op``: a ``dist.ReduceOp``)."""
+        result = tensor.detach().clone().contiguous()
+        with self._timed(result, self._all_reduce_traffic):
+            dist.all_reduce(result, op=op, group=self.group)
+        return result
 
     def stack_over_ranks(self, tensor: Tensor) -> Tensor:
         """Every rank's ``tensor`` stacked along a new first dimension, in rank order.

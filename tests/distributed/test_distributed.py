@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.workers import Job, reference, spawn
+from tests.distributed.workers import Job, assert_matches_reference, spawn
 
 # Each test spawns processes that import torch and BackPACK: 5-25 s.
 pytestmark = [
@@ -35,15 +33,7 @@ pytestmark = [
     ids=["mlp-2", "cnn-3", "mlp-lm-ddp-2", "cnn-vivit-2"],
 )
 def test_step_equals_single_process_on_concatenated_batch(world_size, job, tmp_path):
-    ranks = spawn(job, world_size, tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expected = reference(job, world_size)
-    for rank in ranks:
-        for step, params in enumerate(rank["history"]):
-            torch.testing.assert_close(
-                params, expected[step], rtol=1e-10, atol=1e-12, msg=f"step {step}"
-            )
+    assert_matches_reference(spawn(job, world_size, tmp_path), job, world_size)
 
 
 @pytest.mark.parametrize("mc_samples", [0, 1])
