@@ -180,7 +180,16 @@ def in_process_group() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def leave_process_group() -> None:
-    """Destroy the process group if this process joined one."""
+def leave_process_group(*, completed: bool) -> None:
+    """Destroy the process group if this process joined one.
+
+    Args:
+        completed: Whether this rank's job completed. Then the ranks first meet at a
+            barrier, which also waits for their pending collectives: a rank that
+            tears its group down early closes connections that another rank still
+            reads from (gloo aborts that process). A failed rank leaves at once.
+    """
     if in_process_group():
+        if completed:
+            dist.barrier()
         dist.destroy_process_group()

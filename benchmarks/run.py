@@ -44,7 +44,9 @@ FOLLOWER_OVERRIDES = ("hydra.output_subdir=null", "hydra/job_logging=disabled")
 if __name__ == "__main__":
     if launched_rank() != 0:
         sys.argv += FOLLOWER_OVERRIDES
+    completed = False
     try:
         main()
+        completed = True
     finally:
-        leave_process_group()
+        leave_process_group(completed=completed)

@@ -107,20 +107,23 @@ def averaged_gram(
 
 
 def leading_eigenpairs(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor]:
-    """The ``rank`` largest numerically positive eigenpairs, ascending.
+    """The ``rank`` largest eigenpairs, ascending, those not positive zeroed.
+
+    Fixed-size (``min(rank, m)`` pairs, so no host sync): eigenvalues that are not
+    numerically positive become ``0`` and their eigenvectors zero columns, which
+    add nothing to ``W diag(w) Wᵀ``. They come first (ascending order).
 
     Args:
         matrix: Symmetric PSD matrix ``[m, m]``.
         rank: Maximum number of eigenpairs.
 
     Returns:
-        Eigenvalues ``[r']`` and eigenvectors ``[m, r']`` with ``r' <= rank``.
+        Eigenvalues ``[r']`` and eigenvectors ``[m, r']`` with ``r' = min(rank, m)``.
     """
     evals, evecs = symmetric_eigh(matrix)
-    keep = evals > numerical_zero(evals)
-    # Positive eigenvalues are the last ones (ascending): keep a contiguous tail.
-    first = max(int(keep.logical_not().sum()), evals.numel() - rank)
-    return evals[first:], evecs[:, first:]
+    first = max(evals.numel() - rank, 0)
+    keep = evals[first:] > numerical_zero(evals)
+    return evals[first:].where(keep, 0.0), evecs[:, first:] * keep
 
 
 def split_mixing(mixing: Tensor, rank: int, decay: float) -> tuple[Tensor, Tensor]:

@@ -35,8 +35,8 @@ from dampednewton.computations.block import (
 )
 from dampednewton.computations.damped_newton import NewtonStep
 from dampednewton.computations.directional_derivatives import slopes_and_curvatures
-from dampednewton.computations.selection import select_directions
-from dampednewton.math.finite import all_finite
+from dampednewton.computations.selection import diagonalize
+from dampednewton.math.finite import finite_flag
 from dampednewton.math.gram_space import (
     gram_space_step,
     inverse_lengths,
@@ -48,8 +48,17 @@ from dampednewton.policies.complement import (
     complement_rayleigh_quotient,
     orthogonal_energy,
 )
-from dampednewton.policies.criteria import as_criterion, selected_indices
-from dampednewton.policies.damping import as_damping, checked_damping
+from dampednewton.policies.criteria import (
+    as_criterion,
+    selected_indices,
+    top_k_start,
+)
+from dampednewton.policies.damping import (
+    as_damping,
+    checked_damping_shape,
+    trusts_its_values,
+    valid_damping_flag,
+)
 
 
 @dataclass
@@ -76,14 +85,24 @@ class GroupStep(NewtonStep):
         curvature: ``sᵀGs`` under the step's GGN estimate (scalar tensor).
         batch_curvature: ``sᵀĜs`` under this batch's GGN ``Ĝ = VVᵀ`` where it was
             computed (``None`` on steps that reuse an averaged factor).
-        complement_curvature: ``ρ`` of the complement step, ``None`` without one.
+        complement_curvature: ``ρ`` of the complement step, ``None`` without one
+            (``inf`` where a policy found no direction to borrow it from).
+        selected: ``[K]`` mask of the directions to record, a tail (the others are
+            the non-positive ones of a fixed-size :class:`TopK` tail).
+        curvature_finite: Whether the batch's Gram matrix was finite (0-dim
+            tensor; ``None`` without one): if not, the step is refused.
+        damping_valid: Whether the damping policy's values are valid (0-dim tensor;
+            ``None`` for policies valid by construction): if not, the step raises.
         factor: The updated averaged factor (averaged groups only).
     """
 
     slope: Tensor
     curvature: Tensor
+    selected: Tensor
     batch_curvature: Tensor | None = None
     complement_curvature: Tensor | None = None
+    curvature_finite: Tensor | None = None
+    damping_valid: Tensor | None = None
     factor: AveragedFactor | None = None
 
 
@@ -95,15 +114,17 @@ class StepFinisher:
     Blocks are groups with, besides ``params``, ``criterion`` and ``damping``:
     ``complement`` (policy or ``None``), ``averaging`` (:class:`CurvatureAveraging`
     or ``None``) and ``factor`` (the group's :class:`AveragedFactor` so far, or
-    ``None``). Blocks whose GGN is not finite, or whose eigensolver fails, give
-    ``None`` and are recorded in :attr:`curvature_finite`, so that the closure can
-    return its loss and the optimizer refuse the step with a clear message.
+    ``None``). A block whose GGN is not finite gives a step flagged in
+    :attr:`GroupStep.curvature_finite` (read with the step's other checks, see
+    :mod:`dampednewton.step_status`); one whose eigensolver fails gives ``None``
+    and is recorded in :attr:`eigensolver_succeeded`. Either way the closure
+    returns its loss and the optimizer refuses the step with a clear message.
 
     Attributes:
         per_sample_gradients: Whether blocks reduce per-sample gradients (else the
             slopes come from the mean gradient in ``.grad``).
         subsampling_grad: The samples of the per-sample gradients (``None``: all).
-        curvature_finite: Whether every block's curvature was usable since
+        eigensolver_succeeded: Whether every block's eigensolver succeeded since
             :meth:`reset`.
     """
 
@@ -118,11 +139,11 @@ class StepFinisher:
         """
         self.per_sample_gradients = per_sample_gradients
         self.subsampling_grad = subsampling_grad
-        self.curvature_finite = True
+        self.eigensolver_succeeded = True
 
     def reset(self) -> None:
-        """Start a new step: every curvature usable so far."""
-        self.curvature_finite = True
+        """Start a new step: every eigensolver succeeded so far."""
+        self.eigensolver_succeeded = True
 
     def __call__(self, block: Block) -> GroupStep | None:
         """The group's step, or ``None`` when its curvature is unusable.
@@ -139,7 +160,7 @@ class StepFinisher:
             return self._averaged_step(block)
         except (FloatingPointError, torch.linalg.LinAlgError):
             # A non-finite Gram matrix, or the eigensolver failed on a hopeless one.
-            self.curvature_finite = False
+            self.eigensolver_succeeded = False
             return None
 
     def _newton_step(self, block: Block) -> GroupStep:
@@ -147,19 +168,21 @@ class StepFinisher:
 
         Directions whose eigenvalue is not numerically positive get a zero
         coefficient and stay out of the complement's curvature and projections, so
-        the step equals the one restricted to the positive eigenvalues.
+        the step equals the one restricted to the positive eigenvalues. A Gram
+        matrix that is not finite is replaced by zeros (no NaN reaches the
+        eigensolver) and flagged in :attr:`GroupStep.curvature_finite`.
         """
         group = block.group
-        # The optimizer warns about small eigenvalues itself, once per group.
-        directions = select_directions(block, warn_small_eigvals=0.0)
+        gram = block.reduced_gram
+        finite = finite_flag(gram.diagonal())
+        directions = diagonalize(
+            gram.where(finite, 0.0), as_criterion(group["criterion"])
+        )
         evals, gram_evecs = directions.evals, directions.gram_evecs
         positive, lengths = directions.positive, directions.lengths
         products = slope_products(block, self.per_sample_gradients)
         gammas, lambdas = slopes_and_curvatures(block, directions, products)
-        damping = checked_damping(
-            as_damping(group["damping"])(evals, gram_evecs, gammas, lambdas),
-            evals.numel(),
-        ).to(evals)
+        damping, valid = _damping(group["damping"], evals, gram_evecs, gammas, lambdas)
         gamma_mean, lambda_mean = gammas.mean(0), lambdas.mean(0)
         coefficients = newton_coefficients(gamma_mean, lambda_mean, damping).where(
             positive, 0.0
@@ -170,6 +193,9 @@ class StepFinisher:
             "lambda_mean": lambda_mean,
             "damping": damping,
             "coefficients": coefficients,
+            "selected": directions.selected,
+            "curvature_finite": finite,
+            "damping_valid": valid,
         }
         policy = as_complement(group["complement"])
         rho = None
@@ -183,7 +209,8 @@ class StepFinisher:
             # Vᵀg_⊥ = (I − ŨŨᵀ) Vᵀḡ: the batch GGN's curvature in the complement.
             residual = mean_products - in_directions @ gram_evecs.T
             measured = complement_rayleigh_quotient(residual, energy)
-            rho = policy(lambda_mean[positive], damping[positive], measured)
+            # An infinite damping keeps a direction out of the policy's choice.
+            rho = policy(lambda_mean, damping.where(positive, torch.inf), measured)
         if rho is None:
             beta = gram_space_step(coefficients, gram_evecs, lengths)
             return GroupStep(
@@ -217,12 +244,16 @@ class StepFinisher:
         return mean_gradient_products(block, gradient_of)
 
     def _averaged_step(self, block: Block) -> GroupStep:
-        """Average this batch's GGN into the group's factor, then step along it."""
+        """Average this batch's GGN into the group's factor, then step along it.
+
+        A Gram matrix that is not finite is replaced by zeros and flagged in
+        :attr:`GroupStep.curvature_finite`, as in :meth:`_newton_step`.
+        """
         group = block.group
         averaging: CurvatureAveraging = group["averaging"]
         gram = block.reduced_gram
-        if not all_finite(gram.diagonal()):
-            raise FloatingPointError("The GGN's Gram matrix is not finite.")
+        finite = finite_flag(gram.diagonal())
+        gram = gram.where(finite, 0.0)
         previous = group["factor"] or empty_factor(group["params"], gram)
         rank = previous.weights.numel()
         cross = gram.new_zeros(rank, gram.shape[0])
@@ -232,7 +263,9 @@ class StepFinisher:
                 cross += block.factors[id(param)].vector_products(basis)
                 columns = basis.flatten(1).to(basis_gram)
                 basis_gram += columns @ columns.T
-        small = averaged_gram(basis_gram, cross, gram, averaging.decay)
+        small = averaged_gram(
+            basis_gram, cross.where(finite, 0.0), gram, averaging.decay
+        )
         rank_kept = averaging.rank_for(as_criterion(group["criterion"]))
         weights, mixing = leading_eigenpairs(small, rank_kept)
         of_basis, of_batch = split_mixing(mixing, rank, averaging.decay)
@@ -245,12 +278,14 @@ class StepFinisher:
         mean_products = self._mean_gradient_products(
             block, slope_products(block, self.per_sample_gradients)
         )
-        return averaged_step(
+        step = averaged_step(
             group,
             factor,
             batch_products=cross.T @ of_basis + gram @ of_batch,
             mean_products=mean_products.squeeze(0),
         )
+        step.curvature_finite = finite
+        return step
 
 
 def empty_factor(params: Sequence[Tensor], like: Tensor) -> AveragedFactor:
@@ -294,10 +329,18 @@ def averaged_step(
     """
     averaging: CurvatureAveraging = group["averaging"]
     all_evals = bias_corrected(factor.weights, averaging.decay, factor.updates)
-    indices = selected_indices(as_criterion(group["criterion"]), all_evals)
-    evals = all_evals[indices]
-    norms = factor.weights[indices].sqrt()
-    columns = [_select_rows(basis, indices) for basis in factor.basis]
+    criterion = as_criterion(group["criterion"])
+    start = top_k_start(criterion, all_evals.numel())
+    chosen: int | Tensor = (
+        selected_indices(criterion, all_evals) if start is None else start
+    )
+    evals = _entries(all_evals, chosen)
+    weights = _entries(factor.weights, chosen)
+    columns = [_entries(basis, chosen) for basis in factor.basis]
+    # A fresh factor holds zero weights (and columns) where the average was not
+    # positive: they get a zero coefficient.
+    positive = weights > 0
+    norms = weights.sqrt().where(positive, 1.0)
     gradients = _gradients(group["params"])
     projections = (
         sum(
@@ -306,28 +349,35 @@ def averaged_step(
         )
         / norms
     )
-    damping = checked_damping(
-        as_damping(group["damping"])(
-            evals, evals.new_zeros(0, evals.numel()), projections[None], evals[None]
-        ),
-        evals.numel(),
-    ).to(evals)
-    coefficients = newton_coefficients(projections, evals, damping)
+    damping, valid = _damping(
+        group["damping"],
+        evals,
+        evals.new_zeros(0, evals.numel()),
+        projections[None],
+        evals[None],
+    )
+    coefficients = newton_coefficients(projections, evals, damping).where(positive, 0.0)
     policy = as_complement(group["complement"])
     energy = orthogonal_energy(_squared_norm(gradients), projections)
     measured = None
     if policy is not None and batch_products is not None and mean_products is not None:
         # Vᵀg_⊥ = Vᵀḡ − Σ_i p_i Vᵀu_i: the batch GGN's curvature in the complement.
-        residual = mean_products - batch_products[:, indices] @ (projections / norms)
+        chosen_products = _entries(batch_products.T, chosen).T
+        residual = mean_products - chosen_products @ (projections / norms)
         measured = complement_rayleigh_quotient(residual, energy)
-    rho = None if policy is None else policy(evals, damping, measured)
+    rho = (
+        None
+        if policy is None
+        else policy(evals, damping.where(positive, torch.inf), measured)
+    )
     slope = torch.sum(projections * coefficients)
     batch_curvature = None
     if rho is None:
         weights = coefficients / norms
         step = tuple(torch.tensordot(weights.to(c), c, dims=1) for c in columns)
         if batch_products is not None:
-            batch_curvature = (batch_products[:, indices] @ weights).square().sum()
+            chosen_products = _entries(batch_products.T, chosen).T
+            batch_curvature = (chosen_products @ weights).square().sum()
     else:
         rho = rho.to(evals)
         weights = complement_coefficients(coefficients, projections, rho) / norms
@@ -337,7 +387,8 @@ def averaged_step(
         )
         slope = slope - energy / rho
         if batch_products is not None and mean_products is not None:
-            mapped = batch_products[:, indices] @ weights - mean_products / rho
+            chosen_products = _entries(batch_products.T, chosen).T
+            mapped = chosen_products @ weights - mean_products / rho
             batch_curvature = mapped.square().sum()
     return GroupStep(
         step=step,
@@ -350,20 +401,32 @@ def averaged_step(
         curvature=torch.sum(evals * coefficients**2),
         batch_curvature=batch_curvature,
         complement_curvature=rho,
+        selected=positive,
+        damping_valid=valid,
         factor=factor,
     )
 
 
-def _select_rows(tensor: Tensor, indices: Tensor) -> Tensor:
-    """``tensor[indices]``, as a view when the indices are a contiguous range."""
-    if indices.numel() == 0:
-        return tensor[:0]
-    first, last = int(indices[0]), int(indices[-1])
-    if last - first + 1 == indices.numel() and bool(
-        (indices.diff() == 1).all() if indices.numel() > 1 else True
-    ):
-        return tensor[first : last + 1]
-    return tensor[indices]
+def _entries(tensor: Tensor, chosen: int | Tensor) -> Tensor:
+    """Rows ``tensor[chosen:]`` (a top-k tail, a view) or ``tensor[chosen]``."""
+    if isinstance(chosen, int):
+        return tensor[chosen:]
+    return tensor.index_select(0, chosen)
+
+
+def _damping(
+    damping: Any, evals: Tensor, gram_evecs: Tensor, gammas: Tensor, lambdas: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """The policy's damping ``[K]`` and, unless valid by construction, its check.
+
+    The shape is checked at once (known on the host); the values' check is a 0-dim
+    tensor read with the step's other checks (see :mod:`dampednewton.step_status`).
+    """
+    policy = as_damping(damping)
+    values = checked_damping_shape(
+        policy(evals, gram_evecs, gammas, lambdas), evals.numel()
+    ).to(evals)
+    return values, None if trusts_its_values(policy) else valid_damping_flag(values)
 
 
 def _gradients(params: Sequence[Tensor]) -> list[Tensor]:

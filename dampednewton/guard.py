@@ -10,12 +10,11 @@ says what is wrong; :func:`refuse` raises or warns according to the policy
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
 from types import TracebackType
 
 from torch import Generator, Tensor
 
-from dampednewton.math.finite import all_finite
+from dampednewton.step_status import StepStatus
 
 # Warnings of step()'s helpers point at the user's call: helper, step, and the
 # profiling wrapper that torch.optim puts around every optimizer's step.
@@ -72,35 +71,49 @@ class GeneratorSnapshot:
 
 
 def nonfinite_problem(
-    loss: Tensor, steps: Iterable[Tensor], curvature_finite: bool
+    loss: Tensor, status: StepStatus, eigensolver_succeeded: bool
 ) -> str | None:
     """What is not finite about a step, if anything.
 
     Args:
         loss: The closure's loss.
-        steps: Every group's update direction, per parameter.
-        curvature_finite: Whether every group's GGN and eigensolver were usable.
+        status: The step's checks, read on the host.
+        eigensolver_succeeded: Whether every group's eigensolver succeeded.
 
     Returns:
         ``None`` if the step can be taken, else the reason.
+    """
+    if not status.loss_finite:
+        return f"the loss is {loss.item()}"
+    if not status.model_output_finite:
+        return (
+            "the model output is not finite, so the loss Hessian cannot be sampled "
+            "(Monte-Carlo GGN)"
+        )
+    curvature_finite = all(g is None or g.curvature_finite for g in status.groups)
+    if not (curvature_finite and eigensolver_succeeded):
+        return (
+            "the damped Newton step is not finite (the GGN is not finite or its "
+            "eigendecomposition failed)"
+        )
+    if not status.step_finite:
+        return "the damped Newton step is not finite"
+    return None
+
+
+def check_loss_type(loss: object) -> None:
+    """Refuse a closure that did not return the loss tensor.
+
+    Args:
+        loss: What the closure returned.
 
     Raises:
-        TypeError: If the closure did not return a tensor.
+        TypeError: If it is not a tensor.
     """
     if not isinstance(loss, Tensor):
         raise TypeError(
             f"The closure must return the loss tensor, got {type(loss).__name__}."
         )
-    if not all_finite(loss.detach()):
-        return f"the loss is {loss.item()}"
-    if not curvature_finite:
-        return (
-            "the damped Newton step is not finite (the GGN is not finite or its "
-            "eigendecomposition failed)"
-        )
-    if not all_finite(*steps):
-        return "the damped Newton step is not finite"
-    return None
 
 
 def refuse(problem: str, nonfinite: str) -> None:

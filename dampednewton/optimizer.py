@@ -22,7 +22,12 @@ from dampednewton.adaptation import adapt, distinct_adaptive
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.checkpoint import mark_unpicklable, unwrap_settings
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.guard import GeneratorSnapshot, nonfinite_problem, refuse
+from dampednewton.guard import (
+    GeneratorSnapshot,
+    check_loss_type,
+    nonfinite_problem,
+    refuse,
+)
 from dampednewton.options import (
     GroupOptions,
     SharedOptions,
@@ -36,6 +41,7 @@ from dampednewton.policies.damping import Damping, LevenbergMarquardt
 from dampednewton.records import StepRecorder, empty_group_stats, store_factors
 from dampednewton.seeding import SeededGenerator
 from dampednewton.step_pass import CLOSURE_PATTERN, StepPass
+from dampednewton.step_status import read_status, settled
 from dampednewton.update import apply_steps
 
 GLOBAL = "global"
@@ -270,7 +276,7 @@ class DampedNewton(Optimizer):
         generator = self._mc_generator()
         with GeneratorSnapshot(generator) as snapshot:
             monitor = self._active_monitor(step_index)
-            loss, results, curvature_finite = self._pass.run(
+            loss, results, solved, deferred = self._pass.run(
                 closure,
                 self.param_groups,
                 options,
@@ -281,11 +287,11 @@ class DampedNewton(Optimizer):
                 step=step_index,
                 communicator=self._communicator,
             )
-            problem = nonfinite_problem(
-                loss,
-                (s for r in results if r is not None for s in r.step),
-                curvature_finite,
-            )
+            check_loss_type(loss)
+            thresholds = [option.warn_small_eigvals for option in options]
+            status = read_status(loss, results, thresholds, deferred)
+            status.check_inputs(results, deferred)
+            problem = nonfinite_problem(loss, status, solved)
             if self._communicator is not None:
                 refused = self._communicator.any_refuses(problem is not None)
                 if refused and problem is None:
@@ -299,6 +305,10 @@ class DampedNewton(Optimizer):
             if monitor is not None:
                 params = [p for group in self.param_groups for p in group["params"]]
                 record = monitor.finish(step_index, params, loss)
+        results = [
+            settled(result, group)
+            for result, group in zip(results, status.groups, strict=True)
+        ]
         scales = apply_steps(
             [group["params"] for group in self.param_groups],
             options,
@@ -309,7 +319,11 @@ class DampedNewton(Optimizer):
         self.state[GLOBAL]["step"] += 1
         self._recorder.record(
             self._group_stats(),
-            [group["warn_small_eigvals"] for group in self.param_groups],
+            thresholds,
+            [
+                0 if group is None else group.small_eigenvalues
+                for group in status.groups
+            ],
             results,
             scales,
             record,

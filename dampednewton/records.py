@@ -126,6 +126,7 @@ class StepRecorder:
         self,
         stats: list[dict[str, Any]],
         thresholds: Sequence[float],
+        small_counts: Sequence[int],
         results: Sequence[GroupStep | None],
         scales: Sequence[Tensor | float],
         record: dict | None = None,
@@ -135,7 +136,9 @@ class StepRecorder:
         Args:
             stats: Per group, its statistics (updated in place).
             thresholds: Per group, its ``warn_small_eigvals``.
-            results: Per group, its step (``None``: no step).
+            small_counts: Per group, its selected eigenvalues below the threshold
+                (read with the step's checks; ``0`` for averaged steps).
+            results: Per group, its settled step (``None``: no step).
             scales: Per group, the trust-region scale ``ν`` applied.
             record: The step's diagnostics record, if any (updated in place).
         """
@@ -155,9 +158,13 @@ class StepRecorder:
             )
             if record is not None:
                 record.update(newton_record(index, stats[index]))
-            if result.factor is None:
+            if small_counts[index]:
                 self._count_small_eigenvalues(
-                    index, result.evals, stats[index], thresholds[index]
+                    index,
+                    result.evals,
+                    stats[index],
+                    thresholds[index],
+                    small_counts[index],
                 )
             if num_directions == 0:
                 stats[index]["steps_without_direction"] += 1
@@ -171,14 +178,14 @@ class StepRecorder:
                     )
 
     def _count_small_eigenvalues(
-        self, index: int, evals: Tensor, stats: dict[str, Any], threshold: float
+        self,
+        index: int,
+        evals: Tensor,
+        stats: dict[str, Any],
+        threshold: float,
+        small: int,
     ) -> None:
-        """Count steps along eigenvalues below the threshold; warn once per group."""
-        if threshold == 0 or evals.numel() == 0:
-            return
-        small = int((evals.abs() < threshold).sum())
-        if small == 0:
-            return
+        """Count a step along ``small`` eigenvalues below the threshold; warn once."""
         stats["steps_with_small_eigenvalues"] = (
             stats.get("steps_with_small_eigenvalues", 0) + 1
         )

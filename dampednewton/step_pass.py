@@ -19,9 +19,10 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
 from dampednewton.backpack.extensions import (
+    DeferredChecks,
+    ExactSqrtGGN,
     IndividualGradients,
     MonteCarloSqrtGGN,
-    NonFiniteModelOutput,
 )
 from dampednewton.backpack.global_batch import GlobalBatch
 from dampednewton.backpack.passes import Hook, backward_pass
@@ -75,7 +76,7 @@ class StepPass:
         monitor: DiagnosticsMonitor | None,
         step: int,
         communicator: Communicator | None = None,
-    ) -> tuple[Tensor, list[GroupStep | None], bool]:
+    ) -> tuple[Tensor, list[GroupStep | None], bool, DeferredChecks]:
         """Run the closure's one backward pass and compute every group's direction.
 
         Groups whose averaged factor is not refreshed this step reuse it; when no
@@ -97,8 +98,9 @@ class StepPass:
             communicator: The ranks' collectives, ``None`` for one process.
 
         Returns:
-            The loss, every group's step (``None``: no trainable parameter), and
-            whether every group's curvature was finite.
+            The loss, every group's step (``None``: no trainable parameter), whether
+            every group's eigensolver succeeded, and the checks that the BackPACK
+            hooks left for the step to read (its other checks are in the steps).
         """
         blocks = [
             step_block(group, option, state, index)
@@ -134,13 +136,14 @@ class StepPass:
                 extensions, hooks, monitor, step, shared.subsampling_grad
             )
         params = [p for block in blocks for p in block["params"]]
+        deferred = DeferredChecks()
+        for extension in extensions:
+            if isinstance(
+                extension, ExactSqrtGGN | MonteCarloSqrtGGN | IndividualGradients
+            ):
+                extension.deferred_checks = deferred
         try:
             loss = run_closure(closure, params, extensions, hooks)
-        except NonFiniteModelOutput:
-            # Raised inside backward, before the closure could return its loss.
-            loss = torch.tensor(math.nan)
-            if communicator is None:
-                return loss, [None] * len(blocks), True
         except Exception:
             if communicator is not None:  # the other ranks wait for this one
                 communicator.agree_on_pass(
@@ -148,16 +151,13 @@ class StepPass:
                 )
             raise
         if communicator is not None:
-            if any(
-                getattr(extension, "saw_nonfinite_output", False)
-                for extension in extensions
-            ):
-                loss = torch.tensor(math.nan)
+            if deferred.model_output_finite is not None:
+                loss = loss.where(deferred.model_output_finite, math.nan)
             loss = communicator.mean_loss_of_pass(
                 loss, None if engine is None else engine.batch_size
             )
             if not torch.isfinite(loss):
-                return loss, [None] * len(blocks), True
+                return loss, [None] * len(blocks), True, deferred
             if engine is not None:
                 engine.reduce_global_batch()
         with torch.no_grad():
@@ -167,8 +167,8 @@ class StepPass:
                 else averaged_step(block, block["factor"])
                 for block, refresh in zip(blocks, refreshing, strict=True)
             ]
-        finite = finisher is None or finisher.curvature_finite
-        return loss, results, finite
+        solved = finisher is None or finisher.eigensolver_succeeded
+        return loss, results, solved, deferred
 
     def get(
         self,
@@ -224,16 +224,9 @@ class StepPass:
                     per_sample_gradients=per_sample_gradients,
                 )
             extensions = engine.extensions()
-            if communicator is not None:
-                for extension in extensions:
-                    if isinstance(extension, MonteCarloSqrtGGN):
-                        extension.sample_despite_nonfinite = True
             self._cached = (key, engine, finisher, extensions)
         _, engine, finisher, extensions = self._cached
         finisher.reset()
-        for extension in extensions:
-            if isinstance(extension, MonteCarloSqrtGGN):
-                extension.saw_nonfinite_output = False
         return engine, finisher, extensions
 
 

@@ -53,6 +53,7 @@ def main() -> None:
         if rank == 0 and step % 5 == 4:
             print(f"step {step + 1}: loss {loss.item():.4f}")
     if distributed:
+        dist.barrier()  # no rank closes its group while another still reads from it
         dist.destroy_process_group()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -43,10 +44,12 @@ def test_measured_curvature_skips_non_finite_directions():
     "policy", [SmallestCurvature(), MeasuredCurvature()], ids=lambda p: type(p).__name__
 )
 def test_no_direction_no_complement(policy):
-    """Without kept directions there is no curvature to compare with: ``None``."""
+    """Without kept directions there is no curvature to borrow: ``ρ = inf``."""
     empty = torch.zeros(0, dtype=torch.float64)
+    dropped = torch.full((2,), torch.inf, dtype=torch.float64)
 
-    assert policy(empty, empty, torch.tensor(1.0)) is None
+    assert policy(empty, empty, torch.tensor(1.0)).item() == math.inf
+    assert policy(LAMBDAS[:2], dropped, torch.tensor(1.0)).item() == math.inf
 
 
 def test_other_policies_ignore_the_measurement():

@@ -9,6 +9,7 @@ training mode, loss not extended) and let Monte-Carlo sampling draw from a
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from backpack.core.derivatives.crossentropyloss import CrossEntropyLossDerivatives
 from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
@@ -22,7 +23,7 @@ from torch.random import fork_rng
 
 from dampednewton.backpack.private import registered_module_types
 from dampednewton.backpack.savefields import module_input
-from dampednewton.math.finite import all_finite
+from dampednewton.math.finite import all_finite, finite_flag
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 
 DEFAULT_IGNORE_INDEX = -100
@@ -48,8 +49,8 @@ def check_loss_options(loss: _Loss) -> None:
             ``input1``).
 
     Raises:
-        ValueError: For class weights, a non-default ``ignore_index``, or targets
-            equal to ``ignore_index``.
+        ValueError: For class weights or a non-default ``ignore_index`` (targets
+            equal to it: :func:`check_targets`).
     """
     name = type(loss).__name__
     reweight = (
@@ -72,16 +73,77 @@ def check_loss_options(loss: _Loss) -> None:
             f"BackPACK implements only the default ignore_index={DEFAULT_IGNORE_INDEX}"
             f" (and no target may equal it). Use CrossEntropyLoss(). {drop}"
         )
+
+
+def ignored_targets_error(ignored: int, total: int, ignore_index: int) -> ValueError:
+    """The error for targets equal to the cross-entropy's ``ignore_index``.
+
+    Args:
+        ignored: How many targets equal it.
+        total: Number of targets.
+        ignore_index: The loss's ``ignore_index``.
+
+    Returns:
+        The error to raise.
+    """
+    return ValueError(
+        f"{ignored} of the {total} targets equal CrossEntropyLoss's "
+        f"ignore_index={ignore_index}: the loss averages over the other "
+        "samples, BackPACK's GGN over all of them, so the step would be "
+        "wrong. Drop the samples to ignore before the loss instead: keep = targets "
+        f"!= {ignore_index}; loss_fn(outputs[keep], targets[keep])."
+    )
+
+
+@dataclass
+class DeferredChecks:
+    """Checks of the loss's inputs left on the device for the step to read.
+
+    An extension with ``deferred_checks`` set to such an object records them here
+    instead of reading them on the host at once (one synchronization each): the
+    optimizer reads all of a step's checks together (``dampednewton.step_status``).
+    It also never raises on a non-finite model output: it samples from zeros
+    instead, and the step is refused. Shared by the extensions of one pass.
+
+    Attributes:
+        ignored_targets: Number of targets equal to ``ignore_index`` (0-dim).
+        num_targets: Number of targets.
+        ignore_index: The cross-entropy's ``ignore_index``.
+        model_output_finite: Whether the model output reaching the loss is finite
+            (0-dim), where a Monte-Carlo extension sampled from it.
+    """
+
+    ignored_targets: Tensor | None = None
+    num_targets: int = 0
+    ignore_index: int = DEFAULT_IGNORE_INDEX
+    model_output_finite: Tensor | None = None
+
+
+def check_targets(loss: _Loss, deferred: DeferredChecks | None) -> None:
+    """Refuse cross-entropy targets equal to ``ignore_index``, or defer the check.
+
+    Args:
+        loss: A loss module during the backward pass (targets in ``input1``).
+        deferred: Where to leave the count instead of checking it (``None``: check
+            now, one host synchronization).
+
+    Raises:
+        ValueError: Without ``deferred``, if a target equals ``ignore_index``.
+    """
     targets = getattr(loss, "input1", None)
-    if targets is not None and not targets.is_floating_point():
-        ignored = int((targets == loss.ignore_index).sum())
-        if ignored:
-            raise ValueError(
-                f"{ignored} of the {targets.numel()} targets equal CrossEntropyLoss's "
-                f"ignore_index={loss.ignore_index}: the loss averages over the other "
-                "samples, BackPACK's GGN over all of them, so the step would be "
-                f"wrong. {drop}"
-            )
+    if (
+        not isinstance(loss, CrossEntropyLoss)
+        or targets is None
+        or targets.is_floating_point()
+    ):
+        return
+    ignored = (targets == loss.ignore_index).sum()
+    if deferred is not None:
+        deferred.ignored_targets = ignored
+        deferred.num_targets = targets.numel()
+        deferred.ignore_index = loss.ignore_index
+    elif int(ignored):
+        raise ignored_targets_error(int(ignored), targets.numel(), loss.ignore_index)
 
 
 def _run_translating_errors(
@@ -93,6 +155,7 @@ def _run_translating_errors(
 ) -> None:
     if isinstance(module, _Loss):
         check_loss_options(module)
+        check_targets(module, getattr(extension, "deferred_checks", None))
     try:
         call.__call__(extension, module, g_inp, g_out)
     except NotImplementedError as error:
@@ -130,6 +193,8 @@ class NonFiniteModelOutput(FloatingPointError):
 
 class ExactSqrtGGN(SqrtGGNExact):
     """:class:`backpack.extensions.SqrtGGNExact` with actionable error messages."""
+
+    deferred_checks: DeferredChecks | None = None
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension, translating its errors."""
@@ -182,11 +247,7 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
         """
         super().__init__(mc_samples=mc_samples, subsampling=subsampling)
         self.generator = generator
-        # Under data parallelism a rank must not raise inside backward (the others
-        # would wait for it): it zeroes the non-finite model outputs in place, samples,
-        # notes it, and the ranks refuse the step together.
-        self.sample_despite_nonfinite = False
-        self.saw_nonfinite_output = False
+        self.deferred_checks: DeferredChecks | None = None
         self.set_module_extension(
             CrossEntropyLoss,
             _GeneratorSqrtGGNCrossEntropyLoss(generator),
@@ -196,15 +257,21 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension; sample from the generator at the loss."""
         if isinstance(module, _Loss):
-            self.saw_nonfinite_output = not all_finite(module_input(module))
-            if self.saw_nonfinite_output and not self.sample_despite_nonfinite:
-                raise NonFiniteModelOutput(
-                    "The model output is not finite, so the loss Hessian cannot be "
-                    "sampled (Monte-Carlo GGN)."
-                )
-            if self.saw_nonfinite_output:
-                # In place: BackPACK keys the backpropagated quantity by data_ptr.
-                module_input(module).detach().nan_to_num_(0.0, 0.0, 0.0)
+            output = module_input(module)
+            if self.deferred_checks is None:
+                if not all_finite(output):
+                    raise NonFiniteModelOutput(
+                        "The model output is not finite, so the loss Hessian cannot "
+                        "be sampled (Monte-Carlo GGN)."
+                    )
+            else:
+                # A step must not raise inside backward (under data parallelism the
+                # other ranks would wait): it samples from the outputs with their
+                # non-finite entries zeroed (in place, a no-op when all are finite:
+                # BackPACK keys the backpropagated quantity by data_ptr) and the
+                # step is refused.
+                self.deferred_checks.model_output_finite = finite_flag(output)
+                output.detach().nan_to_num_(0.0, 0.0, 0.0)
         self._sample(module, g_inp, g_out)
 
     def _sample(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
@@ -232,6 +299,8 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
 
 class IndividualGradients(BatchGrad):
     """:class:`backpack.extensions.BatchGrad` with actionable error messages."""
+
+    deferred_checks: DeferredChecks | None = None
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension, translating its errors."""

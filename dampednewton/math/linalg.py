@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -56,7 +54,10 @@ def symmetric_eigvalsh(matrix: Tensor) -> Tensor:
 
 
 def _robust(matrix: Tensor, solve) -> tuple[Tensor, ...]:
-    if matrix.dtype != torch.float64:
+    if matrix.dtype != torch.float64 and matrix.device.type == "cpu":
+        # On the CPU the finiteness check waits for no device: try the cheaper
+        # low-precision solve first. On a GPU it would cost a host sync besides the
+        # eigensolver's own, so float64 is solved directly.
         try:
             result = solve(matrix)
             if all_finite(result[0]):
@@ -64,8 +65,7 @@ def _robust(matrix: Tensor, solve) -> tuple[Tensor, ...]:
         except torch.linalg.LinAlgError:
             pass
     matrix64 = matrix.to(torch.float64)
-    largest = matrix64.abs().max().item() if matrix64.numel() else 0.0
-    scale = 2.0 ** round(math.log2(largest)) if 0 < largest < math.inf else 1.0
+    scale = _power_of_two_scale(matrix64)
     normalized = matrix64 / scale
     identity = torch.eye(matrix.shape[0], dtype=torch.float64, device=matrix.device)
     for shift in RETRY_SHIFTS:
@@ -75,10 +75,25 @@ def _robust(matrix: Tensor, solve) -> tuple[Tensor, ...]:
             continue
         evals = (evals - shift) * scale
         return (evals.to(matrix.dtype), *(r.to(matrix.dtype) for r in rest))
+    largest = matrix64.abs().max().item() if matrix64.numel() else 0.0
     raise torch.linalg.LinAlgError(
         "The symmetric eigensolver did not converge on the Gram matrix, even in "
         f"float64 with diagonal shifts {RETRY_SHIFTS} (largest entry {largest:.3g})."
     )
+
+
+def _power_of_two_scale(matrix: Tensor) -> Tensor:
+    """The power of two nearest the largest entry's magnitude (1 for 0 or inf).
+
+    Dividing by it is exact and brings the entries to unit magnitude; it stays a
+    0-dim tensor on the matrix's device (no host sync).
+    """
+    if matrix.numel() == 0:
+        return matrix.new_ones(())
+    largest = matrix.abs().max()
+    usable = (largest > 0) & torch.isfinite(largest)
+    exponent = torch.log2(largest.where(usable, 1.0)).round()
+    return torch.exp2(exponent).where(usable, 1.0)
 
 
 def top_eigh(

@@ -49,25 +49,28 @@ class ComplementPolicy(Protocol):
     def __call__(
         self, lambda_mean: Tensor, damping: Tensor, measured: Tensor | None = None
     ) -> Tensor | None:
-        """Return ``ρ > 0`` as a scalar tensor, or ``None`` for no complement step."""
+        """Return ``ρ > 0`` as a scalar tensor, or ``None`` for no complement step.
+
+        Without a kept direction the built-in policies return ``inf`` (a step
+        ``−g_⊥/ρ = 0``), which, unlike ``None``, needs no host sync to decide.
+        """
 
 
 @dataclass(frozen=True)
 class SmallestCurvature:
     """``ρ = min_k (λ̄_k + δ_k)`` over the kept directions (those with finite ``δ_k``).
 
-    Without a kept direction there is no curvature to borrow and no complement step.
+    Without a kept direction there is no curvature to borrow: ``ρ = inf``, no
+    complement step.
     """
 
     def __call__(
         self, lambda_mean: Tensor, damping: Tensor, measured: Tensor | None = None
     ) -> Tensor | None:
-        """Return the smallest damped curvature, or ``None`` without directions."""
+        """Return the smallest damped curvature, ``inf`` without kept directions."""
         damped = lambda_mean + damping
-        kept = damped[torch.isfinite(damped)]
-        if kept.numel() == 0:
-            return None
-        return kept.min()
+        kept = torch.where(torch.isfinite(damped), damped, torch.inf)
+        return torch.cat([kept, kept.new_full((1,), torch.inf)]).min()
 
 
 @dataclass(frozen=True)
@@ -76,22 +79,22 @@ class MeasuredCurvature:
 
     ``q_⊥`` is this batch's GGN curvature along the gradient's complement (see the
     module docstring). Where it is not measured (steps that reuse an averaged factor)
-    this is :class:`SmallestCurvature`. Without a kept direction there is no
+    this is :class:`SmallestCurvature`. Without a kept direction ``ρ = inf``: no
     complement step.
     """
 
     def __call__(
         self, lambda_mean: Tensor, damping: Tensor, measured: Tensor | None = None
     ) -> Tensor | None:
-        """Return ``ρ``, or ``None`` without directions."""
+        """Return ``ρ``, ``inf`` without kept directions."""
+        if lambda_mean.numel() == 0:
+            return lambda_mean.new_full((), torch.inf)
         damped = lambda_mean + damping
-        finite = torch.isfinite(damped)
-        if not bool(finite.any()):
-            return None
-        flattest = torch.where(finite, damped, torch.inf).argmin()
+        flattest = torch.where(torch.isfinite(damped), damped, torch.inf).argmin()
         curvature = lambda_mean[flattest]
         if measured is not None:
             curvature = torch.maximum(curvature, measured.to(curvature))
+        # Without a kept direction every damping is infinite, and so is ρ.
         return curvature + damping[flattest]
 
 
@@ -122,7 +125,7 @@ class ConstantCurvature:
         self, lambda_mean: Tensor, damping: Tensor, measured: Tensor | None = None
     ) -> Tensor:
         """Return ``ρ`` as a tensor."""
-        return torch.tensor(float(self.value), dtype=lambda_mean.dtype)
+        return lambda_mean.new_full((), float(self.value))
 
 
 def as_complement(

@@ -32,19 +32,40 @@ class Criterion(Protocol):
         """Return the selected indices into ``evals``."""
 
 
-def numerical_zero(evals: Tensor) -> float:
+def numerical_zero(evals: Tensor) -> Tensor:
     """Round-off level of eigenvalues of an ``n×n`` symmetric matrix: ``n·ε·λ_max``.
 
     Args:
         evals: All eigenvalues of the matrix.
 
     Returns:
-        The level below which an eigenvalue is zero up to round-off (``>= 0``).
+        The level below which an eigenvalue is zero up to round-off (``>= 0``), a
+        0-dim tensor on the eigenvalues' device (no host sync).
     """
     if evals.numel() == 0:
-        return 0.0
+        return evals.new_zeros(())
     eps = torch.finfo(evals.dtype).eps
-    return max(evals.max().item(), 0.0) * evals.numel() * eps
+    return evals.max().clamp(min=0) * (evals.numel() * eps)
+
+
+def top_k_start(criterion: Criterion, num_evals: int) -> int | None:
+    """Where a fixed-size tail of ascending eigenvalues holds the criterion's choice.
+
+    A :class:`TopK` criterion selects the last ``k`` eigenvalues, less those that are
+    not numerically positive. Taking the tail ``evals[start:]`` with a mask of the
+    positive ones gives the same step without a data-dependent shape, so without a
+    host sync.
+
+    Args:
+        criterion: The group's criterion.
+        num_evals: Number of eigenvalues.
+
+    Returns:
+        ``max(num_evals − k, 0)`` for :class:`TopK`, ``None`` for other criteria.
+    """
+    if not isinstance(criterion, TopK):
+        return None
+    return max(num_evals - criterion.k, 0)
 
 
 def _positive_indices(evals: Tensor) -> Tensor:

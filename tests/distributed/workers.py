@@ -195,6 +195,7 @@ def run_rank(rank: int, world_size: int, init_file: str, out: str, job: Job) -> 
     try:
         results = _train(rank, world_size, job, Path(out))
         torch.save(results, os.path.join(out, f"{rank}.pt"))
+        dist.barrier()  # no rank closes its group while another still reads from it
     finally:
         dist.destroy_process_group()
 

@@ -151,6 +151,11 @@ def _stale_zero_filled_gradients(
     return _stale_gradients(case, optimizer)
 
 
+def _negative_damping(evals, gram_evecs, gammas, lambdas):
+    """A damping policy whose values are invalid (checked with the step's reads)."""
+    return -torch.ones_like(evals)
+
+
 DOUBLE_BACKWARD = r"(?s)ran 2 backward passes.*once per closure.*def closure"
 STALE_GRADIENTS = r"(?s)held values from before.*optimizer\.zero_grad\(\)"
 
@@ -202,6 +207,12 @@ STEP_CASES = [
     ),
     BadStep("lr-set-negative", _set_in_group("lr", -1.0), ValueError, "learning rate"),
     BadStep("damping-set-negative", _set_in_group("damping", -1.0), ValueError, ">= 0"),
+    BadStep(
+        "damping-policy-negative",
+        _set_in_group("damping", _negative_damping),
+        ValueError,
+        "invalid values",
+    ),
     BadStep("criterion-set-0", _set_in_group("criterion", 0), ValueError, "k >= 1"),
     BadStep(
         "mc-samples-set-in-one-group",

@@ -1,0 +1,103 @@
+"""A step with a top-k criterion and constant damping reads the device once.
+
+On a GPU every host read of a device value is a synchronization that stalls the
+launch queue. The step's own checks and counts are read together
+(``dampednewton.step_status``); BackPACK's loss hook adds one read of its own (its
+check that the loss was not scaled). Counted on the CPU with
+:class:`~tests.host_reads.HostReads`, and on CUDA with torch's sync debug mode.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from backpack import extend
+from torch import nn
+
+from dampednewton import CurvatureAveraging, DampedNewton
+from tests.host_reads import HostReads
+
+CONFIGURATIONS = {
+    "vivit-mc1": {"mc_samples": 1, "complement": None, "averaging": None},
+    "vivit-exact": {"mc_samples": 0, "complement": None, "averaging": None},
+    "complement-exact": {"mc_samples": 0, "averaging": None},
+    "defaults-mc1": {"mc_samples": 1},
+    "averaging-every-step-exact": {
+        "mc_samples": 0,
+        "averaging": CurvatureAveraging(interval=1),
+    },
+}
+
+
+def _training(device: str, options: dict):
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 10))
+    model = extend(model.to(device=device, dtype=torch.float64))
+    loss_fn = extend(nn.CrossEntropyLoss())
+    inputs = torch.randn(32, 8, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, 10, (32,), generator=generator)
+    inputs, targets = inputs.to(device), targets.to(device)
+    optimizer = DampedNewton(
+        model.parameters(), criterion=5, damping=0.1, seed=0, **options
+    )
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    return optimizer, closure
+
+
+def _quiet_steps(optimizer, closure, steps: int) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            optimizer.step(closure)
+
+
+@pytest.mark.parametrize("options", CONFIGURATIONS.values(), ids=CONFIGURATIONS)
+def test_a_step_reads_the_device_once(options):
+    optimizer, closure = _training("cpu", options)
+    # Past the first steps: warnings given, averaged factors of full rank.
+    _quiet_steps(optimizer, closure, 6)
+    for _ in range(3):
+        with HostReads() as reads:
+            optimizer.step(closure)
+        assert reads.of("dampednewton/") == 1, dict(reads.counts)
+        assert reads.of("backpack/") <= 1, dict(reads.counts)
+        assert sum(reads.counts.values()) == reads.of("dampednewton/") + reads.of(
+            "backpack/"
+        ), dict(reads.counts)
+
+
+def test_the_counter_sees_the_reads_it_should():
+    values = torch.tensor([0.0, 1.0, 2.0])
+    with HostReads() as reads:
+        values.tolist()
+        bool(values.sum() > 0)
+        values[values > 0]
+    # Origin "elsewhere": these reads are the test's own.
+    assert reads.counts["elsewhere"] == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("options", CONFIGURATIONS.values(), ids=CONFIGURATIONS)
+def test_a_cuda_step_synchronizes_as_counted(options):
+    optimizer, closure = _training("cuda", options)
+    _quiet_steps(optimizer, closure, 6)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            optimizer.step(closure)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    # The step's one read, BackPACK's loss check and the eigensolver's own check
+    # of its result (cuSOLVER's info, one per Gram matrix solved).
+    assert len(syncs) <= 3, [str(w.message) for w in syncs]
