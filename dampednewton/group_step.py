@@ -42,6 +42,7 @@ from dampednewton.math.gram_space import (
     inverse_lengths,
     newton_coefficients,
 )
+from dampednewton.math.precision import computation_dtype, upcast
 from dampednewton.policies.complement import (
     as_complement,
     complement_coefficients,
@@ -298,7 +299,9 @@ def empty_factor(params: Sequence[Tensor], like: Tensor) -> AveragedFactor:
     Returns:
         An :class:`AveragedFactor` with ``updates = 0``.
     """
-    basis = tuple(p.new_zeros(0, *p.shape) for p in params)
+    basis = tuple(
+        p.new_zeros(0, *p.shape, dtype=computation_dtype(p.dtype)) for p in params
+    )
     return AveragedFactor(basis, like.new_zeros(0), 0)
 
 
@@ -430,9 +433,11 @@ def _damping(
 
 
 def _gradients(params: Sequence[Tensor]) -> list[Tensor]:
-    """The parameters' ``.grad`` (zeros for frozen or unused parameters)."""
+    """The parameters' ``.grad`` in the computation dtype (zeros for frozen ones)."""
     return [
-        torch.zeros_like(p) if p.grad is None or not p.requires_grad else p.grad
+        torch.zeros_like(p, dtype=computation_dtype(p.dtype))
+        if p.grad is None or not p.requires_grad
+        else upcast(p.grad)
         for p in params
     ]
 

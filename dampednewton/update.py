@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from dampednewton.group_step import GroupStep
+from dampednewton.math.precision import computation_dtype
 from dampednewton.model import trust_region_scale
 from dampednewton.options import GroupOptions
 
@@ -39,7 +40,8 @@ def update_parameter(
         options: The group's options (``lr``, ``momentum``, ``nesterov``,
             ``weight_decay``).
     """
-    update = direction.to(param.dtype)
+    # Half-precision parameters keep their momentum in float32; ``add_`` rounds once.
+    update = direction.to(computation_dtype(param.dtype))
     mu = options.momentum
     if mu > 0:
         buffer = state.get(MOMENTUM)

@@ -31,6 +31,7 @@ from dampednewton.math.factors import (
     gathered,
 )
 from dampednewton.math.linear_factors import LinearFactor, SharedLinearFactor
+from dampednewton.math.precision import upcast
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,15 @@ class LinearBuffers:
     inputs: Tensor | None
     output_gradients: Tensor
     layer_inputs: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        """Hold half-precision buffers in float32 (see ``math.precision``)."""
+        self.backproped = upcast(self.backproped)
+        self.inputs = None if self.inputs is None else upcast(self.inputs)
+        self.output_gradients = upcast(self.output_gradients)
+        self.layer_inputs = (
+            None if self.layer_inputs is None else upcast(self.layer_inputs)
+        )
 
     def sqrt_ggn(self) -> Tensor:
         """The materialized square root ``[C, N, d_out(, d_in)]``, BackPACK's layout."""
@@ -149,6 +159,14 @@ class SharedLinearBuffers:
     inputs: Tensor
     output_gradients: Tensor
     layer_inputs: Tensor
+
+    def __post_init__(self) -> None:
+        """Hold half-precision buffers in float32 (see ``math.precision``)."""
+        self.backproped = upcast(self.backproped)
+        self.inputs = upcast(self.inputs)
+        self.output_gradients = upcast(self.output_gradients)
+        self.layer_inputs = upcast(self.layer_inputs)
+
     shape: Size
 
     def sqrt_ggn(self) -> Tensor:
@@ -244,12 +262,13 @@ def dense_factor(
     batch_size = assembly.batch_size
     scale = math.sqrt(batch_size / sqrt_ggn.shape[1])
     gradients = (
-        gathered(grad_batch, "individual gradients").flatten(start_dim=1) * batch_size
+        upcast(gathered(grad_batch, "individual gradients")).flatten(start_dim=1)
+        * batch_size
         if assembly.with_gradients
         else None
     )
     return DenseFactor(
-        flatten_sqrt_ggn(sqrt_ggn) * scale, sqrt_ggn.shape[2:], gradients
+        flatten_sqrt_ggn(upcast(sqrt_ggn)) * scale, sqrt_ggn.shape[2:], gradients
     )
 
 

@@ -156,6 +156,8 @@ def _run_translating_errors(
     if isinstance(module, _Loss):
         check_loss_options(module)
         check_targets(module, getattr(extension, "deferred_checks", None))
+    else:
+        check_no_autocast(module)
     try:
         call.__call__(extension, module, g_inp, g_out)
     except NotImplementedError as error:
@@ -185,6 +187,36 @@ def _run_translating_errors(
                 "loss_fn)` (and `model = backpack.extend(model)`)."
             ) from error
         raise
+
+
+def check_no_autocast(module: Module) -> None:
+    """Refuse a layer whose output's dtype is not its parameters' (``torch.autocast``).
+
+    Under autocast a float32 layer computes in bfloat16 or float16, and BackPACK
+    would back-propagate the loss Hessian's square root in that dtype into float32
+    parameters. A model held in half precision works instead: its curvature is
+    computed in float32 (:mod:`~dampednewton.math.precision`).
+
+    Args:
+        module: A module during the backward pass (BackPACK stored its output).
+
+    Raises:
+        RuntimeError: If a floating-point parameter's dtype differs from the output's.
+    """
+    output = getattr(module, "output", None)
+    if not isinstance(output, Tensor) or not output.is_floating_point():
+        return
+    for param in module.parameters(recurse=False):
+        if param.is_floating_point() and param.dtype != output.dtype:
+            raise RuntimeError(
+                f"{module} has {param.dtype} parameters but computed its output in "
+                f"{output.dtype}: the closure runs under torch.autocast, whose mixed "
+                "dtypes BackPACK cannot back-propagate. Run the closure without "
+                "autocast and hold the model in half precision instead "
+                "(model.to(torch.bfloat16)): DampedNewton computes its Gram matrix, "
+                "eigendecomposition and step in float32 and rounds the update to "
+                "the parameters' dtype."
+            )
 
 
 class NonFiniteModelOutput(FloatingPointError):

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from dampednewton.math.factors import Factor, LayerCache
+from dampednewton.math.precision import computation_dtype, upcast
 
 
 @dataclass
@@ -69,7 +70,10 @@ def to_parameter_space(block: Block, gram_vectors: Tensor) -> list[Tensor]:
         if factor is None:
             mapped.append(
                 torch.zeros(
-                    *leading, *param.shape, dtype=param.dtype, device=param.device
+                    *leading,
+                    *param.shape,
+                    dtype=computation_dtype(param.dtype),
+                    device=param.device,
                 )
             )
         else:
@@ -128,7 +132,7 @@ def gradient_of(param: Tensor) -> Tensor:
         param: A parameter of a finished block.
 
     Returns:
-        Its ``.grad``.
+        Its ``.grad`` (in float32 for half-precision parameters).
 
     Raises:
         RuntimeError: When it has none.
@@ -138,4 +142,4 @@ def gradient_of(param: Tensor) -> Tensor:
             "A parameter of the block has no .grad after the backward pass; with "
             "per_sample_gradients=False, call get_result before zeroing gradients."
         )
-    return param.grad
+    return upcast(param.grad)

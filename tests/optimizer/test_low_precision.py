@@ -1,0 +1,111 @@
+"""Half-precision models: curvature and step in float32, the update in their dtype.
+
+The reference is the float64 step of the same weights and inputs (the bfloat16
+values, exactly representable in float64). The model's own forward and backward
+passes round to bfloat16 (unit round-off ``u = 2⁻⁸``), and so does the update.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from backpack import extend
+from torch import nn
+
+from dampednewton import DampedNewton
+from tests.assertions import assert_close
+from tests.utils import EXACT_VIVIT_STEP, flat, make_closure, reference_step
+
+UNIT_ROUNDOFF = 2.0**-8
+
+
+def _bfloat16_problem():
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    for param in model.parameters():
+        with torch.no_grad():
+            param.copy_(torch.randn(param.shape, generator=generator))
+    inputs = torch.randn(8, 6, generator=generator).to(torch.bfloat16)
+    targets = torch.randint(0, 3, (8,), generator=generator)
+    return model.to(torch.bfloat16), inputs, targets
+
+
+def test_a_bfloat16_model_steps_as_the_float64_reference_of_its_weights():
+    model, inputs, targets = _bfloat16_problem()
+    reference_model = copy.deepcopy(model).to(torch.float64)
+    before = [p.detach().clone() for p in model.parameters()]
+    model, loss_fn = extend(model), extend(nn.CrossEntropyLoss())
+    optimizer = DampedNewton(
+        model.parameters(), damping=0.5, criterion=2, **EXACT_VIVIT_STEP
+    )
+
+    optimizer.step(make_closure(optimizer, model, loss_fn, inputs, targets))
+
+    stats = optimizer.state["groups"][0]
+    assert stats["evals"].dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    change = flat(
+        [(p - b).double() for p, b in zip(model.parameters(), before, strict=True)]
+    )
+    expected = reference_step(
+        reference_model,
+        nn.CrossEntropyLoss(),
+        list(reference_model.parameters()),
+        inputs.double(),
+        targets,
+        criterion=2,
+        damping=0.5,
+    )
+    # The curvature from bfloat16 activations: a few round-offs, in float32.
+    tolerance = 8 * UNIT_ROUNDOFF
+    assert_close(stats["evals"].double(), expected.evals, rtol=tolerance, name="λ")
+    assert_close(
+        stats["lambda_mean"].double(), expected.lambda_mean, rtol=tolerance, name="λ̄"
+    )
+    assert_close(  # eigenvectors' signs are arbitrary
+        stats["gamma_mean"].double().abs(),
+        expected.gamma_mean.abs(),
+        rtol=tolerance,
+        name="|γ̄|",
+    )
+    # The step to those round-offs, then θ + s rounded to bfloat16 (u·|θ + s|).
+    after = flat([p.double() for p in model.parameters()])
+    bound = tolerance * expected.step.abs().max() + UNIT_ROUNDOFF * after.abs()
+    assert ((change - expected.step).abs() <= bound).all()
+
+
+def test_a_bfloat16_model_trains():
+    model, inputs, targets = _bfloat16_problem()
+    model, loss_fn = extend(model), extend(nn.CrossEntropyLoss())
+    optimizer = DampedNewton(model.parameters(), seed=0)
+    closure = make_closure(optimizer, model, loss_fn, inputs, targets)
+    losses = [optimizer.step(closure).item() for _ in range(10)]
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_autocast_is_refused_with_the_half_precision_model_instead():
+    generator = torch.Generator().manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)))
+    loss_fn = extend(nn.CrossEntropyLoss())
+    inputs = torch.randn(8, 6, generator=generator)
+    targets = torch.randint(0, 3, (8,), generator=generator)
+    optimizer = DampedNewton(model.parameters(), seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure():
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    with pytest.raises(
+        RuntimeError, match=r"(?s)autocast.*model\.to\(torch\.bfloat16\)"
+    ):
+        optimizer.step(closure)
+    assert all(
+        torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)
+    )
+    assert optimizer.state["global"]["step"] == 0
