@@ -10,6 +10,7 @@ records it (:mod:`dampednewton.records`) and adapts the damping.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -20,9 +21,11 @@ from torch.optim import Optimizer
 
 from dampednewton.adaptation import adapt, distinct_adaptive
 from dampednewton.averaging import CurvatureAveraging
+from dampednewton.backpack.extensions import modified_loss_warning
 from dampednewton.checkpoint import mark_unpicklable, unwrap_settings
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.guard import (
+    STACKLEVEL_OF_CALLER,
     GeneratorSnapshot,
     check_loss_type,
     nonfinite_problem,
@@ -291,6 +294,11 @@ class DampedNewton(Optimizer):
             thresholds = [option.warn_small_eigvals for option in options]
             status = read_status(loss, results, thresholds, deferred)
             status.check_inputs(results, deferred)
+            if not status.loss_unscaled:
+                warnings.warn(
+                    modified_loss_warning(deferred.loss_name),
+                    stacklevel=STACKLEVEL_OF_CALLER - 1,
+                )
             problem = nonfinite_problem(loss, status, solved)
             if self._communicator is not None:
                 refused = self._communicator.any_refuses(problem is not None)

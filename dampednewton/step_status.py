@@ -57,6 +57,8 @@ class StepStatus:
         ignored_targets: Targets equal to the cross-entropy's ``ignore_index``.
         model_output_finite: Whether the model output reaching the loss was finite
             (where a Monte-Carlo hook checked it).
+        loss_unscaled: Whether the gradient reaching the loss was 1 (BackPACK's
+            check that ``backward`` ran on the loss itself).
         groups: Per group, its status (``None`` for groups without a step).
     """
 
@@ -64,6 +66,7 @@ class StepStatus:
     step_finite: bool
     ignored_targets: int
     model_output_finite: bool
+    loss_unscaled: bool
     groups: list[GroupStatus | None]
 
     def check_inputs(
@@ -128,6 +131,7 @@ def read_status(
     ]
     ignored_slot = reads.add(deferred.ignored_targets)
     output_slot = reads.add(deferred.model_output_finite)
+    unscaled_slot = reads.add(deferred.loss_unscaled)
     device = loss.device
     values = torch.stack(
         [t.to(device=device, dtype=torch.float64) for t in reads.tensors]
@@ -141,6 +145,7 @@ def read_status(
         step_finite=bool(value(step_slot, 1.0)),
         ignored_targets=int(value(ignored_slot, 0.0)),
         model_output_finite=bool(value(output_slot, 1.0)),
+        loss_unscaled=bool(value(unscaled_slot, 1.0)),
         groups=[
             None
             if slots is None

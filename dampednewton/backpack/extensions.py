@@ -11,12 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from backpack.core.derivatives.bcewithlogitsloss import BCELossWithLogitsDerivatives
 from backpack.core.derivatives.crossentropyloss import CrossEntropyLossDerivatives
+from backpack.core.derivatives.mseloss import MSELossDerivatives
 from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.secondorder.sqrt_ggn.losses import SqrtGGNBaseLossModule
 from torch import Generator, Tensor, cuda, get_rng_state, set_rng_state
-from torch.nn import CrossEntropyLoss, Module
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
 from torch.random import fork_rng
@@ -111,12 +113,17 @@ class DeferredChecks:
         ignore_index: The cross-entropy's ``ignore_index``.
         model_output_finite: Whether the model output reaching the loss is finite
             (0-dim), where a Monte-Carlo extension sampled from it.
+        loss_unscaled: Whether the gradient reaching the loss was 1 (0-dim): BackPACK's
+            check that ``backward`` was called on the loss itself, not on a multiple.
+        loss_name: The loss module, for the warning.
     """
 
     ignored_targets: Tensor | None = None
     num_targets: int = 0
     ignore_index: int = DEFAULT_IGNORE_INDEX
     model_output_finite: Tensor | None = None
+    loss_unscaled: Tensor | None = None
+    loss_name: str = ""
 
 
 def check_targets(loss: _Loss, deferred: DeferredChecks | None) -> None:
@@ -223,22 +230,58 @@ class NonFiniteModelOutput(FloatingPointError):
     """The model output reaching the loss is not finite: no GGN can be sampled."""
 
 
-class ExactSqrtGGN(SqrtGGNExact):
-    """:class:`backpack.extensions.SqrtGGNExact` with actionable error messages."""
+def modified_loss_warning(loss_name: str) -> str:
+    """BackPACK's warning for a loss whose output gradient is not 1.
 
-    deferred_checks: DeferredChecks | None = None
+    Args:
+        loss_name: The loss module.
 
-    def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
-        """Run BackPACK's extension, translating its errors."""
-        _run_translating_errors(self, SqrtGGNExact, module, g_inp, g_out)
+    Returns:
+        The warning's text.
+    """
+    return (
+        f"The output of {loss_name} seems to have been modified. Backpack might give "
+        "wrong second-order information. Make sure you call backward() on the output "
+        "of a loss function module from torch.nn"
+    )
 
 
-class _GeneratorCrossEntropyDerivatives(CrossEntropyLossDerivatives):
-    """Cross-entropy derivatives whose Monte-Carlo labels come from a generator."""
+class _DeferredLossCheck:
+    """Loss derivatives whose check of the loss's output gradient can wait.
 
-    def __init__(self, generator: Generator | None):
+    BackPACK warns when the gradient reaching the loss is not 1 (``backward`` on a
+    multiple of the loss), reading the gradient on the host. With the owning
+    extension's ``deferred_checks`` set, the flag is left there instead and the
+    optimizer warns after its one read.
+    """
+
+    owner: ExactSqrtGGN | MonteCarloSqrtGGN
+
+    def _check_loss_has_not_been_modified(
+        self, module: Module, g_out: tuple[Tensor] | None
+    ) -> None:
+        deferred = self.owner.deferred_checks
+        if deferred is None:
+            super()._check_loss_has_not_been_modified(module, g_out)  # type: ignore[misc]
+        elif g_out is not None:
+            deferred.loss_unscaled = (g_out[0] == 1.0).all()
+            deferred.loss_name = str(module)
+
+
+class _DeferringCrossEntropyDerivatives(
+    _DeferredLossCheck, CrossEntropyLossDerivatives
+):
+    """Cross-entropy derivatives with the deferred check, labels from a generator.
+
+    The exact square root ignores the generator; Monte-Carlo sampling draws its
+    labels from it (``math.sampling.sampled_cross_entropy_gradients``).
+    """
+
+    def __init__(
+        self, owner: ExactSqrtGGN | MonteCarloSqrtGGN, generator: Generator | None
+    ):
         super().__init__()
-        self.generator = generator
+        self.owner, self.generator = owner, generator
 
     def compute_sampled_grads(self, subsampled_input: Tensor, mc_samples: int):
         return sampled_cross_entropy_gradients(
@@ -246,11 +289,50 @@ class _GeneratorCrossEntropyDerivatives(CrossEntropyLossDerivatives):
         )
 
 
-class _GeneratorSqrtGGNCrossEntropyLoss(SqrtGGNBaseLossModule):
-    """Square-root extension of ``nn.CrossEntropyLoss`` sampling from a generator."""
+class _DeferringMSEDerivatives(_DeferredLossCheck, MSELossDerivatives):
+    def __init__(self, owner: ExactSqrtGGN | MonteCarloSqrtGGN):
+        super().__init__()
+        self.owner = owner
 
-    def __init__(self, generator: Generator | None):
-        super().__init__(_GeneratorCrossEntropyDerivatives(generator))
+
+class _DeferringBCEWithLogitsDerivatives(
+    _DeferredLossCheck, BCELossWithLogitsDerivatives
+):
+    def __init__(self, owner: ExactSqrtGGN | MonteCarloSqrtGGN):
+        super().__init__()
+        self.owner = owner
+
+
+def _set_loss_extensions(
+    extension: ExactSqrtGGN | MonteCarloSqrtGGN, generator: Generator | None = None
+) -> None:
+    """Give a square-root extension loss derivatives with the deferred check."""
+    for loss, derivatives in (
+        (CrossEntropyLoss, _DeferringCrossEntropyDerivatives(extension, generator)),
+        (MSELoss, _DeferringMSEDerivatives(extension)),
+        (BCEWithLogitsLoss, _DeferringBCEWithLogitsDerivatives(extension)),
+    ):
+        extension.set_module_extension(
+            loss, SqrtGGNBaseLossModule(derivatives), overwrite=True
+        )
+
+
+class ExactSqrtGGN(SqrtGGNExact):
+    """:class:`backpack.extensions.SqrtGGNExact` with actionable error messages."""
+
+    def __init__(self, subsampling: Sequence[int] | None = None):
+        """Set up BackPACK's extension and the losses' deferred checks.
+
+        Args:
+            subsampling: Indices of the samples used, ``None`` for all.
+        """
+        super().__init__(subsampling=subsampling)
+        self.deferred_checks: DeferredChecks | None = None
+        _set_loss_extensions(self)
+
+    def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
+        """Run BackPACK's extension, translating its errors."""
+        _run_translating_errors(self, SqrtGGNExact, module, g_inp, g_out)
 
 
 class MonteCarloSqrtGGN(SqrtGGNMC):
@@ -280,11 +362,7 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
         super().__init__(mc_samples=mc_samples, subsampling=subsampling)
         self.generator = generator
         self.deferred_checks: DeferredChecks | None = None
-        self.set_module_extension(
-            CrossEntropyLoss,
-            _GeneratorSqrtGGNCrossEntropyLoss(generator),
-            overwrite=True,
-        )
+        _set_loss_extensions(self, generator)
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension; sample from the generator at the loss."""

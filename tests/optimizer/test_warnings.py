@@ -11,9 +11,10 @@ import warnings
 
 import pytest
 import torch
+from backpack import backpack
 from packaging.version import Version
 
-from dampednewton import DampedNewton, LevenbergMarquardt
+from dampednewton import DampedNewton, EigvalshComputation, LevenbergMarquardt
 from dampednewton.backward import FULL_BACKWARD_HOOK_WARNING
 from dampednewton.diagnostics import GSNR, DiagnosticsMonitor
 from tests.cases import PROBLEMS, readme_problem
@@ -132,3 +133,42 @@ def test_monitor_context_silences_the_hook_warning_and_nothing_else():
     assert not [r for r in record if HOOK_WARNING in str(r.message)]
     assert [r for r in record if "the user's own warning" in str(r.message)]
     assert monitor.log.series("gsnr/mean")[0].tolist() == [0]
+
+
+@pytest.mark.parametrize("mc_samples", [0, 1], ids=["exact", "mc1"])
+def test_a_scaled_loss_warns_as_backpack_does_after_the_step(mc_samples):
+    """BackPACK's check that the loss was not scaled, read with the step's checks."""
+    case = build_case(MLP_CE)
+    optimizer = DampedNewton(
+        case.model.parameters(), damping=1.0, mc_samples=mc_samples, seed=0
+    )
+
+    def scaled_closure():
+        optimizer.zero_grad()
+        loss = case.loss_fn(case.model(case.X), case.y)
+        (2 * loss).backward()
+        return loss
+
+    messages = [
+        str(w.message) for w in recorded(lambda: optimizer.step(scaled_closure))
+    ]
+    assert any("seems to have been modified" in m for m in messages), messages
+    unscaled = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    messages = [str(w.message) for w in recorded(lambda: optimizer.step(unscaled))]
+    assert not any("seems to have been modified" in m for m in messages), messages
+
+
+def test_the_computations_keep_backpacks_own_warning():
+    case = build_case(MLP_CE)
+    computation = EigvalshComputation()
+    group = {"params": list(case.model.parameters())}
+
+    def scaled_backward():
+        with backpack(
+            *computation.get_extensions(),
+            extension_hook=computation.get_extension_hook([group]),
+        ):
+            (2 * case.loss_fn(case.model(case.X), case.y)).backward()
+
+    messages = [str(w.message) for w in recorded(scaled_backward)]
+    assert any("seems to have been modified" in m for m in messages), messages
