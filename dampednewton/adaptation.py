@@ -61,19 +61,27 @@ def adapt(
     """
     ratio = math.nan
     if any(policy.ratio_needed() for policy in policies):
-        predicted = sum(
-            predicted_change(scale, result.slope, result.curvature).item()
+        predicted = [
+            predicted_change(scale, result.slope, result.curvature)
             for scale, result in steps
             if result is not None
-        )
+        ]
         with torch.enable_grad(), quiet_backward_hook_warning():
-            new_loss = closure().item()
+            new_loss = closure().detach()
+        # One host read: both losses and every group's predicted change.
+        new_value, old_value, *changes = torch.stack(
+            [
+                t.to(device=new_loss.device, dtype=torch.float64)
+                for t in (new_loss, loss.detach(), *predicted)
+            ]
+        ).tolist()
+        predicted_total = sum(changes)
         if mean_over_ranks is not None:
-            new_loss = mean_over_ranks(new_loss)
-        if not math.isfinite(new_loss):
+            new_value = mean_over_ranks(new_value)
+        if not math.isfinite(new_value):
             ratio = -math.inf
-        elif predicted != 0:
-            ratio = (new_loss - loss.item()) / predicted
+        elif predicted_total != 0:
+            ratio = (new_value - old_value) / predicted_total
     for policy in policies:
         policy.update(ratio)
     return ratio

@@ -16,7 +16,7 @@ import torch
 from backpack import extend
 from torch import nn
 
-from dampednewton import CurvatureAveraging, DampedNewton
+from dampednewton import CurvatureAveraging, DampedNewton, LevenbergMarquardt
 from tests.host_reads import HostReads
 
 CONFIGURATIONS = {
@@ -69,6 +69,19 @@ def test_a_step_reads_the_device_once(options):
             optimizer.step(closure)
         assert reads.of("dampednewton/") == 1, dict(reads.counts)
         assert sum(reads.counts.values()) == 1, dict(reads.counts)
+
+
+def test_levenberg_marquardt_adds_one_read_on_its_adaptation_steps():
+    optimizer, closure = _training("cpu", {"mc_samples": 1})
+    optimizer.param_groups[0]["damping"] = LevenbergMarquardt(value=0.1, interval=5)
+    _quiet_steps(optimizer, closure, 6)
+    reads_per_step = []
+    for _ in range(5):
+        with HostReads() as reads:
+            optimizer.step(closure)
+        reads_per_step.append(sum(reads.counts.values()))
+    # The loss after the step, the loss before and the predicted change, together.
+    assert sorted(reads_per_step) == [1, 1, 1, 1, 2], reads_per_step
 
 
 def test_the_counter_sees_the_reads_it_should():
