@@ -165,6 +165,50 @@ def conv_2c2d(out_features: int = 10, *, generator: torch.Generator) -> nn.Seque
     return _materialize(build, generator)
 
 
+def cifar10_3c3d(
+    out_features: int = 10, *, generator: torch.Generator
+) -> nn.Sequential:
+    """DeepOBS's ``cifar10_3c3d`` for ``[N, 3, 32, 32]`` inputs.
+
+    Convolutions 5×5 (64 channels, no padding), 3×3 (96, no padding) and 3×3 (128,
+    "same"), each followed by ReLU and 3×3 max-pooling of stride 2 with TensorFlow's
+    "same" padding (one zero row and column after the ReLU: the same maximum), then
+    fully-connected layers 1152 → 512 → 256 → ``out_features``. The model of ViViT's
+    memory benchmark (its critical batch sizes).
+
+    Args:
+        out_features: Number of classes.
+        generator: Source of the initial parameters.
+
+    Returns:
+        The model (0.9 M parameters).
+    """
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(
+            nn.Conv2d(3, 64, 5),
+            nn.ReLU(),
+            nn.ZeroPad2d((0, 1, 0, 1)),
+            nn.MaxPool2d(3, stride=2),
+            nn.Conv2d(64, 96, 3),
+            nn.ReLU(),
+            nn.ZeroPad2d((0, 1, 0, 1)),
+            nn.MaxPool2d(3, stride=2),
+            nn.Conv2d(96, 128, 3, padding=1),
+            nn.ReLU(),
+            nn.ZeroPad2d((0, 1, 0, 1)),
+            nn.MaxPool2d(3, stride=2),
+            nn.Flatten(),
+            nn.Linear(3 * 3 * 128, 512),
+            nn.ReLU(),
+            nn.Linear(512, 256),
+            nn.ReLU(),
+            nn.Linear(256, out_features),
+        )
+
+    return _materialize(build, generator)
+
+
 def quadratic_model(
     readout: np.ndarray, init_value: float = 1.0, *, generator: torch.Generator
 ) -> nn.Sequential:

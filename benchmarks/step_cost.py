@@ -29,7 +29,7 @@ import torch
 from backpack import backpack, extend
 from torch import nn
 
-from benchmarks.models import mlp
+from benchmarks.models import cifar10_3c3d, mlp
 from dampednewton import DampedNewton, DirectionalDampedNewtonComputation
 
 NUM_CLASSES = 10
@@ -65,11 +65,24 @@ def cnn() -> nn.Module:
     )
 
 
+def deepobs_3c3d() -> nn.Module:
+    """DeepOBS's cifar10_3c3d (ViViT's memory benchmark) on 3×32×32 inputs."""
+    return cifar10_3c3d(NUM_CLASSES, generator=torch.Generator().manual_seed(0))
+
+
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": flat_mlp((128, 128)),
     "mlp-large": flat_mlp((512, 512)),
     "cnn": cnn,
+    "3c3d": deepobs_3c3d,
 }
+INPUT_SHAPES: dict[str, tuple[int, ...]] = {"3c3d": (3, 32, 32)}
+"""A model's input shape, where it is not 1×28×28."""
+
+
+def input_shape(model_name: str) -> tuple[int, ...]:
+    """The shape of one input of a model of :data:`MODELS`."""
+    return INPUT_SHAPES.get(model_name, (1, 28, 28))
 
 
 def synchronize(device: torch.device) -> None:
@@ -110,7 +123,8 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
     torch.manual_seed(0)  # benchmark script: module initialization only
     model = MODELS[model_name]().to(device)
     loss_fn = nn.CrossEntropyLoss()
-    X = torch.randn(batch_size, 1, 28, 28, generator=generator).to(device)
+    X = torch.randn(batch_size, *input_shape(model_name), generator=generator)
+    X = X.to(device)
     y = torch.randint(NUM_CLASSES, (batch_size,), generator=generator).to(device)
     kind, _, ggn = variant.partition(":")
     mc_samples = 1 if ggn == "mc1" else 0

@@ -18,6 +18,7 @@ MODELS: list[
     ("logreg", lambda g: models.logistic_regression(64, 10, generator=g), (64,), 10),
     ("mnist1d_cnn", lambda g: models.mnist1d_cnn(generator=g), (1, 40), 10),
     ("conv_2c2d", lambda g: models.conv_2c2d(generator=g), (1, 28, 28), 10),
+    ("cifar10_3c3d", lambda g: models.cifar10_3c3d(generator=g), (3, 32, 32), 10),
 ]
 
 
@@ -63,3 +64,9 @@ def test_default_init_bounds(model_case):
 def test_unknown_activation_is_a_clear_error():
     with pytest.raises(ValueError, match="Unknown activation 'gelu'"):
         models.mlp(4, [3], 2, "gelu", generator=torch.Generator())
+
+
+def test_3c3d_has_deepobs_parameter_count():
+    model = models.cifar10_3c3d(generator=torch.Generator().manual_seed(0))
+    # DeepOBS's cifar10_3c3d: 895,210 parameters.
+    assert sum(p.numel() for p in model.parameters()) == 895_210

@@ -3,7 +3,7 @@
 On a GPU every host read of a device value is a synchronization that stalls the
 launch queue. The step's checks and counts, BackPACK's check that the loss was not
 scaled included, are read together (``dampednewton.step_status``). Counted on the
-CPU with :class:`~tests.host_reads.HostReads`, and on CUDA with torch's sync debug
+CPU with :class:`~benchmarks.host_reads.HostReads`, and on CUDA with torch's sync debug
 mode.
 """
 
@@ -16,8 +16,8 @@ import torch
 from backpack import extend
 from torch import nn
 
+from benchmarks.host_reads import HostReads
 from dampednewton import CurvatureAveraging, DampedNewton, LevenbergMarquardt
-from tests.host_reads import HostReads
 
 CONFIGURATIONS = {
     "vivit-mc1": {"mc_samples": 1, "complement": None, "averaging": None},

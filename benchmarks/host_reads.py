@@ -8,12 +8,16 @@ innermost frame of the package (or of BackPACK) that caused it.
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections import Counter
 
+import backpack
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import dampednewton
 
 # Operators that read values on the host or size their output by them.
 READING_OPERATORS = (
@@ -31,15 +35,18 @@ MASKING_OPERATORS = ("index", "index_put", "index_put_", "_index_put_impl_")
 READING_METHODS = {torch.Tensor.tolist, torch.Tensor.numpy}
 
 
+_PACKAGES = {
+    "dampednewton/": os.path.dirname(dampednewton.__file__) + os.sep,
+    "backpack/": os.path.dirname(backpack.__file__) + os.sep,
+}
+
+
 def _origin() -> str:
-    """The innermost frame in dampednewton or backpack, as ``path:line``."""
+    """The innermost frame in dampednewton or backpack, as ``package/path:line``."""
     for frame in reversed(traceback.extract_stack()):
-        name = frame.filename
-        if "/tests/" in name:
-            continue
-        for package in ("dampednewton/", "backpack/"):
-            if package in name:
-                return f"{package}{name.split(package)[-1]}:{frame.lineno}"
+        for package, root in _PACKAGES.items():
+            if frame.filename.startswith(root):
+                return f"{package}{frame.filename[len(root) :]}:{frame.lineno}"
     return "elsewhere"
 
 

@@ -1,0 +1,198 @@
+"""Where a step's time goes on its device: kernels, host reads, synchronizations.
+
+For each model, one warm step of SGD and of DampedNewton is counted: ViViT's step with
+top-10 directions and constant damping for each GGN (``fast:mc1``, ``fast:exact``), and
+the package's defaults (``default``: Monte-Carlo, complement, averaging, trust region,
+Levenberg-Marquardt damping adapted every 5 steps):
+
+* ``kernels``: CUDA kernels launched (``torch.profiler``); on the CPU, ATen operators
+  that compute (views excluded), the proxy of launches;
+* ``reads``: host reads of device values (``item``, ``tolist``, boolean masks), by
+  :class:`~benchmarks.host_reads.HostReads`, any device;
+* ``syncs``: CUDA synchronizations that torch reports (``set_sync_debug_mode``),
+  which include those of libraries such as cuSOLVER's result checks;
+* ``busy``: the kernels' summed time on the GPU.
+
+Step times are medians of steps timed in alternating blocks (as ``step_cost``), with
+the ratio to SGD's. Not a test: run it where the numbers are wanted::
+
+    python -m benchmarks.step_profile --models mlp 3c3d --ggn mc1 exact
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.host_reads import HostReads
+from benchmarks.step_cost import MODELS, make_step, round_robin_medians, synchronize
+
+# ATen operators that only describe memory (no kernel on a GPU).
+VIEW_OPERATORS = frozenset(
+    {
+        "alias",
+        "as_strided",
+        "detach",
+        "expand",
+        "lift_fresh",
+        "permute",
+        "reshape",
+        "_reshape_alias",
+        "select",
+        "slice",
+        "split",
+        "squeeze",
+        "t",
+        "transpose",
+        "unbind",
+        "unsqueeze",
+        "view",
+        "_unsafe_view",
+    }
+)
+
+
+@dataclass
+class StepProfile:
+    """Counts of one step.
+
+    Attributes:
+        kernels: CUDA kernels (GPU) or computing ATen operators (CPU).
+        reads: Host reads of device values.
+        syncs: CUDA synchronizations reported by torch (``None`` on the CPU).
+        busy_ms: The kernels' summed GPU time (``None`` on the CPU).
+    """
+
+    kernels: int
+    reads: int
+    syncs: int | None
+    busy_ms: float | None
+
+
+class _ComputingOperators(TorchDispatchMode):
+    """Counts the ATen operators that compute (not views)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] not in VIEW_OPERATORS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def profile_step(step: Callable[[], object], device: torch.device) -> StepProfile:
+    """Count one (warm) step's kernels, host reads and synchronizations.
+
+    Args:
+        step: One optimizer step (model, data and closure inside).
+        device: Where it runs.
+
+    Returns:
+        The counts.
+    """
+    synchronize(device)
+    with HostReads() as reads:
+        step()
+    if device.type != "cuda":
+        with _ComputingOperators() as operators:
+            step()
+        return StepProfile(operators.count, sum(reads.counts.values()), None, None)
+    synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        step()
+        synchronize(device)
+    kernels = [
+        event
+        for event in profiler.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    busy = sum(event.device_time for event in kernels) / 1e3
+    return StepProfile(len(kernels), sum(reads.counts.values()), syncs, busy)
+
+
+def table(
+    models: Sequence[str],
+    ggns: Sequence[str],
+    batch_size: int,
+    device: torch.device,
+    repeats: int,
+) -> list[str]:
+    """Markdown rows of every model, GGN and variant (SGD first).
+
+    Args:
+        models: Names in :data:`benchmarks.step_cost.MODELS`.
+        ggns: ``mc1`` and/or ``exact``.
+        batch_size: ``N``.
+        device: Where to run.
+        repeats: Timed steps per variant.
+
+    Returns:
+        The table's lines.
+    """
+    kernels = "kernels" if device.type == "cuda" else "ATen ops"
+    lines = [
+        f"| model | variant | ms | ×SGD | {kernels} | host reads | syncs | busy ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for model in models:
+        variants = ["sgd", *(f"fast:{ggn}" for ggn in ggns), "default"]
+        steps = {v: make_step(v, model, batch_size, device) for v in variants}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step in steps.values():
+                for _ in range(3):
+                    step()
+            seconds = round_robin_medians(steps, device, repeats)
+            profiles = {v: profile_step(step, device) for v, step in steps.items()}
+        for variant in variants:
+            counts = profiles[variant]
+            lines.append(
+                f"| {model} | {variant} | {1e3 * seconds[variant]:.2f} "
+                f"| {seconds[variant] / seconds['sgd']:.1f}× | {counts.kernels} "
+                f"| {counts.reads} | {_optional(counts.syncs)} "
+                f"| {_optional(counts.busy_ms, '.2f')} |"
+            )
+    return lines
+
+
+def _optional(value: float | None, spec: str = "") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print the profile table (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["mlp"], choices=MODELS)
+    parser.add_argument("--ggn", nargs="+", default=["mc1", "exact"])
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"device {name}, N={args.batch_size}, {torch.get_num_threads()} threads")
+    for line in table(args.models, args.ggn, args.batch_size, device, args.repeats):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The step profile counts reads and operators; the critical batch bisects correctly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.critical_batch import largest_fitting, main
+from benchmarks.step_profile import table
+
+
+def _rows(lines: list[str]) -> dict[str, list[str]]:
+    cells = [
+        [cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]
+    ]
+    return {row[1]: row for row in cells}
+
+
+@pytest.mark.slow
+def test_step_profile_counts_the_reads_of_each_variant_on_the_cpu():
+    rows = _rows(table(["mlp"], ["mc1"], 16, torch.device("cpu"), repeats=2))
+    assert list(rows) == ["sgd", "fast:mc1", "default"]
+    sgd, fast = rows["sgd"], rows["fast:mc1"]
+    assert sgd[5] == "0"
+    # The step's one read, and the CPU's check of float32 eigh before a retry.
+    assert fast[5] == "2"
+    assert int(fast[4]) > int(sgd[4]) > 0
+    assert (fast[6], fast[7]) == ("—", "—")  # CUDA-only columns
+    assert float(fast[3].rstrip("×")) > 1
+
+
+@pytest.mark.parametrize("limit", [1, 15, 16, 17, 100, 1000, 4096])
+def test_largest_fitting_finds_the_largest_multiple_that_fits(limit):
+    tried = []
+
+    def fits(batch_size):
+        tried.append(batch_size)
+        return batch_size <= limit
+
+    found = largest_fitting(fits, start=16, resolution=16)
+    assert found == limit // 16 * 16
+    assert all(n % 16 == 0 for n in tried)
+
+
+def test_largest_fitting_refuses_a_start_off_the_grid():
+    with pytest.raises(ValueError, match="multiple of resolution"):
+        largest_fitting(lambda n: True, start=10, resolution=16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_critical_batch_needs_cuda():
+    with pytest.raises(SystemExit, match="needs CUDA"):
+        main([])
+
+
+@pytest.mark.cuda
+def test_critical_batch_of_sgd_on_the_mlp(capsys):
+    main(["--model", "mlp", "--variants", "sgd", "--start", "64", "--cap-gib", "0.5"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if "| sgd |" in line]
+    (row,) = rows
+    assert int(row.split("|")[2]) >= 64
