@@ -41,16 +41,28 @@ def test_global_batch_not_divisible_by_world_size_is_refused():
         DataParallel(2, 2)
 
 
-def _run(command: list[str], job_dir: Path) -> RunResult:
-    """Run ``benchmarks.run`` with ``command`` as launcher; its ``result.json``."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    completed = subprocess.run(
-        [*command, "-m", "benchmarks.run", *JOB, f"hydra.run.dir={job_dir}"],
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def _launch(
+    command: list[str], timeout: float, **extra_env: str
+) -> subprocess.CompletedProcess:
+    """Run ``command`` from the repository, outside any enclosing process group."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra_env}
+    return subprocess.run(
+        command,
         cwd=REPO,
         env={k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
+    )
+
+
+def _run(command: list[str], job_dir: Path) -> RunResult:
+    """Run ``benchmarks.run`` with ``command`` as launcher; its ``result.json``."""
+    completed = _launch(
+        [*command, "-m", "benchmarks.run", *JOB, f"hydra.run.dir={job_dir}"], 300
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     return RunResult.read(job_dir / RESULT_FILE)
@@ -66,8 +78,7 @@ def test_two_processes_train_like_one_on_the_same_global_batch(tmp_path):
     gathered Gram blocks), ~1e-15 relative per step, hence the 1e-9 tolerance over
     12 steps; the test accuracy is equal.
     """
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    two = _run([*torchrun, "--nproc-per-node", "2"], tmp_path / "two")
+    two = _run([*TORCHRUN, "--nproc-per-node", "2"], tmp_path / "two")
     one = _run([sys.executable], tmp_path / "one")
     assert (two.status, one.status) == ("ok", "ok")
     assert (two.world_size, one.world_size) == (2, 1)
@@ -99,20 +110,11 @@ def test_a_failing_rank_stops_every_rank_of_a_torchrun_multirun(mode, tmp_path):
     """
     script = Path(__file__).with_name("failing_rank.py")
     command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-        *("--nproc-per-node", "2", str(script), "--multirun", *JOB),
+        *(*TORCHRUN, "--nproc-per-node", "2", str(script), "--multirun", *JOB),
         *("seed=0,1", "data_parallel.timeout_s=5", f"hydra.sweep.dir={tmp_path}"),
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "FAILING_RANK_MODE": mode}
     start = time.perf_counter()
-    completed = subprocess.run(
-        command,
-        cwd=REPO,
-        env={k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    completed = _launch(command, 120, FAILING_RANK_MODE=mode)
     elapsed = time.perf_counter() - start
     assert completed.returncode != 0
     assert elapsed < 90, "rank 0 waited for the failed rank"
@@ -132,21 +134,12 @@ def test_a_failing_rank_stops_every_rank_of_a_torchrun_multirun(mode, tmp_path):
 def test_torchrun_multirun_extends_its_grid_on_every_rank(tmp_path):
     """SGD on lr ∈ {1e-5, 0.1}: 0.1 wins at the edge; all ranks run lr=0.316."""
     command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-        *("--nproc-per-node", "2", "-m", "benchmarks.run", "--multirun"),
+        *(*TORCHRUN, "--nproc-per-node", "2", "-m", "benchmarks.run", "--multirun"),
         *("problem=digits_logreg", "problem.steps=6", "problem.eval_every=3"),
         *("optimizer=sgd", "optimizer.lr=0.00001,0.1", "grid_extension.rounds=1"),
         f"hydra.sweep.dir={tmp_path}",
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    completed = subprocess.run(
-        command,
-        cwd=REPO,
-        env={k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    completed = _launch(command, 300)
     assert completed.returncode == 0, completed.stderr[-3000:]
     extended = RunResult.read(tmp_path / "2" / RESULT_FILE)
     assert (extended.status, extended.world_size) == ("ok", 2)
