@@ -14,7 +14,11 @@ import torch
 
 from dampednewton.math.cost import mean_products_via_kernel, prefers_structured
 from dampednewton.math.factors import DenseFactor, LayerCache
-from dampednewton.math.linear_factors import LinearFactor, SharedLinearFactor
+from dampednewton.math.linear_factors import (
+    LinearFactor,
+    SharedLinearFactor,
+    shared_weight_sqrt_ggn,
+)
 from tests.assertions import assert_close
 
 
@@ -204,6 +208,21 @@ def test_shared_factor_equals_explicit_columns(shape):
     assert_close(without_gradients.apply(vectors), explicit.apply(vectors), name="Vβ")
     assert_close(
         without_gradients.apply(vectors[:, 0]), explicit.apply(vectors[:, 0]), name="Vβ"
+    )
+
+
+@pytest.mark.parametrize("shape", SHARED_SHAPES)
+def test_materialized_shared_columns_equal_sums_of_outer_products(shape):
+    backproped, inputs, _, _ = _draw_shared(shape)
+    num_outputs, num_samples, positions, d_out = backproped.shape
+    explicit = torch.zeros(num_outputs, num_samples, d_out, inputs.shape[-1])
+    explicit = explicit.to(torch.float64)
+    for c in range(num_outputs):
+        for n in range(num_samples):
+            for p in range(positions):
+                explicit[c, n] += torch.outer(backproped[c, n, p], inputs[n, p])
+    assert_close(
+        shared_weight_sqrt_ggn(backproped, inputs), explicit, name="Σ_p b_cnp x_npᵀ"
     )
 
 

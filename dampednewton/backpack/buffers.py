@@ -30,7 +30,11 @@ from dampednewton.math.factors import (
     flatten_sqrt_ggn,
     gathered,
 )
-from dampednewton.math.linear_factors import LinearFactor, SharedLinearFactor
+from dampednewton.math.linear_factors import (
+    LinearFactor,
+    SharedLinearFactor,
+    shared_weight_sqrt_ggn,
+)
 from dampednewton.math.precision import upcast
 
 
@@ -172,8 +176,8 @@ class SharedLinearBuffers:
     def sqrt_ggn(self) -> Tensor:
         """The materialized square root ``[C, N, *shape]``, BackPACK's layout."""
         num_outputs, num_samples = self.backproped.shape[:2]
-        products = torch.einsum("cnpo,npi->cnoi", self.backproped, self.inputs)
-        return products.reshape(num_outputs, num_samples, *self.shape)
+        products = shared_weight_sqrt_ggn(self.backproped, self.inputs)
+        return products.view(num_outputs, num_samples, *self.shape)
 
     def individual_gradients(self, subsampling: Sequence[int] | None) -> Tensor:
         """Per-sample gradients ``[N', *shape]`` in BackPACK's scaling.
@@ -189,9 +193,10 @@ class SharedLinearBuffers:
     def to_factor(self, assembly: Assembly, cache: LayerCache) -> Factor:
         """The rescaled factor; see :func:`make_factor`.
 
-        Materialized when :func:`~dampednewton.math.cost.prefers_structured` says
-        so for these shapes (buffers of the global batch under data parallelism
-        are kept whatever the local shapes preferred).
+        Materialized (:func:`~dampednewton.math.linear_factors.shared_weight_sqrt_ggn`)
+        unless :func:`~dampednewton.math.cost.prefers_structured` prefers the
+        structured factor for these shapes (under data parallelism: the global
+        batch's).
         """
         batch_size, subsampling_grad = assembly.batch_size, assembly.subsampling_grad
         num_outputs, num_samples, positions, out_features = self.backproped.shape
@@ -260,16 +265,16 @@ def dense_factor(
         The factor.
     """
     batch_size = assembly.batch_size
-    scale = math.sqrt(batch_size / sqrt_ggn.shape[1])
+    rows = flatten_sqrt_ggn(upcast(sqrt_ggn))
+    if sqrt_ggn.shape[1] != batch_size:  # a sub-sample: its own mean, see the module
+        rows = rows * math.sqrt(batch_size / sqrt_ggn.shape[1])
     gradients = (
         upcast(gathered(grad_batch, "individual gradients")).flatten(start_dim=1)
         * batch_size
         if assembly.with_gradients
         else None
     )
-    return DenseFactor(
-        flatten_sqrt_ggn(upcast(sqrt_ggn)) * scale, sqrt_ggn.shape[2:], gradients
-    )
+    return DenseFactor(rows, sqrt_ggn.shape[2:], gradients)
 
 
 def factor_size(sqrt_ggn: Tensor | Buffers) -> tuple[int, int]:

@@ -8,10 +8,11 @@ entry in :data:`LAYERS` (and buffers and a factor, if the existing ones do not f
 
 * ``nn.Linear`` on ``[N, d_in]`` inputs: always :class:`LinearBuffers`.
 * ``nn.Linear`` on ``[N, *positions, d_in]`` inputs and ``nn.Conv1d/2d/3d`` (one group,
-  zero padding given by numbers) share the weight over positions: per layer,
-  :func:`~dampednewton.math.cost.prefers_structured` decides between
-  :class:`SharedLinearBuffers` and BackPACK's materialized square root. Their biases
-  always store :class:`LinearBuffers` of the position-summed square root.
+  zero padding given by numbers) share the weight over positions:
+  :class:`SharedLinearBuffers`, which
+  :func:`~dampednewton.math.cost.prefers_structured` turns into a structured or a
+  materialized factor per layer. Their biases store :class:`LinearBuffers` of the
+  position-summed square root.
 
 Buffers carry the output gradients, so the individual-gradient extensions (run after
 the square-root extension) skip every parameter that has them.
@@ -42,35 +43,26 @@ from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module
 from dampednewton.backpack.buffers import LinearBuffers, SharedLinearBuffers
 from dampednewton.backpack.private import default_param_function
 from dampednewton.backpack.savefields import SQRT_GGNS, module_input
-from dampednewton.math.cost import prefers_structured
 
 
-def _shared_or_dense(extension, ext, module, g_inp, g_out, backproped, *, layout):
-    """Shared-weight buffers when the cost model prefers them, else BackPACK's.
+def _shared_buffers(module, ext, g_out, backproped, *, layout) -> SharedLinearBuffers:
+    """A shared weight's buffers (``layout``: ``[C, N, <output>]`` to ``[C, N, P, o]``).
 
-    ``layout`` maps ``[C, N, <layer's output layout>]`` to ``[C, N, P, d_out]``.
-    With ``extension.always_buffers`` the buffers are kept regardless.
+    Kept even where materializing ``V`` is cheaper: the engine reduces them at once,
+    and :meth:`SharedLinearBuffers.to_factor` materializes ``V`` in its own memory,
+    where BackPACK's convolution route repeats the input for every column.
     """
-    outputs_last = layout(backproped)
-    num_outputs, num_samples, positions, out_features = outputs_last.shape
-    in_features = module.weight[0].numel()  # d_in (times the kernel size)
-    if extension.always_buffers or prefers_structured(
-        num_outputs, num_samples, positions, in_features, out_features
-    ):
-        inputs = (
-            module_input(module).flatten(start_dim=1, end_dim=-2)
-            if isinstance(module, Linear)
-            else unfold_input(module, module_input(module)).transpose(1, 2)
-        )  # [N, P, d_in]
-        return SharedLinearBuffers(
-            outputs_last,
-            subsample(inputs, subsampling=ext.get_subsampling()),
-            layout(g_out[0].unsqueeze(0))[0],
-            inputs,
-            module.weight.shape,
-        )
-    return default_param_function(extension, "weight")(
-        ext, module, g_inp, g_out, backproped
+    inputs = (
+        module_input(module).flatten(start_dim=1, end_dim=-2)
+        if isinstance(module, Linear)
+        else unfold_input(module, module_input(module)).transpose(1, 2)
+    )  # [N, P, d_in]
+    return SharedLinearBuffers(
+        layout(backproped),
+        subsample(inputs, subsampling=ext.get_subsampling()),
+        layout(g_out[0].unsqueeze(0))[0],
+        inputs,
+        module.weight.shape,
     )
 
 
@@ -94,31 +86,14 @@ def _channels_last(tensor: Tensor) -> Tensor:
 
 
 class StructuredSqrtGGNLinear(SqrtGGNLinear):
-    """Square-root extension for ``nn.Linear`` storing (shared) linear buffers.
-
-    Attributes:
-        always_buffers: Store shared-weight buffers even where the cost model
-            prefers BackPACK's materialized square root (the global batch's layout
-            is decided after gathering under data parallelism).
-    """
-
-    def __init__(self, *, always_buffers: bool = False):
-        """Use BackPACK's linear derivatives.
-
-        Args:
-            always_buffers: See the attribute.
-        """
-        super().__init__()
-        self.always_buffers = always_buffers
+    """Square-root extension for ``nn.Linear`` storing (shared) linear buffers."""
 
     def weight(self, ext, module, g_inp, g_out, backproped):
-        """Return the weight's buffers, or BackPACK's dense square root."""
+        """Return the weight's buffers."""
         if module.input0.dim() == 2:
             inputs = subsample(module.input0, subsampling=ext.get_subsampling())
             return LinearBuffers(backproped, inputs, g_out[0], module.input0)
-        return _shared_or_dense(
-            self, ext, module, g_inp, g_out, backproped, layout=_positions_last
-        )
+        return _shared_buffers(module, ext, g_out, backproped, layout=_positions_last)
 
     def bias(self, ext, module, g_inp, g_out, backproped) -> LinearBuffers:
         """Return the bias's buffers."""
@@ -128,32 +103,24 @@ class StructuredSqrtGGNLinear(SqrtGGNLinear):
 
 
 class StructuredSqrtGGNConv(SqrtGGNBaseModule):
-    """Square-root extension for ``nn.Conv1d/2d/3d`` deciding per layer.
+    """Square-root extension for ``nn.Conv1d/2d/3d`` storing shared-weight buffers."""
 
-    Attributes:
-        always_buffers: As for :class:`StructuredSqrtGGNLinear`.
-    """
-
-    def __init__(self, derivatives: type, *, always_buffers: bool = False):
+    def __init__(self, derivatives: type):
         """Use BackPACK's derivatives of the convolution's dimension.
 
         Args:
             derivatives: BackPACK's derivatives class of the convolution, e.g.
                 ``Conv2DDerivatives``.
-            always_buffers: See the attribute.
         """
         super().__init__(derivatives(), params=["bias", "weight"])
-        self.always_buffers = always_buffers
 
     def weight(self, ext, module, g_inp, g_out, backproped):
-        """Return shared-weight buffers, or BackPACK's dense square root."""
+        """Return shared-weight buffers, or BackPACK's square root (groups, strings)."""
         if not _unfoldable(module):
             return default_param_function(self, "weight")(
                 ext, module, g_inp, g_out, backproped
             )
-        return _shared_or_dense(
-            self, ext, module, g_inp, g_out, backproped, layout=_channels_last
-        )
+        return _shared_buffers(module, ext, g_out, backproped, layout=_channels_last)
 
     def bias(self, ext, module, g_inp, g_out, backproped) -> LinearBuffers:
         """Return the bias's buffers (the square root summed over positions)."""
@@ -210,13 +177,12 @@ class Layer:
     """How the structured route handles one module type.
 
     Attributes:
-        sqrt_ggn: Makes the square-root module extension that stores buffers
-            (keyword ``always_buffers``, see :class:`StructuredSqrtGGNLinear`).
+        sqrt_ggn: Makes the square-root module extension that stores buffers.
         individual_gradients: Makes the individual-gradient module extension that
             skips parameters whose buffers carry their gradients.
     """
 
-    sqrt_ggn: Callable[..., ModuleExtension]
+    sqrt_ggn: Callable[[], ModuleExtension]
     individual_gradients: Callable[[], ModuleExtension]
 
 
@@ -238,19 +204,14 @@ LAYERS: dict[type[Module], Layer] = {
 """Module types whose square roots are stored as buffers, not materialized."""
 
 
-def use_structured_sqrt_ggn(
-    extension: BackpropExtension, *, always_buffers: bool = False
-) -> None:
+def use_structured_sqrt_ggn(extension: BackpropExtension) -> None:
     """Register the structured square roots of :data:`LAYERS` on an extension.
 
     Args:
         extension: A square-root extension (exact or Monte-Carlo).
-        always_buffers: Store shared-weight buffers whatever the cost model says.
     """
     for module_class, layer in LAYERS.items():
-        extension.set_module_extension(
-            module_class, layer.sqrt_ggn(always_buffers=always_buffers), overwrite=True
-        )
+        extension.set_module_extension(module_class, layer.sqrt_ggn(), overwrite=True)
 
 
 def use_structured_individual_gradients(extension: BackpropExtension) -> None:

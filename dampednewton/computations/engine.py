@@ -216,10 +216,7 @@ class GGNEngine(Generic[ResultT]):
         else:
             sqrt_ggn = ExactSqrtGGN(subsampling=settings.subsampling_ggn)
         if settings.structured:
-            # The global batch's layout is decided after gathering.
-            use_structured_sqrt_ggn(
-                sqrt_ggn, always_buffers=self.global_batch is not None
-            )
+            use_structured_sqrt_ggn(sqrt_ggn)
         extensions: list[BackpropExtension] = [sqrt_ggn]
         if self.needs_gradients:
             # After the square roots: their buffers tell which gradients to skip.

@@ -273,6 +273,30 @@ class SharedLinearFactor:
         return rows @ rows.T
 
 
+def shared_weight_sqrt_ggn(backproped: Tensor, inputs: Tensor) -> Tensor:
+    """Materialize the columns ``Σ_p b_cnp x_npᵀ`` of a weight shared over positions.
+
+    One batched product over the samples per output column ``c``, written into the
+    result: nothing larger than the result is formed (BackPACK's convolution route
+    repeats the input for every column; one ``einsum`` permutes its result into a
+    copy).
+
+    Args:
+        backproped: Back-propagated square root ``[C, N, P, d_out]``.
+        inputs: Layer inputs ``[N, P, d_in]`` (unfolded for a convolution).
+
+    Returns:
+        ``[C, N, d_out, d_in]``.
+    """
+    num_outputs, num_samples, _, out_features = backproped.shape
+    result = backproped.new_empty(
+        num_outputs, num_samples, out_features, inputs.shape[-1]
+    )
+    for column in range(num_outputs):
+        torch.bmm(backproped[column].transpose(1, 2), inputs, out=result[column])
+    return result
+
+
 def mean_products(
     factor: LinearFactor | SharedLinearFactor,
     gradient: Tensor,

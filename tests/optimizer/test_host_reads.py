@@ -18,6 +18,9 @@ from torch import nn
 
 from benchmarks.host_reads import HostReads
 from dampednewton import CurvatureAveraging, DampedNewton, LevenbergMarquardt
+from dampednewton.math.cost import prefers_partial_eigensolver
+from dampednewton.math.linalg import top_eigh
+from tests.assertions import assert_close, assert_close_up_to_sign
 
 CONFIGURATIONS = {
     "vivit-mc1": {"mc_samples": 1, "complement": None, "averaging": None},
@@ -69,6 +72,28 @@ def test_a_step_reads_the_device_once(options):
             optimizer.step(closure)
         assert reads.of("dampednewton/") == 1, dict(reads.counts)
         assert sum(reads.counts.values()) == 1, dict(reads.counts)
+
+
+def test_the_partial_eigensolver_checks_once_unless_it_stops_early():
+    # A 640-row Gram matrix of the exact GGN of 64 samples: its top 5 eigenpairs
+    # come from block Krylov (math.cost.prefers_partial_eigensolver).
+    assert prefers_partial_eigensolver(640, 5)
+    generator = torch.Generator().manual_seed(0)
+    factor = torch.randn(640, 64, generator=generator, dtype=torch.float64)
+    factor = factor * 0.8 ** torch.arange(64)  # a decaying spectrum, as GGNs have
+    gram = factor @ factor.T
+    results, checks = {}, {}
+    for stop_early in (True, False):  # the CPU's default, and the GPU's
+        with HostReads() as reads:
+            results[stop_early] = top_eigh(
+                gram, 5, generator=torch.Generator(), stop_early=stop_early
+            )
+        checks[stop_early] = reads.of("dampednewton/math/linalg.py")
+    # Stopping early, it checked after each of the blocks it built (here several).
+    assert checks == {True: checks[True], False: 1} and checks[True] > 1, checks
+    (early_values, early_vectors), (late_values, late_vectors) = results.values()
+    assert_close(late_values, early_values, rtol=1e-9, atol=0, name="eigenvalues")
+    assert_close_up_to_sign(late_vectors, early_vectors, dim=-1, rtol=1e-6, atol=1e-8)
 
 
 def test_levenberg_marquardt_adds_one_read_on_its_adaptation_steps():
