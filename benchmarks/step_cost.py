@@ -144,6 +144,7 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
             "criterion": DIRECTIONS,
             "mc_samples": mc_samples,
             "complement": None,
+            "newton_fraction": 1.0,
             "averaging": None,
             "kl_clip": None,
         }

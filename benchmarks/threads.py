@@ -42,11 +42,17 @@ SETTINGS: dict[str, dict[str, Any]] = {
     # The package's defaults: MC-1 GGN averaged across steps (Gram N + rank).
     "defaults": {},
     # ViViT's step on this batch's MC-1 GGN (Gram N×N).
-    "vivit-mc1": {"averaging": None, "complement": None, "kl_clip": None},
+    "vivit-mc1": {
+        "averaging": None,
+        "complement": None,
+        "newton_fraction": 1.0,
+        "kl_clip": None,
+    },
     # ViViT's step on the exact GGN (Gram N·C × N·C, above SMALL_MATRIX_SIZE at N=128).
     "vivit-exact": {
         "averaging": None,
         "complement": None,
+        "newton_fraction": 1.0,
         "kl_clip": None,
         "mc_samples": 0,
     },

@@ -2,6 +2,7 @@
 
 :class:`StepFinisher` turns a reduced GGN block into the optimizer's step, as
 ViViT's damped Newton computation does, plus what belongs to the optimizer: the
+fraction ``φ`` of the Newton step taken along the kept directions, the
 complement step (:mod:`dampednewton.policies.complement`) and the
 curvature averaged across steps (:mod:`dampednewton.averaging`). Each group's result
 is a :class:`GroupStep`: the direction ``s`` (before the learning rate) with its
@@ -81,6 +82,9 @@ class AveragedFactor:
 class GroupStep(NewtonStep):
     """A group's direction ``s`` (field ``step``) and its quadratic model.
 
+    Its ``coefficients`` are those of the step taken: the Newton fraction ``φ`` times
+    the damped Newton coefficients ``−γ̄_k/(λ̄_k + δ_k)``.
+
     Attributes:
         slope: ``ḡᵀs`` (scalar tensor).
         curvature: ``sᵀGs`` under the step's GGN estimate (scalar tensor).
@@ -113,6 +117,7 @@ class StepFinisher:
     The optimizer's :class:`~dampednewton.computations.engine.GGNEngine` calls it
     after the backward pass (the complement and averaging read the full ``.grad``).
     Blocks are groups with, besides ``params``, ``criterion`` and ``damping``:
+    ``newton_fraction`` (the fraction ``φ`` of the Newton coefficients),
     ``complement`` (policy or ``None``), ``averaging`` (:class:`CurvatureAveraging`
     or ``None``) and ``factor`` (the group's :class:`AveragedFactor` so far, or
     ``None``). A block whose GGN is not finite gives a step flagged in
@@ -185,9 +190,9 @@ class StepFinisher:
         gammas, lambdas = slopes_and_curvatures(block, directions, products)
         damping, valid = _damping(group["damping"], evals, gram_evecs, gammas, lambdas)
         gamma_mean, lambda_mean = gammas.mean(0), lambdas.mean(0)
-        coefficients = newton_coefficients(gamma_mean, lambda_mean, damping).where(
-            positive, 0.0
-        )
+        coefficients = group["newton_fraction"] * newton_coefficients(
+            gamma_mean, lambda_mean, damping
+        ).where(positive, 0.0)
         details: dict[str, Any] = {
             "evals": evals,
             "gamma_mean": gamma_mean,
@@ -321,8 +326,8 @@ def averaged_step(
     curvature ``sᵀVVᵀs`` of the batch's GGN along the step as well.
 
     Args:
-        group: A group with ``params``, ``criterion``, ``damping``, ``complement``
-            and ``averaging``.
+        group: A group with ``params``, ``criterion``, ``damping``,
+            ``newton_fraction``, ``complement`` and ``averaging``.
         factor: The averaged factor (``updates >= 1``).
         batch_products: ``VᵀB`` ``[C·N, r]`` of this batch's square root, if any.
         mean_products: ``Vᵀḡ`` ``[C·N]`` (with ``batch_products``).
@@ -359,7 +364,9 @@ def averaged_step(
         projections[None],
         evals[None],
     )
-    coefficients = newton_coefficients(projections, evals, damping).where(positive, 0.0)
+    coefficients = group["newton_fraction"] * newton_coefficients(
+        projections, evals, damping
+    ).where(positive, 0.0)
     policy = as_complement(group["complement"])
     energy = orthogonal_energy(_squared_norm(gradients), projections)
     measured = None

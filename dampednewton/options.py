@@ -157,6 +157,8 @@ class GroupOptions:
         damping: The damping policy (a number became :class:`ConstantDamping`).
         criterion: The criterion (an int ``k`` became :class:`TopK`).
         complement: The complement's curvature policy, or ``None``.
+        newton_fraction: Fraction ``φ ∈ (0, 1]`` of the damped Newton step taken
+            along the kept directions.
         averaging: Curvature averaging, or ``None``.
         kl_clip: Trust-region radius ``> 0``, or ``None``.
         momentum: Heavy-ball momentum in ``[0, 1)``.
@@ -170,6 +172,7 @@ class GroupOptions:
     damping: Damping
     criterion: Criterion
     complement: ComplementPolicy | None
+    newton_fraction: float
     averaging: CurvatureAveraging | None
     kl_clip: float | None
     momentum: float
@@ -202,6 +205,7 @@ class GroupOptions:
         shared = SharedOptions.from_group(group)
         warn_small_eigvals = check_warn_small_eigvals(group["warn_small_eigvals"])
         complement = as_complement(group["complement"])
+        newton_fraction = check_newton_fraction(group["newton_fraction"])
         averaging = _checked_averaging(group["averaging"], damping)
         kl_clip = check_kl_clip(group["kl_clip"])
         momentum = check_number("momentum", group["momentum"])
@@ -220,6 +224,7 @@ class GroupOptions:
             damping=damping,
             criterion=criterion,
             complement=complement,
+            newton_fraction=newton_fraction,
             averaging=averaging,
             kl_clip=kl_clip,
             momentum=momentum,
@@ -251,6 +256,31 @@ def check_known_keys(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> N
             f"Unknown hyperparameters {sorted(unknown)} in parameter group; "
             f"DampedNewton knows {sorted(defaults)}."
         )
+
+
+def check_newton_fraction(fraction: Any) -> float:
+    """Check the Newton fraction: a number in ``(0, 1]``.
+
+    Args:
+        fraction: The fraction ``φ`` of the damped Newton step along the kept
+            directions.
+
+    Returns:
+        The fraction as a float.
+
+    Raises:
+        TypeError: If it is not a number.
+        ValueError: If it is not in ``(0, 1]``.
+    """
+    value = check_number("newton_fraction", fraction)
+    if not 0 < value <= 1:
+        raise ValueError(
+            f"newton_fraction must be in (0, 1], got {fraction!r}: the fraction of the "
+            "damped Newton step taken along the kept directions (1: the whole step, "
+            "as ViViT; smaller values average out the batch's gradient noise; scale "
+            "the whole step with lr instead)."
+        )
+    return value
 
 
 def check_kl_clip(kl_clip: Any) -> float | None:

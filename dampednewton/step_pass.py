@@ -323,7 +323,8 @@ def step_block(
         index: The group's index.
 
     Returns:
-        The block: ``params``, the policies, ``averaging`` and ``factor``.
+        The block: ``params``, the policies, ``newton_fraction``, ``averaging``
+        and ``factor``.
     """
     stats = state.get("groups")
     factor = None
@@ -333,6 +334,7 @@ def step_block(
         "params": group["params"],
         "criterion": options.criterion,
         "damping": options.damping,
+        "newton_fraction": options.newton_fraction,
         "complement": options.complement,
         "averaging": options.averaging,
         "factor": factor,

@@ -14,6 +14,7 @@ README = Path(__file__).parents[1] / "README.md"
 # ViViT's step: no complement, this batch's exact GGN, no trust region.
 VIVIT = {
     "complement": None,
+    "newton_fraction": 1.0,
     "averaging": None,
     "kl_clip": None,
     "mc_samples": 0,

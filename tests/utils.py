@@ -72,9 +72,15 @@ def make_groups(model: nn.Module, structure: str, **keys) -> list[dict]:
     return [{"params": [p], **keys} for p in params]
 
 
-VIVIT_STEP = {"complement": None, "averaging": None, "kl_clip": None}
-"""ViViT's step from this batch's GGN, unclipped: the package's defaults switch on the
-complement, curvature averaging and a trust region."""
+VIVIT_STEP = {
+    "complement": None,
+    "newton_fraction": 1.0,
+    "averaging": None,
+    "kl_clip": None,
+}
+"""ViViT's step from this batch's GGN, unclipped and whole: the package's defaults
+switch on the complement, curvature averaging, a trust region and take a fraction of
+the Newton step."""
 EXACT_VIVIT_STEP = {**VIVIT_STEP, "mc_samples": 0}
 """ViViT's step from this batch's exact GGN (the default is Monte-Carlo)."""
 
@@ -157,14 +163,16 @@ def reference_step(
     criterion: Any,
     damping: Any,
     complement: Any = None,
+    newton_fraction: float = 1.0,
 ) -> ReferenceStep:
     """Damped Newton step of a group from the explicit float64 GGN.
 
     The criterion (``int k`` or a callable on ascending eigenvalues) is applied to
     the GGN spectrum with numerically zero eigenvalues set to 0; a number is a
-    constant damping, a callable gets ``(evals, None, gammas, lambdas)``. With a
-    complement policy, ``−(ḡ − E Eᵀ ḡ)/ρ`` is added, ``E`` the selected eigenvectors;
-    the policy sees the GGN's Rayleigh quotient along ``g_⊥ = ḡ − E Eᵀ ḡ``.
+    constant damping, a callable gets ``(evals, None, gammas, lambdas)``. The damped
+    Newton step is multiplied by ``newton_fraction``. With a complement policy,
+    ``−(ḡ − E Eᵀ ḡ)/ρ`` is added, ``E`` the selected eigenvectors; the policy sees
+    the GGN's Rayleigh quotient along ``g_⊥ = ḡ − E Eᵀ ḡ``.
     """
     args = (model, loss_fn, list(params), X, y)
     G = reference.ggn(*args)
@@ -185,7 +193,9 @@ def reference_step(
         delta = torch.full(
             (num_directions,), float(damping), dtype=G.dtype, device=G.device
         )
-    step = reference.damped_newton_step(G, Gn, grads, num_directions, delta)
+    step = newton_fraction * reference.damped_newton_step(
+        G, Gn, grads, num_directions, delta
+    )
     rho = None
     if complement is not None:
         evecs = reference.directional_derivatives(G, Gn, grads, num_directions)[3]

@@ -52,7 +52,13 @@ def test_finisher_without_complement_or_averaging_gives_exactly_vivit_step():
         needs_gradients=True,
         defers_finish=True,
     )
-    block = {**group, "complement": None, "averaging": None, "factor": None}
+    block = {
+        **group,
+        "newton_fraction": 1.0,
+        "complement": None,
+        "averaging": None,
+        "factor": None,
+    }
     _run(model, loss_fn, inputs, targets, engine.extensions(), engine.hook([block]))
     actual = engine.result(block)
 
@@ -84,6 +90,7 @@ def test_finisher_flags_a_non_finite_curvature_without_reading_it():
         "params": list(model.parameters()),
         "criterion": 3,
         "damping": 0.5,
+        "newton_fraction": 1.0,
         "complement": None,
         "averaging": None,
         "factor": None,

@@ -58,6 +58,24 @@ CONSTRUCTION_CASES = [
         "negative-weight-decay", {"weight_decay": -1e-4}, ValueError, ">= 0"
     ),
     BadConstruction("zero-kl-clip", {"kl_clip": 0.0}, ValueError, "kl_clip"),
+    BadConstruction(
+        "zero-newton-fraction", {"newton_fraction": 0.0}, ValueError, r"\(0, 1\]"
+    ),
+    BadConstruction(
+        "newton-fraction-above-one",
+        {"newton_fraction": 1.5},
+        ValueError,
+        "scale the whole step with lr",
+    ),
+    BadConstruction(
+        "nan-newton-fraction", {"newton_fraction": math.nan}, ValueError, "newton"
+    ),
+    BadConstruction(
+        "string-newton-fraction",
+        {"newton_fraction": "0.3"},
+        TypeError,
+        "newton_fraction must be a number",
+    ),
     BadConstruction("negative-complement", {"complement": -1.0}, ValueError, "> 0"),
     BadConstruction("complement-string", {"complement": "auto"}, TypeError, "None"),
     BadConstruction(

@@ -41,9 +41,10 @@ def averaged_reference_step(
     gradient: Tensor,
     k: int,
     damping: float,
+    newton_fraction: float,
     batch_ggn: Tensor | None = None,
 ) -> tuple[Tensor, float]:
-    """Damped Newton step on ``average``'s top ``k`` eigenvectors plus the complement.
+    """``φ`` × the damped Newton step on ``average``'s top ``k``, and the complement.
 
     ``k = 0`` selects the flattest kept eigenvector instead (:func:`flattest`).
 
@@ -65,7 +66,7 @@ def averaged_reference_step(
     if batch_ggn is not None:
         measured = (orthogonal @ batch_ggn @ orthogonal) / (orthogonal @ orthogonal)
         curvature = torch.maximum(curvature, measured)
-    step = evecs @ (-slopes / (evals + damping))
+    step = newton_fraction * (evecs @ (-slopes / (evals + damping)))
     return step - orthogonal / (curvature + damping), float(measured - evals.min())
 
 
@@ -75,19 +76,19 @@ def flattest(evals: Tensor) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("problem_id", "rank", "interval", "kl_clip", "complement"),
+    ("problem_id", "rank", "interval", "kl_clip", "complement", "newton_fraction"),
     [
-        ("mlp-ce", 3, 1, None, "smallest"),
-        ("mlp-ce", 1000, 1, None, "smallest"),
-        ("mlp-ce", 3, 2, None, "smallest"),
-        ("mlp-ce", 3, 1, 1e-3, "smallest"),
-        ("cnn-ce", 4, 1, None, "smallest"),
-        ("cnn-ce", 4, 2, 1e-3, "smallest"),
-        ("seq-ce", 5, 1, None, "smallest"),
-        ("mlp-mse", 1000, 3, None, "smallest"),
-        ("mlp-ce", 3, 1, None, "measured"),
-        ("cnn-ce", 4, 2, 1e-3, "measured"),
-        ("seq-ce", 5, 1, None, "measured"),
+        ("mlp-ce", 3, 1, None, "smallest", 0.3),
+        ("mlp-ce", 1000, 1, None, "smallest", 1.0),
+        ("mlp-ce", 3, 2, None, "smallest", 0.3),
+        ("mlp-ce", 3, 1, 1e-3, "smallest", 0.6),
+        ("cnn-ce", 4, 1, None, "smallest", 0.3),
+        ("cnn-ce", 4, 2, 1e-3, "smallest", 1.0),
+        ("seq-ce", 5, 1, None, "smallest", 0.3),
+        ("mlp-mse", 1000, 3, None, "smallest", 0.3),
+        ("mlp-ce", 3, 1, None, "measured", 0.3),
+        ("cnn-ce", 4, 2, 1e-3, "measured", 1.0),
+        ("seq-ce", 5, 1, None, "measured", 0.3),
     ],
     ids=lambda value: str(value),
 )
@@ -97,16 +98,18 @@ def test_averaged_curvature_matches_explicit_moving_average(
     interval: int,
     kl_clip: float | None,
     complement: str,
+    newton_fraction: float,
 ):
     """Five steps: ``B Bᵀ/(1 − β^t)`` and the steps equal the dense recursion.
 
     The reference keeps ``A_t = trunc_r(β A_{t−1} + (1 − β) G_t)`` of explicit GGNs at
     the parameters of each refresh (exact: the factor update is exact in its
-    subspace), bias-corrects it, and steps along its top-``k`` eigenvectors. With a
-    trust region, ``ν`` bounds ``max(−ḡᵀs, sᵀG_t s)`` on refreshes (this batch's GGN
-    is known) and ``−ḡᵀs`` in between. :class:`MeasuredCurvature` raises ``ρ`` to this
-    batch's curvature along the complement on refreshes; its cases keep only the
-    flattest direction of the average, so that it does (the comparison discriminates).
+    subspace), bias-corrects it, and steps ``φ`` of the damped Newton step along its
+    top-``k`` eigenvectors, plus the complement. With a trust region, ``ν`` bounds
+    ``max(−ḡᵀs, sᵀG_t s)`` on refreshes (this batch's GGN is known) and ``−ḡᵀs`` in
+    between. :class:`MeasuredCurvature` raises ``ρ`` to this batch's curvature along
+    the complement on refreshes; its cases keep only the flattest direction of the
+    average, so that it does (the comparison discriminates).
     """
     measured = complement == "measured"
     decay, damping, lr = 0.7, 0.3, 0.5
@@ -121,6 +124,7 @@ def test_averaged_curvature_matches_explicit_moving_average(
         lr=lr,
         damping=damping,
         criterion=k if k else flattest,
+        newton_fraction=newton_fraction,
         averaging=averaging,
         mc_samples=0,
         kl_clip=kl_clip,
@@ -140,7 +144,12 @@ def test_averaged_curvature_matches_explicit_moving_average(
         corrected = average / (1 - decay**updates)
         refresh = step % interval == 0
         step_direction, excess = averaged_reference_step(
-            corrected, gradient, k, damping, G if measured and refresh else None
+            corrected,
+            gradient,
+            k,
+            damping,
+            newton_fraction,
+            G if measured and refresh else None,
         )
         largest_excess = max(largest_excess, excess)
         scale = 1.0
