@@ -9,6 +9,7 @@ rank 0 writes ``result.json``. Without ``torchrun``'s environment nothing change
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -192,4 +193,5 @@ def leave_process_group(*, completed: bool) -> None:
     if in_process_group():
         if completed:
             dist.barrier()
+        gc.collect()  # DDP's reducer (a reference cycle) dies before its group
         dist.destroy_process_group()

@@ -8,6 +8,7 @@ writes the per-optimizer :class:`Measurement` list as JSON.
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -237,6 +238,10 @@ def run_rank(rank: int, job: ScalingJob, init_method: str, output: str) -> None:
         measurements = [measure_variant(job, v, rank) for v in job.variants]
         if rank == 0:
             Path(output).write_text(json.dumps([asdict(m) for m in measurements]))
+        # The DDP wrappers sit in reference cycles: their reducers hold the group and
+        # the counting hook's futures. Free them now, not at interpreter teardown,
+        # where gloo's threads would meet a finalizing interpreter and abort.
+        gc.collect()
         # Pending collectives end on every rank before any rank closes its group.
         dist.barrier()
     finally:

@@ -7,6 +7,7 @@ saves what the test compares to ``<out>/<rank>.pt``.
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 from collections.abc import Callable
@@ -197,6 +198,7 @@ def run_rank(rank: int, world_size: int, init_file: str, out: str, job: Job) -> 
         torch.save(results, os.path.join(out, f"{rank}.pt"))
         dist.barrier()  # no rank closes its group while another still reads from it
     finally:
+        gc.collect()  # DDP's reducer (a reference cycle) dies before its group
         dist.destroy_process_group()
 
 
