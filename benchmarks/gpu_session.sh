@@ -6,7 +6,8 @@
 #   source .gpu/on-device.sh && bash benchmarks/gpu_session.sh PART
 # PART: tests (the suite's cuda tests), profile (kernels, host reads, syncs and step
 # times of the MLP and 3c3d), memory (critical batch of 3c3d under 11 GiB, step cost
-# with peak memory). Results go to $OUT (the device's returned folder).
+# with peak memory), fmnist_2c2d (time to target: DampedNewton's default against Adam at
+# its tuned lr 1e-3, 4000 steps, 3 seeds). Results go to $OUT (the device's returned folder).
 set -uo pipefail
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -24,7 +25,14 @@ case "${1:-}" in
     timeout 260 python3 -m benchmarks.step_cost --models mlp 3c3d --ggn mc1 exact \
       --memory --skip-materialized >"$out/step_cost.txt" 2>&1
     cat "$out/critical.md" "$out/step_cost.txt" ;;
+  fmnist_2c2d)
+    common=(+sweep=gpu_fmnist_2c2d problem.eval_every=100 grid=null grid_point=null seed=0,1,2)
+    timeout 150 python3 -m benchmarks.run --multirun "${common[@]}" optimizer=adam \
+      optimizer.lr=0.001 hydra.sweep.dir="$out/adam" >"$out/adam.txt" 2>&1
+    timeout 400 python3 -m benchmarks.run --multirun "${common[@]}" optimizer=dampednewton \
+      hydra.sweep.dir="$out/dampednewton" >"$out/dampednewton.txt" 2>&1
+    tail -4 "$out/adam.txt" "$out/dampednewton.txt" ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh tests|profile|memory" >&2
+    echo "usage: bash benchmarks/gpu_session.sh tests|profile|memory|fmnist_2c2d" >&2
     exit 2 ;;
 esac
