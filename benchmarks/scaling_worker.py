@@ -238,11 +238,11 @@ def run_rank(rank: int, job: ScalingJob, init_method: str, output: str) -> None:
         measurements = [measure_variant(job, v, rank) for v in job.variants]
         if rank == 0:
             Path(output).write_text(json.dumps([asdict(m) for m in measurements]))
+        # Pending collectives end on every rank before any rank closes its group.
+        dist.barrier()
+    finally:
         # The DDP wrappers sit in reference cycles: their reducers hold the group and
         # the counting hook's futures. Free them now, not at interpreter teardown,
         # where gloo's threads would meet a finalizing interpreter and abort.
         gc.collect()
-        # Pending collectives end on every rank before any rank closes its group.
-        dist.barrier()
-    finally:
         dist.destroy_process_group()
