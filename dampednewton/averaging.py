@@ -36,17 +36,25 @@ class CurvatureAveraging:
     """Average the GGN across steps as a rank-``rank`` factor.
 
     Attributes:
-        decay: ``β`` in ``[0, 1)``: the weight of the past (``0``: this batch only).
+        decay: ``β`` in ``[0, 1)``: the weight of the past at each refresh (``0``:
+            the refreshing batch only).
         rank: Columns ``r`` of the factor ``B`` (the criterion then picks among its
             ``r`` eigen-directions); ``None``: the ``k`` of a :class:`TopK` criterion,
             else 20.
-        interval: Refresh the factor every ``interval`` steps; the steps in between
-            reuse it and run the closure without BackPACK extensions.
+        interval: Refresh the factor every ``interval`` steps. The steps in
+            between keep its basis, damping and complement curvature and take the
+            step along it with the new mean gradient only
+            (:mod:`dampednewton.math.frozen_basis`), after a backward pass with
+            BackPACK's hooks suspended: about the cost of an Adam step.
+        ramp: Start with frequent refreshes while the curvature changes fast: the
+            gaps between refreshes double from 1 (steps 0, 1, 3, 7, …) until they
+            reach ``interval``.
     """
 
-    decay: float = 0.95
+    decay: float = 0.6
     rank: int | None = None
-    interval: int = 1
+    interval: int = 20
+    ramp: bool = True
 
     def __post_init__(self) -> None:
         """Validate the settings."""
@@ -54,6 +62,8 @@ class CurvatureAveraging:
             raise ValueError(
                 f"CurvatureAveraging needs 0 <= decay < 1, got {self.decay!r}."
             )
+        if not isinstance(self.ramp, bool):
+            raise TypeError(f"CurvatureAveraging needs a bool ramp, got {self.ramp!r}.")
         for name in ("rank", "interval"):
             value = getattr(self, name)
             if name == "rank" and value is None:
@@ -81,8 +91,24 @@ class CurvatureAveraging:
         return criterion.k if isinstance(criterion, TopK) else DEFAULT_RANK
 
     def refreshes(self, step: int, updates: int) -> bool:
-        """Whether step ``step`` (from 0) refreshes a factor of ``updates`` batches."""
-        return updates == 0 or step % self.interval == 0
+        """Whether step ``step`` (from 0) refreshes a factor of ``updates`` batches.
+
+        Args:
+            step: The optimizer's step index.
+            updates: Batches averaged into the factor so far.
+
+        Returns:
+            ``True`` for the first factor and on the schedule's refresh steps.
+        """
+        if updates == 0:
+            return True
+        if not self.ramp:
+            return step % self.interval == 0
+        refresh, gap = 0, 1
+        while refresh < step:
+            refresh += gap
+            gap = min(2 * gap, self.interval)
+        return refresh == step
 
 
 def averaged_gram(

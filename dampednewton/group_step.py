@@ -38,6 +38,7 @@ from dampednewton.computations.damped_newton import NewtonStep
 from dampednewton.computations.directional_derivatives import slopes_and_curvatures
 from dampednewton.computations.selection import diagonalize
 from dampednewton.math.finite import finite_flag
+from dampednewton.math.frozen_basis import FrozenBasis, freeze
 from dampednewton.math.gram_space import (
     gram_space_step,
     inverse_lengths,
@@ -99,6 +100,8 @@ class GroupStep(NewtonStep):
         damping_valid: Whether the damping policy's values are valid (0-dim tensor;
             ``None`` for policies valid by construction): if not, the step raises.
         factor: The updated averaged factor (averaged groups only).
+        frozen: The coefficients of the steps until the factor's next refresh
+            (:mod:`dampednewton.math.frozen_basis`; averaged groups only).
     """
 
     slope: Tensor
@@ -109,6 +112,7 @@ class GroupStep(NewtonStep):
     curvature_finite: Tensor | None = None
     damping_valid: Tensor | None = None
     factor: AveragedFactor | None = None
+    frozen: FrozenBasis | None = None
 
 
 class StepFinisher:
@@ -402,6 +406,14 @@ def averaged_step(
             batch_curvature = mapped.square().sum()
     return GroupStep(
         step=step,
+        frozen=freeze(
+            factor.weights,
+            all_evals,
+            _spread(damping, chosen, all_evals.numel(), torch.inf),
+            _spread(positive, chosen, all_evals.numel(), False),
+            group["newton_fraction"],
+            rho,
+        ),
         evals=evals,
         gamma_mean=projections,
         lambda_mean=evals,
@@ -422,6 +434,16 @@ def _entries(tensor: Tensor, chosen: int | Tensor) -> Tensor:
     if isinstance(chosen, int):
         return tensor[chosen:]
     return tensor.index_select(0, chosen)
+
+
+def _spread(values: Tensor, chosen: int | Tensor, size: int, fill: Any) -> Tensor:
+    """``values`` of the chosen entries at their places in ``[size]``, else ``fill``."""
+    spread = values.new_full((size,), fill)
+    if isinstance(chosen, int):
+        spread[chosen:] = values
+    else:
+        spread[chosen] = values
+    return spread
 
 
 def _damping(

@@ -54,7 +54,5 @@ def trust_region_scale(
     curvature = (-slope).clamp_min(0)
     if batch_curvature is not None:
         curvature = torch.maximum(curvature, batch_curvature.to(curvature))
-    bound = 2 * kl_clip / lr**2
-    return torch.where(
-        curvature > bound, (bound / curvature).sqrt(), torch.ones_like(curvature)
-    )
+    # ν = min(1, √(bound / curvature)); a zero curvature gives inf, hence 1.
+    return (2 * kl_clip / lr**2 / curvature).sqrt().clamp_max(1.0)

@@ -20,6 +20,7 @@ from torch import Generator, Tensor
 from torch.optim import Optimizer
 
 from dampednewton.adaptation import adapt, distinct_adaptive
+from dampednewton.amortized import FrozenBases, gradient_vector, stored_frozen
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.backpack.extensions import modified_loss_warning
 from dampednewton.checkpoint import mark_unpicklable, unwrap_settings
@@ -31,9 +32,12 @@ from dampednewton.guard import (
     nonfinite_problem,
     refuse,
 )
+from dampednewton.math.frozen_basis import frozen_basis_step
+from dampednewton.model import trust_region_scale
 from dampednewton.options import (
     GroupOptions,
     SharedOptions,
+    ValidatedGroups,
     check_known_keys,
     check_nonfinite,
     check_process_group,
@@ -41,11 +45,11 @@ from dampednewton.options import (
 from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature
 from dampednewton.policies.criteria import Criterion
 from dampednewton.policies.damping import Damping, LevenbergMarquardt
-from dampednewton.records import StepRecorder, empty_group_stats, store_factors
+from dampednewton.records import FROZEN, StepRecorder, empty_group_stats, store_factors
 from dampednewton.seeding import SeededGenerator
-from dampednewton.step_pass import CLOSURE_PATTERN, StepPass
+from dampednewton.step_pass import CLOSURE_PATTERN, StepPass, run_closure
 from dampednewton.step_status import read_status, settled
-from dampednewton.update import apply_steps
+from dampednewton.update import apply_flat_step, apply_steps
 
 GLOBAL = "global"
 GROUPS = "groups"
@@ -227,6 +231,8 @@ class DampedNewton(Optimizer):
         if self._communicator is not None and seed is None:
             self._seeded.seed = self._communicator.broadcast_seed(self._seeded.seed)
         self._pass = StepPass()
+        self._bases = FrozenBases()
+        self._validated = ValidatedGroups()
         self._recorder = StepRecorder()
         super().__init__(params, defaults)
         self.state[GLOBAL] = {"step": 0, "skipped_steps": 0}
@@ -282,9 +288,10 @@ class DampedNewton(Optimizer):
                 "DampedNewton.step needs a closure: it runs the backward pass itself, "
                 f"inside a BackPACK context. Use\n{CLOSURE_PATTERN}"
             )
-        options = [GroupOptions.from_group(group) for group in self.param_groups]
-        shared = SharedOptions.from_groups(self.param_groups)
+        options, shared = self._validated.get(self.param_groups)
         step_index = self.state[GLOBAL]["step"]
+        if self._between_refreshes(options, step_index):
+            return self._frozen_step(closure, options)
         generator = self._mc_generator()
         with GeneratorSnapshot(generator) as snapshot:
             monitor = self._active_monitor(step_index)
@@ -333,6 +340,7 @@ class DampedNewton(Optimizer):
             self.state,
         )
         store_factors(self.state, self._group_stats(), self.param_groups, results)
+        self._bases.clear()
         self.state[GLOBAL]["step"] += 1
         self._recorder.record(
             self._group_stats(),
@@ -357,6 +365,59 @@ class DampedNewton(Optimizer):
                 if self._communicator is None
                 else self._communicator.mean,
             )
+        return loss
+
+    def _between_refreshes(self, options: Sequence[GroupOptions], step: int) -> bool:
+        """Whether every group steps along its frozen basis (the lean path).
+
+        Groups with a diagnostics monitor active or under data parallelism take the
+        same step through the general pipeline.
+        """
+        stats = self.state.get(GROUPS)
+        if not stats or self._communicator is not None:
+            return False
+        if self._active_monitor(step) is not None:
+            return False
+        return all(
+            option.averaging is not None
+            and FROZEN in group
+            and not option.averaging.refreshes(step, group["curvature_updates"])
+            for option, group in zip(options, stats, strict=True)
+        )
+
+    def _frozen_step(
+        self, closure: Callable[[], Tensor], options: Sequence[GroupOptions]
+    ) -> Tensor:
+        """A step between refreshes: plain backward pass, steps along frozen bases.
+
+        One host read (whether loss and steps are finite); a refused step leaves
+        parameters and state untouched.
+        """
+        params = [p for group in self.param_groups for p in group["params"]]
+        loss = run_closure(closure, params, [], [], self._pass.extended_modules)
+        check_loss_type(loss)
+        with torch.no_grad():
+            steps = []
+            for index, group in enumerate(self.param_groups):
+                basis = self._bases.get(index, self.state, group["params"])
+                frozen = stored_frozen(self.state[GROUPS][index])
+                assert frozen is not None  # checked by _between_refreshes
+                gradient = gradient_vector(group["params"], basis)
+                steps.append(frozen_basis_step(basis, gradient, frozen))
+            # One read: a non-finite loss, gradient or step makes a slope non-finite.
+            total = loss.detach().to(steps[0].slope) + sum(s.slope for s in steps)
+            if not total.isfinite().item():
+                refuse("the loss or the step is not finite", self._nonfinite)
+                self.state[GLOBAL]["skipped_steps"] += 1
+                return loss
+            for group, option, step in zip(
+                self.param_groups, options, steps, strict=True
+            ):
+                scale = trust_region_scale(option.lr, step.slope, None, option.kl_clip)
+                apply_flat_step(
+                    group["params"], step.step.mul_(scale), self.state, option
+                )
+        self.state[GLOBAL]["step"] += 1
         return loss
 
     @property
@@ -420,6 +481,7 @@ class DampedNewton(Optimizer):
             if key in self.state:
                 self.state[key] = copy.deepcopy(self.state[key])
         self._pass.clear()
+        self._bases.clear()
         if extra is not None:
             self._seeded.load_state_dict(extra, self._device())
 

@@ -325,3 +325,55 @@ def _checked_averaging(averaging: Any, damping: Damping) -> CurvatureAveraging |
             f"statistics, got {type(damping).__name__}."
         )
     return averaging
+
+
+class ValidatedGroups:
+    """The groups' validated options, validated again only when a value changes.
+
+    A step validates every group (``torch.optim`` users and schedulers edit the
+    dicts between steps); the checks of the policies' protocols cost more than a
+    step between refreshes. Numbers, strings and sequences are compared by value,
+    policies by identity (their validated type cannot change), tensors never match
+    (they may be changed in place).
+    """
+
+    def __init__(self) -> None:
+        """Start with nothing validated."""
+        self._key: tuple | None = None
+        self._options: tuple[list[GroupOptions], SharedOptions] | None = None
+
+    def get(
+        self, groups: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[GroupOptions], SharedOptions]:
+        """Every group's options and the shared ones.
+
+        Args:
+            groups: The param groups.
+
+        Returns:
+            The options of each group and those of the backward pass.
+        """
+        key = tuple(
+            tuple(
+                (name, _comparable(value))
+                for name, value in group.items()
+                if name != "params"
+            )
+            for group in groups
+        )
+        if self._options is None or key != self._key:
+            options = [GroupOptions.from_group(group) for group in groups]
+            self._options = (options, SharedOptions.from_groups(groups))
+            self._key = key
+        return self._options
+
+
+def _comparable(value: Any) -> Any:
+    """``value`` in a form whose equality says the validated options still hold."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return tuple(_comparable(item) for item in value)
+    if isinstance(value, Tensor):
+        return object()  # never equal: a tensor may have changed in place
+    return (type(value), id(value))

@@ -19,6 +19,8 @@ from dampednewton.group_step import AveragedFactor, GroupStep
 from dampednewton.guard import STACKLEVEL_OF_CALLER
 
 BASIS = "curvature_basis"
+FROZEN = "frozen_basis"
+"""A group's frozen step coefficients (:mod:`dampednewton.math.frozen_basis`)."""
 
 
 def stored_factor(
@@ -77,6 +79,8 @@ def store_factors(
     for stats, group, step in zip(group_stats, param_groups, steps, strict=True):
         if step is not None and step.factor is not None:
             store_factor(state, stats, group["params"], step.factor)
+            if step.frozen is not None:
+                stats[FROZEN] = step.frozen.as_dict()
 
 
 def empty_group_stats() -> dict[str, Any]:

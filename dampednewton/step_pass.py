@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
+from dampednewton.amortized import frozen_group_step, stored_frozen
 from dampednewton.backpack.extensions import (
     DeferredChecks,
     ExactSqrtGGN,
@@ -25,6 +27,7 @@ from dampednewton.backpack.extensions import (
     MonteCarloSqrtGGN,
 )
 from dampednewton.backpack.global_batch import GlobalBatch
+from dampednewton.backpack.hooks import ExtendedModules
 from dampednewton.backpack.passes import Hook, backward_pass
 from dampednewton.backpack.savefields import GRAD_BATCH
 from dampednewton.backward import SingleBackwardCheck, quiet_backward_hook_warning
@@ -59,6 +62,7 @@ class StepPass:
     def __init__(self) -> None:
         """Start without an engine."""
         self._cached: tuple[tuple, StepEngine, StepFinisher, list] | None = None
+        self.extended_modules = ExtendedModules()
 
     def clear(self) -> None:
         """Forget the engine (after loading a state)."""
@@ -143,7 +147,9 @@ class StepPass:
             ):
                 extension.deferred_checks = deferred
         try:
-            loss = run_closure(closure, params, extensions, hooks)
+            loss = run_closure(
+                closure, params, extensions, hooks, self.extended_modules
+            )
         except Exception:
             if communicator is not None:  # the other ranks wait for this one
                 communicator.agree_on_pass(
@@ -162,10 +168,10 @@ class StepPass:
                 engine.reduce_global_batch()
         with torch.no_grad():
             results = [
-                _result(engine, block)
-                if refresh
-                else averaged_step(block, block["factor"])
-                for block, refresh in zip(blocks, refreshing, strict=True)
+                _result(engine, block) if refresh else _reused(block, index, state)
+                for index, (block, refresh) in enumerate(
+                    zip(blocks, refreshing, strict=True)
+                )
             ]
         solved = finisher is None or finisher.eigensolver_succeeded
         return loss, results, solved, deferred
@@ -273,6 +279,7 @@ def run_closure(
     params: Sequence[Tensor],
     extensions: list,
     hooks: Sequence[Hook],
+    modules: ExtendedModules | None = None,
 ) -> Any:
     """Run the closure's backward pass with the extensions (if any) and the hooks.
 
@@ -283,6 +290,8 @@ def run_closure(
         params: Every parameter of the optimizer.
         extensions: BackPACK extensions; none: a plain backward pass.
         hooks: The consumers' extension hooks, in order.
+        modules: Records the extended modules of a pass with extensions and
+            suspends their BackPACK hooks in a pass without.
 
     Returns:
         What the closure returned.
@@ -297,10 +306,11 @@ def run_closure(
         SingleBackwardCheck(params) as check,
     ):
         if extensions:
-            with backward_pass(extensions, hooks):
+            with backward_pass(extensions, hooks), recording(modules):
                 loss = closure()
         else:
-            loss = closure()
+            with suspended(modules):
+                loss = closure()
     problem = check.problem()
     if problem is not None:
         raise RuntimeError(
@@ -364,6 +374,25 @@ def _result(engine: StepEngine | None, block: dict) -> GroupStep | None:
             "class and does not guard on hooks), and gains nothing from "
             "compilation here: step with the uncompiled model."
         ) from error
+
+
+def recording(modules: ExtendedModules | None) -> AbstractContextManager:
+    """``modules.recording()``, or nothing to record into."""
+    return nullcontext() if modules is None else modules.recording()
+
+
+def suspended(modules: ExtendedModules | None) -> AbstractContextManager:
+    """``modules.suspended()``, or nothing to suspend."""
+    return nullcontext() if modules is None else modules.suspended()
+
+
+def _reused(block: dict[str, Any], index: int, state: Mapping) -> GroupStep:
+    """A group's step along its averaged factor between refreshes."""
+    frozen = stored_frozen(state["groups"][index])
+    if frozen is None:  # a factor from a state saved before frozen coefficients
+        return averaged_step(block, block["factor"])
+    basis = torch.cat([b.flatten(1) for b in block["factor"].basis], dim=1)
+    return frozen_group_step(block["params"], basis, frozen)
 
 
 def _updates(factor: AveragedFactor | None) -> int:

@@ -199,7 +199,7 @@ def settled(result: GroupStep | None, status: GroupStatus | None) -> GroupStep |
     if result is None or status is None:
         return result
     start = result.evals.numel() - status.num_directions
-    factor = result.factor
+    factor, frozen = result.factor, result.frozen
     if factor is not None and status.factor_rank is not None:
         first = factor.weights.numel() - status.factor_rank
         if first:
@@ -209,6 +209,8 @@ def settled(result: GroupStep | None, status: GroupStatus | None) -> GroupStep |
                 factor.weights[first:].clone(),
                 factor.updates,
             )
+            if frozen is not None:
+                frozen = frozen.without_first(first)
     return replace(
         result,
         evals=result.evals[start:],
@@ -221,4 +223,5 @@ def settled(result: GroupStep | None, status: GroupStatus | None) -> GroupStep |
             result.complement_curvature if status.complement_finite else None
         ),
         factor=factor,
+        frozen=frozen,
     )

@@ -86,3 +86,36 @@ def apply_steps(
                 if param.requires_grad:
                     update_parameter(param, direction * scale, state[param], option)
     return scales
+
+
+def apply_flat_step(
+    params: Sequence[Tensor],
+    direction: Tensor,
+    state: MutableMapping[Any, dict[str, Any]],
+    options: GroupOptions,
+) -> None:
+    """Move a group's parameters along a flat direction ``νs`` (under ``no_grad``).
+
+    Without momentum and weight decay, one multi-tensor ``add`` moves all parameters
+    of the direction's dtype; otherwise each goes through :func:`update_parameter`.
+
+    Args:
+        params: The group's parameters.
+        direction: ``νs`` ``[D]``, the parameters' entries in order.
+        state: The optimizer's per-parameter state (momentum buffers).
+        options: The group's options.
+    """
+    trainable = [p.requires_grad for p in params]
+    pieces = [
+        piece.view_as(p)
+        for piece, p in zip(
+            direction.split([p.numel() for p in params]), params, strict=True
+        )
+    ]
+    plain = options.momentum == 0 and options.weight_decay == 0
+    if plain and all(trainable) and all(p.dtype == direction.dtype for p in params):
+        torch._foreach_add_(list(params), pieces, alpha=options.lr)
+        return
+    for param, piece, moves in zip(params, pieces, trainable, strict=True):
+        if moves:
+            update_parameter(param, piece, state[param], options)

@@ -142,6 +142,29 @@ def test_averaging_interval_of_the_wrong_type():
     """A wrong type raises TypeError (a wrong value ValueError), as for every option."""
     with pytest.raises(TypeError, match="interval >= 1"):
         CurvatureAveraging(interval=1.5)
+    with pytest.raises(TypeError, match="bool ramp"):
+        CurvatureAveraging(ramp=1)
+
+
+def test_refresh_schedule():
+    """The ramp doubles the gaps up to ``interval``; without it, every ``interval``."""
+    ramped, fixed = (
+        CurvatureAveraging(interval=6),
+        CurvatureAveraging(interval=5, ramp=False),
+    )
+    assert [t for t in range(40) if ramped.refreshes(t, 1)] == [
+        0,
+        1,
+        3,
+        7,
+        13,
+        19,
+        25,
+        31,
+        37,
+    ]
+    assert [t for t in range(12) if fixed.refreshes(t, 1)] == [0, 5, 10]
+    assert fixed.refreshes(3, 0), "the first factor is always built"
 
 
 def test_groups_with_differing_shared_settings_are_refused():

@@ -43,7 +43,8 @@ def averaged_reference_step(
     damping: float,
     newton_fraction: float,
     batch_ggn: Tensor | None = None,
-) -> tuple[Tensor, float]:
+    complement_curvature: Tensor | None = None,
+) -> tuple[Tensor, float, Tensor]:
     """``φ`` × the damped Newton step on ``average``'s top ``k``, and the complement.
 
     ``k = 0`` selects the flattest kept eigenvector instead (:func:`flattest`).
@@ -52,8 +53,10 @@ def averaged_reference_step(
     :class:`MeasuredCurvature` policy on a refresh) ``max(λ_min, q_⊥) + δ``, where
     ``q_⊥`` is ``batch_ggn``'s Rayleigh quotient along ``g_⊥ = ḡ − E Eᵀ ḡ``.
 
+    Between refreshes the step reuses the refresh's ``ρ`` (``complement_curvature``).
+
     Returns:
-        The step and ``q_⊥ − λ_min`` (0 without ``batch_ggn``).
+        The step, ``q_⊥ − λ_min`` (0 without ``batch_ggn``) and ``ρ``.
     """
     evals, evecs = torch.linalg.eigh(average)
     keep = evals > NOISE_LEVEL * evals.max()
@@ -67,7 +70,8 @@ def averaged_reference_step(
         measured = (orthogonal @ batch_ggn @ orthogonal) / (orthogonal @ orthogonal)
         curvature = torch.maximum(curvature, measured)
     step = newton_fraction * (evecs @ (-slopes / (evals + damping)))
-    return step - orthogonal / (curvature + damping), float(measured - evals.min())
+    rho = curvature + damping if complement_curvature is None else complement_curvature
+    return step - orthogonal / rho, float(measured - evals.min()), rho
 
 
 def flattest(evals: Tensor) -> list[int]:
@@ -102,6 +106,9 @@ def test_averaged_curvature_matches_explicit_moving_average(
 ):
     """Five steps: ``B Bᵀ/(1 − β^t)`` and the steps equal the dense recursion.
 
+    Between refreshes the steps take the frozen basis of the last refresh with its
+    damping and complement curvature ``ρ`` and this batch's gradient.
+
     The reference keeps ``A_t = trunc_r(β A_{t−1} + (1 − β) G_t)`` of explicit GGNs at
     the parameters of each refresh (exact: the factor update is exact in its
     subspace), bias-corrects it, and steps ``φ`` of the damped Newton step along its
@@ -117,7 +124,9 @@ def test_averaged_curvature_matches_explicit_moving_average(
     case = build_case(PROBLEM[problem_id])
     params = list(case.model.parameters())
     reference_params = list(case.reference_model.parameters())
-    averaging = CurvatureAveraging(decay=decay, rank=rank, interval=interval)
+    averaging = CurvatureAveraging(
+        decay=decay, rank=rank, interval=interval, ramp=False
+    )
     optimizer = DampedNewton(
         params,
         complement=MeasuredCurvature() if measured else SmallestCurvature(),
@@ -132,6 +141,7 @@ def test_averaged_curvature_matches_explicit_moving_average(
     )
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     average, updates, largest_excess = None, 0, -torch.inf
+    rho = torch.tensor(torch.nan)
     for step in range(5):
         copy_parameters(case.reference_model, case.model)
         args = (case.reference_model, case.reference_loss_fn, reference_params)
@@ -143,13 +153,14 @@ def test_averaged_curvature_matches_explicit_moving_average(
         gradient = reference.per_sample_gradients(*args, case.X, case.y).mean(0)
         corrected = average / (1 - decay**updates)
         refresh = step % interval == 0
-        step_direction, excess = averaged_reference_step(
+        step_direction, excess, rho = averaged_reference_step(
             corrected,
             gradient,
             k,
             damping,
             newton_fraction,
             G if measured and refresh else None,
+            None if refresh else rho,
         )
         largest_excess = max(largest_excess, excess)
         scale = 1.0

@@ -27,6 +27,10 @@ CONFIGURATIONS = {
     "vivit-exact": {"mc_samples": 0, "complement": None, "averaging": None},
     "complement-exact": {"mc_samples": 0, "averaging": None},
     "defaults-mc1": {"mc_samples": 1},
+    "frozen-steps-mc1": {
+        "mc_samples": 1,
+        "averaging": CurvatureAveraging(interval=20, ramp=False),
+    },
     "averaging-every-step-exact": {
         "mc_samples": 0,
         "averaging": CurvatureAveraging(interval=1),
@@ -97,7 +101,9 @@ def test_the_partial_eigensolver_checks_once_unless_it_stops_early():
 
 
 def test_levenberg_marquardt_adds_one_read_on_its_adaptation_steps():
-    optimizer, closure = _training("cpu", {"mc_samples": 1})
+    # Levenberg-Marquardt adapts on refreshes: refresh every step here.
+    every_step = CurvatureAveraging(interval=1)
+    optimizer, closure = _training("cpu", {"mc_samples": 1, "averaging": every_step})
     optimizer.param_groups[0]["damping"] = LevenbergMarquardt(value=0.1, interval=5)
     _quiet_steps(optimizer, closure, 6)
     reads_per_step = []

@@ -1,0 +1,171 @@
+r"""The step between curvature refreshes, along a frozen basis (pure tensor math).
+
+A refresh leaves each group an averaged factor ``B`` (``r`` columns ``√w_i u_i``,
+orthonormal ``u_i``), curvatures ``λ_i``, dampings ``δ_i``, the Newton fraction
+``φ`` and the complement curvature ``ρ``. Until the next refresh only the mean
+gradient ``ḡ`` is new, and the step
+
+.. math::
+
+    s = \sum_i \frac{-\varphi\,\gamma_i}{\lambda_i + \delta_i} u_i
+        - \frac{1}{\rho}\Big(\bar g - \sum_i \gamma_i u_i\Big),
+    \qquad \gamma_i = u_i^\top \bar g,
+
+needs two products with the ``r×D`` matrix ``B`` and nothing else of size ``D``:
+with ``π = B ḡ`` (so ``γ_i = π_i / √w_i``) it is ``s = Bᵀ(b ⊙ π) − ḡ/ρ`` with
+``b_i = (a_i + 1/ρ) / w_i`` and ``a_i = −φ/(λ_i + δ_i)``. The quadratic model's
+slope is ``ḡᵀs`` and its curvature along the kept directions
+``Σ_i λ_i a_i² γ_i² = Σ_i c_i π_i²`` with ``c_i = λ_i a_i² / w_i``; the trust region
+uses both (:func:`dampednewton.model.trust_region_scale`).
+
+:class:`FrozenBasis` holds ``b``, ``c`` and ``1/ρ`` (computed once per refresh by
+:func:`freeze`); :func:`frozen_basis_step` is the step. Columns that the criterion
+did not choose, or whose weight is not positive, get ``b_i = c_i = 0`` and stay
+in the complement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class FrozenBasis:
+    """A group's step coefficients between refreshes (everything but ``B``).
+
+    Attributes:
+        weights: ``w`` ``[r]``.
+        curvatures: ``λ`` ``[r]``.
+        damping: ``δ`` ``[r]``.
+        kept: ``[r]`` mask of the directions the step takes.
+        newton: ``a`` ``[r]``: ``a_i γ_i`` is the Newton step's coefficient.
+        step_weights: ``b`` ``[r]``: ``Bᵀ(b ⊙ Bḡ)`` is the step inside span(B).
+        curvature_weights: ``c`` ``[r]``: ``Σ c_i π_i²`` is the model's curvature.
+        inverse_complement: ``1/ρ`` (0-dim; ``0`` without a complement step).
+    """
+
+    weights: Tensor
+    curvatures: Tensor
+    damping: Tensor
+    kept: Tensor
+    newton: Tensor
+    step_weights: Tensor
+    curvature_weights: Tensor
+    inverse_complement: Tensor
+
+    def without_first(self, count: int) -> FrozenBasis:
+        """The coefficients of the columns from ``count`` on (copies).
+
+        Args:
+            count: Number of leading columns to drop.
+
+        Returns:
+            The coefficients of the remaining columns.
+        """
+        columns = {
+            name: value[count:].clone()
+            for name, value in self.as_dict().items()
+            if name != "inverse_complement"
+        }
+        return FrozenBasis(**columns, inverse_complement=self.inverse_complement)
+
+    def as_dict(self) -> dict[str, Tensor]:
+        """The fields as a dict of tensors (for the optimizer's state dict).
+
+        Returns:
+            ``{field name: tensor}``.
+        """
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
+@dataclass(frozen=True)
+class BasisStep:
+    """The step along a frozen basis and its quadratic model.
+
+    Attributes:
+        step: ``s`` ``[D]`` (flat, in the basis' dtype).
+        projections: ``π = Bḡ`` ``[r]``.
+        slope: ``ḡᵀs`` (0-dim).
+        curvature: ``sᵀḠs`` under the averaged GGN (0-dim).
+    """
+
+    step: Tensor
+    projections: Tensor
+    slope: Tensor
+    curvature: Tensor
+
+
+def freeze(
+    weights: Tensor,
+    curvatures: Tensor,
+    damping: Tensor,
+    chosen: Tensor,
+    newton_fraction: float,
+    complement_curvature: Tensor | None,
+) -> FrozenBasis:
+    """The coefficients of the steps until the next refresh.
+
+    Args:
+        weights: ``w`` ``[r]`` (``BᵀB``'s diagonal; ``0`` for empty columns).
+        curvatures: ``λ`` ``[r]`` (the bias-corrected average's eigenvalues).
+        damping: ``δ`` ``[r]`` (``inf`` drops a direction; unchosen columns any
+            value).
+        chosen: ``[r]`` mask of the columns the criterion kept.
+        newton_fraction: ``φ``.
+        complement_curvature: ``ρ`` (0-dim, ``inf``: none), or ``None`` without a
+            complement step.
+
+    Returns:
+        The frozen coefficients.
+    """
+    kept = chosen & (weights > 0) & torch.isfinite(damping)
+    safe_weights = weights.where(kept, 1.0)
+    newton = (-newton_fraction / (curvatures + damping.where(kept, 1.0))).where(
+        kept, 0.0
+    )
+    if complement_curvature is None:
+        inverse = weights.new_zeros(())
+    else:
+        inverse = complement_curvature.to(weights).reciprocal()
+    return FrozenBasis(
+        weights=weights,
+        curvatures=curvatures,
+        damping=damping,
+        kept=kept,
+        newton=newton,
+        step_weights=((newton + inverse) / safe_weights).where(kept, 0.0),
+        curvature_weights=(curvatures * newton.square() / safe_weights).where(
+            kept, 0.0
+        ),
+        inverse_complement=inverse,
+    )
+
+
+def frozen_basis_step(
+    basis: Tensor, gradient: Tensor, frozen: FrozenBasis
+) -> BasisStep:
+    """The step ``s = Bᵀ(b ⊙ Bḡ) − ḡ/ρ`` and its model (see the module docstring).
+
+    Args:
+        basis: ``B`` ``[r, D]`` (rows ``√w_i u_iᵀ``).
+        gradient: ``ḡ`` ``[D]`` in ``B``'s dtype.
+        frozen: The coefficients from :func:`freeze`.
+
+    Returns:
+        The step with its slope and curvature.
+    """
+    projections = basis @ gradient
+    step = torch.addmv(
+        gradient * -frozen.inverse_complement,
+        basis.T,
+        projections * frozen.step_weights,
+    )
+    return BasisStep(
+        step=step,
+        projections=projections,
+        slope=torch.dot(gradient, step),
+        curvature=torch.dot(projections.square(), frozen.curvature_weights),
+    )
