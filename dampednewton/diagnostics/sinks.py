@@ -303,7 +303,7 @@ class LightningLoggerSink:
                 ``TensorBoardLogger``).
 
         Raises:
-            ImportError: If Lightning is not installed.
+            ImportError: If ``arrays`` is set and Lightning is not installed.
             ValueError: If ``arrays`` is set and the logger is not a
                 ``TensorBoardLogger``.
         """
