@@ -8,6 +8,18 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
+# backpack-for-pytorch declares torchvision (only its unused backpack.utils.examples
+# imports it), so pip installs PyPI's wheel, which is built for PyPI's CUDA torch: next
+# to the CPU torch pinned here its import fails ("operator torchvision::nms does not
+# exist"). torchmetrics, which Lightning imports, checks the installed *metadata*
+# (lightning_utilities' RequirementCache("torchvision")) and then imports torchvision,
+# so a broken torchvision breaks `import lightning`; no environment variable turns that
+# off. Hence: uninstall torchvision when it does not import (a working one stays).
+# Nothing in this project imports torchvision.
+define drop_broken_torchvision
+$(1) -c "import torchvision" 2>/dev/null || $(1) -m pip uninstall --quiet -y torchvision
+endef
+
 .PHONY: test test-floor bench lint format clean
 
 $(STAMP): pyproject.toml
@@ -15,6 +27,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	@echo "Installing $(TORCH_PIN) + BackPACK, Hydra, matplotlib, ruff, mypy, pytest into $(VENV) (~2 min the first time)..."
 	$(PY) -m pip install --quiet "$(TORCH_PIN)" -e ".[test]"
+	$(call drop_broken_torchvision,$(PY))
 	touch $(STAMP)
 
 lint: $(STAMP)
@@ -43,6 +56,7 @@ FLOOR_PIP_ARGS ?=
 test-floor: pyproject.toml
 	test -d $(FLOOR_VENV) || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install --quiet $(FLOOR_PIP_ARGS) "torch==$(TORCH_FLOOR).*" -e ".[test]"
+	$(call drop_broken_torchvision,$(FLOOR_VENV)/bin/python)
 	$(FLOOR_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(FLOOR_VENV)/bin/python -m pytest -q -n 2
 

@@ -6,15 +6,15 @@ import ast
 import dataclasses
 import inspect
 import re
-from pathlib import Path
 
 import pytest
 
 import dampednewton
 import dampednewton.diagnostics
+from tests.markdown import ROOT, python_blocks
 
-README = Path(__file__).parents[1] / "README.md"
-EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.DOTALL)
+README = ROOT / "README.md"
+EXAMPLES = python_blocks(README)
 
 
 def test_readme_has_examples():

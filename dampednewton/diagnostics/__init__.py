@@ -9,7 +9,9 @@
   (:class:`FixedRange`, :class:`MaxAbsRange`, :class:`PercentileRange`) and
   :data:`HistogramSemantics` (this package's or Cockpit's).
 * How: :class:`DiagnosticsMonitor` (BackPACK extensions, extension hook, per-step
-  record), :class:`DiagnosticsLog` (JSON/NPZ storage).
+  record), :class:`DiagnosticsLog` (JSON/NPZ storage, and sinks that also get
+  each record: :class:`TensorBoardSink`, :class:`LightningLoggerSink`, see
+  :mod:`~dampednewton.diagnostics.sinks`).
 * Math as pure functions: :mod:`~dampednewton.diagnostics.gsnr`,
   :mod:`~dampednewton.diagnostics.histogram`,
   :mod:`~dampednewton.diagnostics.bin_adaptation`,
@@ -22,7 +24,7 @@ from dampednewton.diagnostics.bin_adaptation import (
     MaxAbsRange,
     PercentileRange,
 )
-from dampednewton.diagnostics.log import DiagnosticsLog
+from dampednewton.diagnostics.log import DiagnosticsLog, RecordSink
 from dampednewton.diagnostics.monitor import DiagnosticsMonitor
 from dampednewton.diagnostics.reducer import MissingQuantityError
 from dampednewton.diagnostics.schedules import (
@@ -30,6 +32,7 @@ from dampednewton.diagnostics.schedules import (
     EveryKSteps,
     LogSpacedSchedule,
 )
+from dampednewton.diagnostics.sinks import LightningLoggerSink, TensorBoardSink
 from dampednewton.diagnostics.specs import (
     GSNR,
     CurvatureTrace,
@@ -50,9 +53,12 @@ __all__ = [
     "GradientHistogram",
     "GradientParameterHistogram",
     "HistogramSemantics",
+    "LightningLoggerSink",
     "LogSpacedSchedule",
     "MaxAbsRange",
     "MissingQuantityError",
     "NoiseScale",
     "PercentileRange",
+    "RecordSink",
+    "TensorBoardSink",
 ]

@@ -6,18 +6,34 @@ NumPy arrays, e.g. ``{"step": 3, "loss": 0.7, "gsnr/mean": 0.02,
 ``<stem>.json`` with the scalars of every record (non-finite floats as JSON's
 ``NaN``/``Infinity`` extensions, which Python reads back) and ``<stem>.npz`` with
 the arrays under the keys ``"<record index>/<key>"``.
+
+A log can also hand every record to sinks (:class:`RecordSink`, e.g.
+:mod:`~dampednewton.diagnostics.sinks`' TensorBoard and Lightning sinks): give the
+monitor ``log=DiagnosticsLog(sinks=[...])``. A record goes to the sinks once it is
+complete, when the next record is appended or at :meth:`DiagnosticsLog.flush`: the
+monitor may re-assemble the last record, and ``DampedNewton`` adds its
+``newton/...`` entries to it after the monitor logged it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 Record = dict[str, int | float | np.ndarray]
 _FORMAT = "dampednewton.diagnostics/1"
+
+
+@runtime_checkable
+class RecordSink(Protocol):
+    """Where a :class:`DiagnosticsLog` also writes each record it receives."""
+
+    def write(self, record: Record) -> None:
+        """Write one record (a dict with an integer ``"step"``)."""
 
 
 def _check_record(record: Mapping) -> Record:
@@ -42,15 +58,35 @@ def _check_record(record: Mapping) -> Record:
 
 
 class DiagnosticsLog:
-    """Ordered list of per-step records with series access and file round trip."""
+    """Ordered list of per-step records with series access and file round trip.
 
-    def __init__(self, records: Iterable[Mapping] = ()) -> None:
+    Attributes:
+        sinks: Where every record is also written, once complete.
+    """
+
+    def __init__(
+        self, records: Iterable[Mapping] = (), *, sinks: Sequence[RecordSink] = ()
+    ) -> None:
         """Create a log.
 
         Args:
             records: Initial records (each needs an integer ``"step"``).
+            sinks: Objects with a ``write(record)`` method, called with each
+                record (initial ones included) when the next one is appended or
+                at :meth:`flush`, and again for a written record that is replaced.
+
+        Raises:
+            TypeError: If a sink has no ``write`` method.
         """
+        for sink in sinks:
+            if not isinstance(sink, RecordSink):
+                raise TypeError(
+                    f"A sink needs a write(record) method, {sink!r} has none; "
+                    "see dampednewton.diagnostics.sinks."
+                )
+        self.sinks = list(sinks)
         self._records: list[Record] = []
+        self._unwritten: int | None = None  # the index of the record not yet written
         for record in records:
             self.append(record)
 
@@ -65,7 +101,10 @@ class DiagnosticsLog:
             TypeError: If a key or value has an unsupported type.
             ValueError: If ``"step"`` is missing.
         """
-        self._records.append(_check_record(record))
+        checked = _check_record(record)
+        self.flush()
+        self._records.append(checked)
+        self._unwritten = len(self._records) - 1 if self.sinks else None
 
     def replace(self, index: int, record: Mapping) -> None:
         """Replace the record at position ``index``.
@@ -75,6 +114,21 @@ class DiagnosticsLog:
             record: The new record (checked as in :meth:`append`).
         """
         self._records[index] = _check_record(record)
+        if self.sinks and index % len(self._records) != self._unwritten:
+            self._write(self._records[index])
+
+    def flush(self) -> None:
+        """Write the last record to the sinks if they do not have it yet.
+
+        Call it after the last step: the log writes a record when the next arrives.
+        """
+        if self._unwritten is not None:
+            index, self._unwritten = self._unwritten, None
+            self._write(self._records[index])
+
+    def _write(self, record: Record) -> None:
+        for sink in self.sinks:
+            sink.write(record)
 
     def __len__(self) -> int:
         """Return the number of records."""
