@@ -305,7 +305,9 @@ class DampedNewton(Optimizer):
             status.check_inputs(results, deferred)
             if not status.loss_unscaled:
                 warnings.warn(
-                    modified_loss_warning(deferred.loss_name),
+                    modified_loss_warning(
+                        deferred.loss_name, len(deferred.loss_weights)
+                    ),
                     stacklevel=STACKLEVEL_OF_CALLER - 1,
                 )
             problem = nonfinite_problem(loss, status, solved)

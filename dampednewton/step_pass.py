@@ -27,7 +27,7 @@ from dampednewton.backpack.extensions import (
 from dampednewton.backpack.global_batch import GlobalBatch
 from dampednewton.backpack.passes import Hook, backward_pass
 from dampednewton.backpack.savefields import GRAD_BATCH
-from dampednewton.backward import SingleBackwardCheck, quiet_backward_hook_warning
+from dampednewton.backward import BackwardCheck, quiet_backward_hook_warning
 from dampednewton.computations.engine import GGNEngine, GGNSettings
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
@@ -143,7 +143,9 @@ class StepPass:
             ):
                 extension.deferred_checks = deferred
         try:
-            loss = run_closure(closure, params, extensions, hooks)
+            loss = run_closure(
+                closure, params, extensions, hooks, accumulation=monitor is None
+            )
         except Exception:
             if communicator is not None:  # the other ranks wait for this one
                 communicator.agree_on_pass(
@@ -159,7 +161,9 @@ class StepPass:
             if not torch.isfinite(loss):
                 return loss, [None] * len(blocks), True, deferred
             if engine is not None:
-                engine.reduce_global_batch()
+                engine.reduce_kept()
+        elif engine is not None:
+            engine.reduce_kept()  # the micro-batches of gradient accumulation
         with torch.no_grad():
             results = [
                 _result(engine, block)
@@ -216,6 +220,7 @@ class StepPass:
                 needs_gradients=per_sample_gradients,
                 defers_finish=True,  # the finisher reads the complete .grad
             )
+            engine.accumulates = True
             if communicator is not None:
                 engine.global_batch = GlobalBatch(
                     communicator.gather_samples,
@@ -273,35 +278,36 @@ def run_closure(
     params: Sequence[Tensor],
     extensions: list,
     hooks: Sequence[Hook],
+    accumulation: bool = True,
 ) -> Any:
-    """Run the closure's backward pass with the extensions (if any) and the hooks.
+    """Run the closure's backward passes with the extensions (if any) and the hooks.
 
-    All BackPACK quantities are freed layer by layer, after the hooks ran.
+    All BackPACK quantities are freed layer by layer, after the hooks ran. The
+    closure may accumulate gradients over micro-batches (see
+    :class:`~dampednewton.backward.BackwardCheck`).
 
     Args:
         closure: ``zero_grad``, forward, ``backward``; returns the loss.
         params: Every parameter of the optimizer.
         extensions: BackPACK extensions; none: a plain backward pass.
         hooks: The consumers' extension hooks, in order.
+        accumulation: Whether several backward passes (micro-batches) may run.
 
     Returns:
         What the closure returned.
 
     Raises:
-        RuntimeError: When the closure ran several backward passes or did not zero
-            the gradients.
+        RuntimeError: When the closure back-propagated something else than its
+            micro-batches' losses, a graph twice, or did not zero the gradients.
     """
     with (
         torch.enable_grad(),
         quiet_backward_hook_warning(),
-        SingleBackwardCheck(params) as check,
+        BackwardCheck(params) as check,
+        backward_pass(extensions, [*hooks, check.module_hook]),
     ):
-        if extensions:
-            with backward_pass(extensions, hooks):
-                loss = closure()
-        else:
-            loss = closure()
-    problem = check.problem()
+        loss = closure()
+    problem = check.problem(accumulation)
     if problem is not None:
         raise RuntimeError(
             f"DampedNewton refused the step: {problem}; parameters and optimizer "
