@@ -80,7 +80,9 @@ def check_fresh_forward(module: Module) -> None:
             f"{type(module).__name__} whose forward pass was already back-propagated "
             "(the same graph twice, e.g. loss.backward(retain_graph=True) and "
             "loss.backward(), or the forward passes of several micro-batches before "
-            "their backward passes) or ran inside backpack.disable(); parameters and "
+            "their backward passes), is used twice in one forward pass (BackPACK "
+            "needs one module instance per use) or ran inside backpack.disable(); "
+            "parameters and "
             "optimizer state unchanged. Run one forward and one backward pass per "
             "micro-batch, in turn:\n" + ACCUMULATION_PATTERN
         )

@@ -375,7 +375,13 @@ def _record_loss_weight(
 
 
 class ExactSqrtGGN(SqrtGGNExact):
-    """:class:`backpack.extensions.SqrtGGNExact` with actionable error messages."""
+    """:class:`backpack.extensions.SqrtGGNExact` with actionable error messages.
+
+    Attributes:
+        deferred_checks: Where the loss's checks are left (``None``: check now).
+        loss_weight: The gradient that reached the loss module in the last backward
+            pass (0-dim): the weight of a micro-batch's loss.
+    """
 
     def __init__(self, subsampling: Sequence[int] | None = None):
         """Set up BackPACK's extension and the losses' deferred checks.
@@ -403,6 +409,12 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
     (:func:`~dampednewton.math.sampling.sampled_cross_entropy_gradients`); the other
     losses sample inside a forked random state seeded from the generator, whose state
     then advances.
+
+    Attributes:
+        generator: The random source (``None``: the global random state).
+        deferred_checks: Where the loss's checks are left (``None``: check now).
+        loss_weight: The gradient that reached the loss module in the last backward
+            pass (0-dim): the weight of a micro-batch's loss.
     """
 
     def __init__(

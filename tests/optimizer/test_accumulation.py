@@ -13,6 +13,7 @@ per micro-batch, repeated with its rows).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from unittest import mock
 
@@ -199,3 +200,31 @@ def test_micro_batches_at_a_step_of_the_monitor_are_refused():
 
     with pytest.raises(RuntimeError, match=r"2 backward passes .* monitor is active"):
         optimizer.step(closure)
+
+
+def test_each_micro_batch_frees_the_activations_the_step_does_not_keep():
+    # The first layer's output (the sigmoid's input) is neither a layer input nor a
+    # square root: alive until its micro-batch's backward pass, freed after it.
+    case = build_case(case_by_id(MLP))
+    optimizer = _optimizer(case, 0, damping=0.1)  # no second call of the closure
+    outputs: list[weakref.ref] = []
+    case.model[0].register_forward_hook(
+        lambda module, inputs, output: outputs.append(weakref.ref(output))
+    )
+    alive: list[tuple[bool, bool]] = []
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        total = torch.zeros((), dtype=case.X.dtype)
+        for rows in _parts((3, 3)):
+            loss = case.loss_fn(case.model(case.X[rows]), case.y[rows]) / 2
+            before = outputs[-1]() is not None
+            loss.backward()
+            total = total + loss.detach()
+            del loss
+            alive.append((before, outputs[-1]() is not None))
+        return total
+
+    optimizer.step(closure)
+
+    assert alive == [(True, False), (True, False)]
