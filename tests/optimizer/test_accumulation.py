@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from dampednewton import DampedNewton, LevenbergMarquardt
+from dampednewton import CurvatureAveraging, DampedNewton, LevenbergMarquardt
 from dampednewton.diagnostics import GSNR, DiagnosticsMonitor
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 from tests.cases import case_by_id
@@ -105,11 +105,12 @@ def _assert_same_steps(
     repeats: Sequence[int],
     problem: str,
     mc_samples: int,
+    **options,
 ) -> None:
     """The accumulating closure's parameters and losses equal the reference's."""
     case, twin = build_case(case_by_id(problem)), build_case(case_by_id(problem))
-    optimizer = _optimizer(case, mc_samples)
-    reference = _optimizer(twin, mc_samples)
+    optimizer = _optimizer(case, mc_samples, **options)
+    reference = _optimizer(twin, mc_samples, **options)
     rows = torch.cat(
         [part.repeat(r) for part, r in zip(_parts(sizes), repeats, strict=True)]
     )
@@ -157,6 +158,14 @@ def test_uneven_micro_batches_over_m_weight_their_samples_by_one_over_m_n_m(
     repeats = [common // n for n in sizes]
     weights = [1 / len(sizes)] * len(sizes)
     _assert_same_steps(sizes, weights, repeats, problem, mc_samples)
+
+
+def test_micro_batches_between_refreshes_of_the_averaged_curvature():
+    # Step 1 reuses the averaged factor: a plain backward pass that reads .grad only.
+    sizes = (1, 2, 3)
+    weights = [n / 6 for n in sizes]
+    averaging = CurvatureAveraging(interval=2)
+    _assert_same_steps(sizes, weights, [1, 1, 1], MLP, 0, averaging=averaging)
 
 
 def test_weights_that_do_not_sum_to_one_step_as_a_scaled_loss_with_a_warning():
