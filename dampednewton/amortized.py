@@ -24,7 +24,12 @@ import torch
 from torch import Tensor
 
 from dampednewton.group_step import GroupStep
-from dampednewton.math.frozen_basis import BasisStep, FrozenBasis, frozen_basis_step
+from dampednewton.math.frozen_basis import (
+    BasisStep,
+    FrozenBasis,
+    frozen_basis_step,
+    guarded_curvature,
+)
 from dampednewton.records import BASIS, FROZEN
 
 
@@ -90,8 +95,32 @@ class FrozenBases:
         return basis
 
 
+def trust_bound(lr: float, kl_clip: float | None) -> float | None:
+    """``2κ / lr²``, the trust region's bound on the curvature (``None``: off)."""
+    return None if kl_clip is None or lr == 0 else 2 * kl_clip / lr**2
+
+
+def record_step_lengths(
+    stats: Sequence[dict[str, Any]],
+    results: Sequence[GroupStep | None],
+    scales: Sequence[Tensor | float],
+) -> None:
+    """Store each refreshed group's step length ``ν‖s‖`` with its frozen coefficients.
+
+    Args:
+        stats: Per group, its statistics (updated in place).
+        results: Per group, its accepted step.
+        scales: Per group, its trust-region scale ``ν``.
+    """
+    for group, result, scale in zip(stats, results, scales, strict=True):
+        if result is not None and result.factor is not None and FROZEN in group:
+            squares = sum(part.square().sum() for part in result.step)
+            length = torch.as_tensor(scale) * torch.as_tensor(squares).sqrt()
+            group[FROZEN]["step_length"] = length.to(group[FROZEN]["weights"])
+
+
 def frozen_group_step(
-    params: Sequence[Tensor], basis: Tensor, frozen: FrozenBasis
+    params: Sequence[Tensor], basis: Tensor, frozen: FrozenBasis, bound: float | None
 ) -> GroupStep:
     """A group's step along its frozen basis, as the general pipeline records it.
 
@@ -99,6 +128,7 @@ def frozen_group_step(
         params: The group's parameters (their ``.grad`` is ``ḡ``).
         basis: ``B`` ``[r, D]``.
         frozen: The group's frozen coefficients.
+        bound: The trust region's ``2κ / lr²`` (``None``: off).
 
     Returns:
         The step; its recorded directions are the kept columns.
@@ -120,6 +150,7 @@ def frozen_group_step(
         coefficients=frozen.newton * slopes.where(kept, 0.0),
         slope=result.slope,
         curvature=result.curvature,
+        batch_curvature=guarded_curvature(result, frozen, bound),
         selected=kept,
         complement_curvature=frozen.inverse_complement.reciprocal(),
     )

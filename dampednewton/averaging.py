@@ -49,18 +49,33 @@ class CurvatureAveraging:
         ramp: Start with frequent refreshes while the curvature changes fast: the
             gaps between refreshes double from 1 (steps 0, 1, 3, 7, …) until they
             reach ``interval``.
+        loss_tolerance: Refresh at the next step when a step between refreshes
+            sees a mini-batch loss above ``1 + loss_tolerance`` times the loss of
+            the last refresh (the frozen curvature no longer describes the model);
+            ``None`` only follows the schedule.
     """
 
     decay: float = 0.6
     rank: int | None = None
     interval: int = 20
     ramp: bool = True
+    loss_tolerance: float | None = 1.0
 
     def __post_init__(self) -> None:
         """Validate the settings."""
         if not isinstance(self.decay, int | float) or not 0 <= self.decay < 1:
             raise ValueError(
                 f"CurvatureAveraging needs 0 <= decay < 1, got {self.decay!r}."
+            )
+        tolerance = self.loss_tolerance
+        if tolerance is not None and (
+            isinstance(tolerance, bool)
+            or not isinstance(tolerance, int | float)
+            or not tolerance >= 0
+        ):
+            raise ValueError(
+                "CurvatureAveraging needs loss_tolerance >= 0 or None, got "
+                f"{tolerance!r}."
             )
         if not isinstance(self.ramp, bool):
             raise TypeError(f"CurvatureAveraging needs a bool ramp, got {self.ramp!r}.")

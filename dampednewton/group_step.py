@@ -413,6 +413,7 @@ def averaged_step(
             _spread(positive, chosen, all_evals.numel(), False),
             group["newton_fraction"],
             rho,
+            _excess(slope, batch_curvature),
         ),
         evals=evals,
         gamma_mean=projections,
@@ -434,6 +435,14 @@ def _entries(tensor: Tensor, chosen: int | Tensor) -> Tensor:
     if isinstance(chosen, int):
         return tensor[chosen:]
     return tensor.index_select(0, chosen)
+
+
+def _excess(slope: Tensor, batch_curvature: Tensor | None) -> Tensor:
+    """``η = max(1, sᵀĜs / (−ḡᵀs))``: the batch GGN's excess over the model."""
+    if batch_curvature is None:
+        return torch.ones_like(slope)
+    model = (-slope).clamp_min(torch.finfo(slope.dtype).tiny)
+    return (batch_curvature.to(model) / model).clamp_min(1.0)
 
 
 def _spread(values: Tensor, chosen: int | Tensor, size: int, fill: Any) -> Tensor:

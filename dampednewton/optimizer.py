@@ -20,7 +20,13 @@ from torch import Generator, Tensor
 from torch.optim import Optimizer
 
 from dampednewton.adaptation import adapt, distinct_adaptive
-from dampednewton.amortized import FrozenBases, gradient_vector, stored_frozen
+from dampednewton.amortized import (
+    FrozenBases,
+    gradient_vector,
+    record_step_lengths,
+    stored_frozen,
+    trust_bound,
+)
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.backpack.extensions import modified_loss_warning
 from dampednewton.checkpoint import mark_unpicklable, unwrap_settings
@@ -32,7 +38,7 @@ from dampednewton.guard import (
     nonfinite_problem,
     refuse,
 )
-from dampednewton.math.frozen_basis import frozen_basis_step
+from dampednewton.math.frozen_basis import frozen_basis_step, guarded_curvature
 from dampednewton.model import trust_region_scale
 from dampednewton.options import (
     GroupOptions,
@@ -53,6 +59,10 @@ from dampednewton.update import apply_flat_step, apply_steps
 
 GLOBAL = "global"
 GROUPS = "groups"
+REFRESH_DUE = "refresh_due"
+"""Global state: the next step refreshes every averaged group (the loss rose)."""
+REFRESH_LOSS = "refresh_loss"
+"""Global state: the mini-batch loss of the last refresh."""
 
 
 DEFAULT_DAMPING = 0.1
@@ -305,6 +315,7 @@ class DampedNewton(Optimizer):
                 monitor=monitor,
                 step=step_index,
                 communicator=self._communicator,
+                refresh=self.state[GLOBAL].get(REFRESH_DUE, False),
             )
             check_loss_type(loss)
             thresholds = [option.warn_small_eigvals for option in options]
@@ -312,7 +323,9 @@ class DampedNewton(Optimizer):
             status.check_inputs(results, deferred)
             if not status.loss_unscaled:
                 warnings.warn(
-                    modified_loss_warning(deferred.loss_name),
+                    modified_loss_warning(
+                        deferred.loss_name, len(deferred.loss_weights)
+                    ),
                     stacklevel=STACKLEVEL_OF_CALLER - 1,
                 )
             problem = nonfinite_problem(loss, status, solved)
@@ -340,7 +353,10 @@ class DampedNewton(Optimizer):
             self.state,
         )
         store_factors(self.state, self._group_stats(), self.param_groups, results)
-        self._bases.clear()
+        if any(result is not None and result.factor for result in results):
+            record_step_lengths(self._group_stats(), results, scales)
+            self._bases.clear()
+            self.state[GLOBAL].update({REFRESH_DUE: False, REFRESH_LOSS: loss.detach()})
         self.state[GLOBAL]["step"] += 1
         self._recorder.record(
             self._group_stats(),
@@ -376,6 +392,8 @@ class DampedNewton(Optimizer):
         stats = self.state.get(GROUPS)
         if not stats or self._communicator is not None:
             return False
+        if self.state[GLOBAL].get(REFRESH_DUE, False):
+            return False
         if self._active_monitor(step) is not None:
             return False
         return all(
@@ -397,28 +415,51 @@ class DampedNewton(Optimizer):
         loss = run_closure(closure, params, [], [], self._pass.extended_modules)
         check_loss_type(loss)
         with torch.no_grad():
-            steps = []
+            steps, frozens = [], []
             for index, group in enumerate(self.param_groups):
                 basis = self._bases.get(index, self.state, group["params"])
                 frozen = stored_frozen(self.state[GROUPS][index])
                 assert frozen is not None  # checked by _between_refreshes
                 gradient = gradient_vector(group["params"], basis)
                 steps.append(frozen_basis_step(basis, gradient, frozen))
+                frozens.append(frozen)
             # One read: a non-finite loss, gradient or step makes a slope non-finite.
             total = loss.detach().to(steps[0].slope) + sum(s.slope for s in steps)
-            if not total.isfinite().item():
+            finite, rising = torch.stack(
+                [total.isfinite(), self._loss_rose(loss, options)]
+            ).tolist()
+            if rising:
+                self.state[GLOBAL][REFRESH_DUE] = True
+            if not finite:
                 refuse("the loss or the step is not finite", self._nonfinite)
                 self.state[GLOBAL]["skipped_steps"] += 1
                 return loss
-            for group, option, step in zip(
-                self.param_groups, options, steps, strict=True
+            for group, option, step, frozen in zip(
+                self.param_groups, options, steps, frozens, strict=True
             ):
-                scale = trust_region_scale(option.lr, step.slope, None, option.kl_clip)
+                bound = trust_bound(option.lr, option.kl_clip)
+                guarded = guarded_curvature(step, frozen, bound)
+                scale = trust_region_scale(
+                    option.lr, step.slope, guarded, option.kl_clip
+                )
                 apply_flat_step(
                     group["params"], step.step.mul_(scale), self.state, option
                 )
         self.state[GLOBAL]["step"] += 1
         return loss
+
+    def _loss_rose(self, loss: Tensor, options: Sequence[GroupOptions]) -> Tensor:
+        """Whether the loss rose past a group's tolerance since the last refresh."""
+        reference = self.state[GLOBAL].get(REFRESH_LOSS)
+        tolerances = [
+            option.averaging.loss_tolerance
+            for option in options
+            if option.averaging is not None
+            and option.averaging.loss_tolerance is not None
+        ]
+        if reference is None or not tolerances:
+            return torch.zeros((), dtype=torch.bool, device=loss.device)
+        return loss.detach() > (1 + min(tolerances)) * reference
 
     @property
     def communication_seconds(self) -> float:

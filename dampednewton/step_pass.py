@@ -19,7 +19,7 @@ import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
-from dampednewton.amortized import frozen_group_step, stored_frozen
+from dampednewton.amortized import frozen_group_step, stored_frozen, trust_bound
 from dampednewton.backpack.extensions import (
     DeferredChecks,
     ExactSqrtGGN,
@@ -30,7 +30,7 @@ from dampednewton.backpack.global_batch import GlobalBatch
 from dampednewton.backpack.hooks import ExtendedModules
 from dampednewton.backpack.passes import Hook, backward_pass
 from dampednewton.backpack.savefields import GRAD_BATCH
-from dampednewton.backward import SingleBackwardCheck, quiet_backward_hook_warning
+from dampednewton.backward import BackwardCheck, quiet_backward_hook_warning
 from dampednewton.computations.engine import GGNEngine, GGNSettings
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
@@ -80,6 +80,7 @@ class StepPass:
         monitor: DiagnosticsMonitor | None,
         step: int,
         communicator: Communicator | None = None,
+        refresh: bool = False,
     ) -> tuple[Tensor, list[GroupStep | None], bool, DeferredChecks]:
         """Run the closure's one backward pass and compute every group's direction.
 
@@ -100,6 +101,7 @@ class StepPass:
             monitor: The diagnostics monitor if it is active this step.
             step: The step's index.
             communicator: The ranks' collectives, ``None`` for one process.
+            refresh: Refresh every averaged group, whatever its schedule says.
 
         Returns:
             The loss, every group's step (``None``: no trainable parameter), whether
@@ -114,7 +116,8 @@ class StepPass:
             needs_sample_statistics(option.damping) for option in options
         )
         refreshing = [
-            block["averaging"] is None
+            refresh
+            or block["averaging"] is None
             or block["averaging"].refreshes(step, _updates(block["factor"]))
             for block in blocks
         ]
@@ -148,7 +151,12 @@ class StepPass:
                 extension.deferred_checks = deferred
         try:
             loss = run_closure(
-                closure, params, extensions, hooks, self.extended_modules
+                closure,
+                params,
+                extensions,
+                hooks,
+                self.extended_modules,
+                accumulation=monitor is None,
             )
         except Exception:
             if communicator is not None:  # the other ranks wait for this one
@@ -165,7 +173,9 @@ class StepPass:
             if not torch.isfinite(loss):
                 return loss, [None] * len(blocks), True, deferred
             if engine is not None:
-                engine.reduce_global_batch()
+                engine.reduce_kept()
+        elif engine is not None:
+            engine.reduce_kept()  # the micro-batches of gradient accumulation
         with torch.no_grad():
             results = [
                 _result(engine, block) if refresh else _reused(block, index, state)
@@ -222,6 +232,7 @@ class StepPass:
                 needs_gradients=per_sample_gradients,
                 defers_finish=True,  # the finisher reads the complete .grad
             )
+            engine.accumulates = True
             if communicator is not None:
                 engine.global_batch = GlobalBatch(
                     communicator.gather_samples,
@@ -280,10 +291,13 @@ def run_closure(
     extensions: list,
     hooks: Sequence[Hook],
     modules: ExtendedModules | None = None,
+    accumulation: bool = True,
 ) -> Any:
-    """Run the closure's backward pass with the extensions (if any) and the hooks.
+    """Run the closure's backward passes with the extensions (if any) and the hooks.
 
-    All BackPACK quantities are freed layer by layer, after the hooks ran.
+    All BackPACK quantities are freed layer by layer, after the hooks ran. The
+    closure may accumulate gradients over micro-batches (see
+    :class:`~dampednewton.backward.BackwardCheck`).
 
     Args:
         closure: ``zero_grad``, forward, ``backward``; returns the loss.
@@ -291,27 +305,34 @@ def run_closure(
         extensions: BackPACK extensions; none: a plain backward pass.
         hooks: The consumers' extension hooks, in order.
         modules: Records the extended modules of a pass with extensions and
-            suspends their BackPACK hooks in a pass without.
+            suspends their BackPACK hooks in a pass without (then the loss
+            modules' forward passes count the micro-batches).
+        accumulation: Whether several backward passes (micro-batches) may run.
 
     Returns:
         What the closure returned.
 
     Raises:
-        RuntimeError: When the closure ran several backward passes or did not zero
-            the gradients.
+        RuntimeError: When the closure back-propagated something else than its
+            micro-batches' losses, a graph twice, or did not zero the gradients.
     """
+    plain = not extensions and modules is not None and len(modules) > 0
     with (
         torch.enable_grad(),
         quiet_backward_hook_warning(),
-        SingleBackwardCheck(params) as check,
+        BackwardCheck(params) as check,
     ):
-        if extensions:
-            with backward_pass(extensions, hooks), recording(modules):
+        if plain:
+            assert modules is not None
+            with modules.suspended(), modules.counting_losses(check.count_forward):
                 loss = closure()
         else:
-            with suspended(modules):
+            with (
+                backward_pass(extensions, [*hooks, check.module_hook]),
+                recording(modules),
+            ):
                 loss = closure()
-    problem = check.problem()
+    problem = check.problem(accumulation)
     if problem is not None:
         raise RuntimeError(
             f"DampedNewton refused the step: {problem}; parameters and optimizer "
@@ -348,6 +369,8 @@ def step_block(
         "complement": options.complement,
         "averaging": options.averaging,
         "factor": factor,
+        "lr": options.lr,
+        "kl_clip": options.kl_clip,
     }
 
 
@@ -381,18 +404,14 @@ def recording(modules: ExtendedModules | None) -> AbstractContextManager:
     return nullcontext() if modules is None else modules.recording()
 
 
-def suspended(modules: ExtendedModules | None) -> AbstractContextManager:
-    """``modules.suspended()``, or nothing to suspend."""
-    return nullcontext() if modules is None else modules.suspended()
-
-
 def _reused(block: dict[str, Any], index: int, state: Mapping) -> GroupStep:
     """A group's step along its averaged factor between refreshes."""
     frozen = stored_frozen(state["groups"][index])
     if frozen is None:  # a factor from a state saved before frozen coefficients
         return averaged_step(block, block["factor"])
     basis = torch.cat([b.flatten(1) for b in block["factor"].basis], dim=1)
-    return frozen_group_step(block["params"], basis, frozen)
+    bound = trust_bound(block["lr"], block["kl_clip"])
+    return frozen_group_step(block["params"], basis, frozen, bound)
 
 
 def _updates(factor: AveragedFactor | None) -> int:

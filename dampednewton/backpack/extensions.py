@@ -9,8 +9,9 @@ training mode, loss not extended) and let Monte-Carlo sampling draw from a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 from backpack.core.derivatives.bcewithlogitsloss import BCELossWithLogitsDerivatives
 from backpack.core.derivatives.crossentropyloss import CrossEntropyLossDerivatives
 from backpack.core.derivatives.mseloss import MSELossDerivatives
@@ -25,6 +26,7 @@ from torch.random import fork_rng
 
 from dampednewton.backpack.private import registered_module_types
 from dampednewton.backpack.savefields import module_input
+from dampednewton.backward import check_fresh_forward
 from dampednewton.math.finite import all_finite, finite_flag
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 
@@ -105,7 +107,8 @@ class DeferredChecks:
     instead of reading them on the host at once (one synchronization each): the
     optimizer reads all of a step's checks together (``dampednewton.step_status``).
     It also never raises on a non-finite model output: it samples from zeros
-    instead, and the step is refused. Shared by the extensions of one pass.
+    instead, and the step is refused. Shared by the extensions of one step, whose
+    closure may back-propagate several micro-batches: counts add up, flags combine.
 
     Attributes:
         ignored_targets: Number of targets equal to ``ignore_index`` (0-dim).
@@ -115,7 +118,11 @@ class DeferredChecks:
             (0-dim), where a Monte-Carlo extension sampled from it.
         loss_unscaled: Whether the gradient reaching the loss was 1 (0-dim): BackPACK's
             check that ``backward`` was called on the loss itself, not on a multiple.
+            For several micro-batches: whether their weights (the gradients
+            reaching their losses) sum to 1, up to rounding.
         loss_name: The loss module, for the warning.
+        loss_weights: The gradient reaching the loss in each micro-batch's backward
+            pass (0-dim each).
     """
 
     ignored_targets: Tensor | None = None
@@ -124,6 +131,30 @@ class DeferredChecks:
     model_output_finite: Tensor | None = None
     loss_unscaled: Tensor | None = None
     loss_name: str = ""
+    loss_weights: list[Tensor] = field(default_factory=list)
+
+    def add_loss_weight(self, weight: Tensor) -> None:
+        """Record a micro-batch's loss weight and update :attr:`loss_unscaled`.
+
+        Args:
+            weight: The gradient reaching the loss (0-dim).
+        """
+        self.loss_weights.append(weight.detach())
+        if len(self.loss_weights) == 1:
+            self.loss_unscaled = (weight == 1.0).all()
+            return
+        total = torch.stack(self.loss_weights).sum()
+        rounding = 8 * len(self.loss_weights) * torch.finfo(total.dtype).eps
+        self.loss_unscaled = (total - 1.0).abs() <= rounding
+
+    def add_model_output_finite(self, finite: Tensor) -> None:
+        """Combine a micro-batch's finiteness flag of the model output.
+
+        Args:
+            finite: Whether its model output is finite (0-dim).
+        """
+        previous = self.model_output_finite
+        self.model_output_finite = finite if previous is None else previous & finite
 
 
 def check_targets(loss: _Loss, deferred: DeferredChecks | None) -> None:
@@ -146,8 +177,9 @@ def check_targets(loss: _Loss, deferred: DeferredChecks | None) -> None:
         return
     ignored = (targets == loss.ignore_index).sum()
     if deferred is not None:
-        deferred.ignored_targets = ignored
-        deferred.num_targets = targets.numel()
+        previous = deferred.ignored_targets
+        deferred.ignored_targets = ignored if previous is None else previous + ignored
+        deferred.num_targets += targets.numel()
         deferred.ignore_index = loss.ignore_index
     elif int(ignored):
         raise ignored_targets_error(int(ignored), targets.numel(), loss.ignore_index)
@@ -160,6 +192,7 @@ def _run_translating_errors(
     g_inp: tuple[Tensor],
     g_out: tuple[Tensor],
 ) -> None:
+    check_fresh_forward(module)
     if isinstance(module, _Loss):
         check_loss_options(module)
         check_targets(module, getattr(extension, "deferred_checks", None))
@@ -230,15 +263,26 @@ class NonFiniteModelOutput(FloatingPointError):
     """The model output reaching the loss is not finite: no GGN can be sampled."""
 
 
-def modified_loss_warning(loss_name: str) -> str:
+def modified_loss_warning(loss_name: str, micro_batches: int = 1) -> str:
     """BackPACK's warning for a loss whose output gradient is not 1.
 
     Args:
         loss_name: The loss module.
+        micro_batches: Backward passes of the closure through the loss; for several,
+            the warning is about their weights, which do not sum to 1.
 
     Returns:
         The warning's text.
     """
+    if micro_batches > 1:
+        return (
+            f"The closure back-propagated {micro_batches} micro-batches through "
+            f"{loss_name} with weights (the factors multiplying their mean losses) "
+            "that do not sum to 1, so .grad is a multiple of the batch's mean "
+            "gradient while the curvature is the batch's own. Multiply the loss of "
+            "micro-batch m by N_m / N (its share of the batch), or by 1/M for M "
+            "micro-batches of equal size."
+        )
     return (
         f"The output of {loss_name} seems to have been modified. Backpack might give "
         "wrong second-order information. Make sure you call backward() on the output "
@@ -264,7 +308,7 @@ class _DeferredLossCheck:
         if deferred is None:
             super()._check_loss_has_not_been_modified(module, g_out)  # type: ignore[misc]
         elif g_out is not None:
-            deferred.loss_unscaled = (g_out[0] == 1.0).all()
+            deferred.add_loss_weight(g_out[0])
             deferred.loss_name = str(module)
 
 
@@ -317,8 +361,27 @@ def _set_loss_extensions(
         )
 
 
+def _record_loss_weight(
+    extension: ExactSqrtGGN | MonteCarloSqrtGGN, module: Module, g_out: tuple[Tensor]
+) -> None:
+    """Keep the gradient reaching a loss module: its micro-batch's weight.
+
+    A closure that accumulates gradients back-propagates each micro-batch's mean
+    loss times a weight (``1/M``, or ``N_m/N``); BackPACK's square root is that of
+    the mean loss, without the weight (see ``dampednewton.backpack.micro_batches``).
+    """
+    if isinstance(module, _Loss):
+        extension.loss_weight = g_out[0].detach()
+
+
 class ExactSqrtGGN(SqrtGGNExact):
-    """:class:`backpack.extensions.SqrtGGNExact` with actionable error messages."""
+    """:class:`backpack.extensions.SqrtGGNExact` with actionable error messages.
+
+    Attributes:
+        deferred_checks: Where the loss's checks are left (``None``: check now).
+        loss_weight: The gradient that reached the loss module in the last backward
+            pass (0-dim): the weight of a micro-batch's loss.
+    """
 
     def __init__(self, subsampling: Sequence[int] | None = None):
         """Set up BackPACK's extension and the losses' deferred checks.
@@ -328,10 +391,12 @@ class ExactSqrtGGN(SqrtGGNExact):
         """
         super().__init__(subsampling=subsampling)
         self.deferred_checks: DeferredChecks | None = None
+        self.loss_weight: Tensor | None = None
         _set_loss_extensions(self)
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension, translating its errors."""
+        _record_loss_weight(self, module, g_out)
         _run_translating_errors(self, SqrtGGNExact, module, g_inp, g_out)
 
 
@@ -344,6 +409,12 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
     (:func:`~dampednewton.math.sampling.sampled_cross_entropy_gradients`); the other
     losses sample inside a forked random state seeded from the generator, whose state
     then advances.
+
+    Attributes:
+        generator: The random source (``None``: the global random state).
+        deferred_checks: Where the loss's checks are left (``None``: check now).
+        loss_weight: The gradient that reached the loss module in the last backward
+            pass (0-dim): the weight of a micro-batch's loss.
     """
 
     def __init__(
@@ -362,10 +433,13 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
         super().__init__(mc_samples=mc_samples, subsampling=subsampling)
         self.generator = generator
         self.deferred_checks: DeferredChecks | None = None
+        self.loss_weight: Tensor | None = None
         _set_loss_extensions(self, generator)
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension; sample from the generator at the loss."""
+        check_fresh_forward(module)
+        _record_loss_weight(self, module, g_out)
         if isinstance(module, _Loss):
             output = module_input(module)
             if self.deferred_checks is None:
@@ -380,7 +454,7 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
                 # non-finite entries zeroed (in place, a no-op when all are finite:
                 # BackPACK keys the backpropagated quantity by data_ptr) and the
                 # step is refused.
-                self.deferred_checks.model_output_finite = finite_flag(output)
+                self.deferred_checks.add_model_output_finite(finite_flag(output))
                 output.detach().nan_to_num_(0.0, 0.0, 0.0)
         self._sample(module, g_inp, g_out)
 

@@ -12,13 +12,14 @@ extensions (the steps between curvature refreshes); every other hook stays.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from backpack import hook_run_extensions, hook_store_io
 from torch import Tensor
 from torch.nn import Module
+from torch.nn.modules.loss import _Loss
 
 EXTENDED_FLAG = "_backpack_extend"
 """The attribute ``backpack.extend`` sets on the modules it gave hooks."""
@@ -75,6 +76,27 @@ class ExtendedModules:
         finally:
             for hooks, entries in removed:
                 _restore(hooks, entries)
+
+    @contextmanager
+    def counting_losses(self, count: Callable[[Module], None]) -> Iterator[None]:
+        """Call ``count(module)`` after every forward pass of a recorded loss module.
+
+        Args:
+            count: The callback.
+
+        Yields:
+            Nothing; run the closure inside.
+        """
+        handles = [
+            module.register_forward_hook(lambda module, *_: count(module))
+            for module in list(self._modules)
+            if isinstance(module, _Loss)
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 def _pop(hooks: dict, function: object) -> dict:

@@ -8,9 +8,16 @@ all of its parameters were seen (or, for finishers that read ``.grad``, when its
 result is asked for). The loss module is reached first: it starts a new backward pass.
 
 With a :class:`~dampednewton.backpack.global_batch.GlobalBatch` (data parallelism), the
-hook only keeps the buffers; :meth:`GGNEngine.reduce_global_batch`, called on every
-rank after the backward pass, gathers them over the ranks and reduces them, so that
-no collective runs inside a backward pass that may fail on one rank.
+hook only keeps the buffers; :meth:`GGNEngine.reduce_kept`, called on every rank
+after the backward pass, gathers them over the ranks and reduces them, so that no
+collective runs inside a backward pass that may fail on one rank.
+
+An engine that :attr:`~GGNEngine.accumulates` takes a closure's several backward
+passes through the loss as micro-batches of one batch (gradient accumulation): it
+keeps their buffers (:class:`~dampednewton.computations.passes.ClosurePasses`) and
+:meth:`GGNEngine.reduce_kept` reduces those of the concatenated batch. The first
+micro-batch is reduced during its backward pass as usual; a second one discards
+that reduction.
 
 :class:`~dampednewton.computations.interface.GGNComputation` is the ViViT interface
 that each computation class exposes over its engine; the classes only say what they
@@ -20,11 +27,10 @@ need and how to finish a block.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from backpack.extensions.backprop_extension import BackpropExtension
-from torch import Generator, Tensor
+from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.loss import _Loss
 
@@ -50,70 +56,17 @@ from dampednewton.backpack.savefields import (
     module_input,
     sqrt_ggn_savefield,
 )
-from dampednewton.checks import (
-    check_integer,
-    check_subsampling,
-    check_warn_small_eigvals,
-)
 from dampednewton.computations.block import Block
 from dampednewton.computations.groups import (
     check_subsampling_in_range,
     group_key,
     validate_param_groups,
 )
+from dampednewton.computations.passes import ClosurePasses, KeptBuffers
+from dampednewton.computations.settings import GGNSettings
 from dampednewton.math.factors import LayerCache
 
 ResultT = TypeVar("ResultT")
-
-
-@dataclass(frozen=True)
-class GGNSettings:
-    """The GGN and gradient approximation of a computation, validated.
-
-    ViViT's keywords map onto these once: ``subsampling`` (eigenvalue and eigenpair
-    computations) is ``subsampling_ggn``, ``mc_samples_ggn`` (directional
-    derivatives, damped Newton) is ``mc_samples``.
-
-    Attributes:
-        subsampling_ggn: Samples for the GGN (directions, curvatures), ``None``: all.
-        subsampling_grad: Samples for the gradients; ``None``: all.
-        mc_samples: ``0`` for the exact GGN, else the number of Monte-Carlo samples
-            of the loss Hessian's square root.
-        verbose: Print what happens during backpropagation.
-        warn_small_eigvals: Warn when a selected eigenvalue's magnitude is below.
-        generator: Random source for Monte-Carlo sampling (``None``: global).
-        structured: Exploit the Kronecker structure of the layers in
-            :data:`~dampednewton.backpack.layers.LAYERS` instead of materializing
-            their square roots and individual gradients.
-    """
-
-    subsampling_ggn: Sequence[int] | None = None
-    subsampling_grad: Sequence[int] | None = None
-    mc_samples: int = 0
-    verbose: bool = False
-    warn_small_eigvals: float = 1e-4
-    generator: Generator | None = None
-    structured: bool = True
-
-    def __post_init__(self) -> None:
-        """Validate the settings and store sub-sampling indices as lists.
-
-        Raises:
-            TypeError: For a non-integer ``mc_samples``, a non-number
-                ``warn_small_eigvals`` or non-integer sub-sampling indices.
-            ValueError: For negative ``mc_samples`` or ``warn_small_eigvals``, or
-                empty, negative or repeated sub-sampling indices.
-        """
-        for name in ("subsampling_ggn", "subsampling_grad"):
-            object.__setattr__(self, name, check_subsampling(getattr(self, name), name))
-        object.__setattr__(
-            self, "mc_samples", check_integer("mc_samples", self.mc_samples, 0)
-        )
-        object.__setattr__(
-            self,
-            "warn_small_eigvals",
-            check_warn_small_eigvals(self.warn_small_eigvals),
-        )
 
 
 class GGNEngine(Generic[ResultT]):
@@ -127,6 +80,11 @@ class GGNEngine(Generic[ResultT]):
         needs_gradients: Whether per-sample gradients are reduced.
         defers_finish: Finish blocks in :meth:`result` (after backward, when
             ``.grad`` is complete) rather than in the hook.
+        accumulates: Take several backward passes through the loss after one
+            :meth:`hook` as micro-batches of one batch (needs ``defers_finish``
+            and :meth:`reduce_kept` after the passes); otherwise each pass starts
+            afresh.
+        global_batch: Gathers the buffers over the ranks (data parallelism).
     """
 
     def __init__(
@@ -163,37 +121,48 @@ class GGNEngine(Generic[ResultT]):
         self._results: dict[tuple[int, ...], ResultT] = {}
         self._batch_size: int | None = None
         self.global_batch: GlobalBatch | None = None
-        self._kept: list[tuple[int, list[_KeptBuffers]]] = []
+        self.accumulates = False
+        self._passes = ClosurePasses()
+        self._sqrt_ggn: ExactSqrtGGN | MonteCarloSqrtGGN | None = None
 
     @property
     def batch_size(self) -> int | None:
-        """The local batch size of the last backward pass (``None``: none ran)."""
-        return self._batch_size
+        """The local batch size of the backward passes (``None``: none ran).
 
-    def reduce_global_batch(self) -> None:
-        """Gather the kept buffers over the ranks and reduce them (every rank).
-
-        The gathered gradient samples are all used: sub-sampling took them locally.
-
-        Raises:
-            RuntimeError: Without a :attr:`global_batch`.
+        With accumulation: the samples of every micro-batch.
         """
+        return self._passes.batch_size or self._batch_size
+
+    def reduce_kept(self) -> None:
+        """Reduce the buffers kept during the backward passes (every rank).
+
+        Under data parallelism they are first gathered over the ranks (the gathered
+        gradient samples are all used: sub-sampling took them locally); with
+        several micro-batches, concatenated. A single pass reduced during backward
+        has nothing left to reduce.
+        """
+        streamed = self.global_batch is None and self._passes.count <= 1
+        layers = self._passes.take()
+        if streamed:
+            return
         global_batch = self.global_batch
-        if global_batch is None:
-            raise RuntimeError("reduce_global_batch needs a global_batch.")
-        kept, self._kept = self._kept, []
-        for batch_size, layer in kept:
+        for batch_size, layer in layers:
             cache = LayerCache()
-            stored = [Stored(entry.sqrt_ggn, entry.grad_batch) for entry in layer]
-            for entry, gathered in zip(layer, global_batch.layer(stored), strict=True):
+            stored = [entry.stored for entry in layer]
+            subsampling_grad = self.settings.subsampling_grad
+            if global_batch is not None:
+                stored = global_batch.layer(stored)
+                batch_size *= global_batch.world_size
+                subsampling_grad = None
+            for entry, whole in zip(layer, stored, strict=True):
                 self._reduce(
                     entry.index,
                     entry.param,
-                    gathered.sqrt_ggn,
-                    gathered.grad_batch,
-                    batch_size * global_batch.world_size,
+                    whole.sqrt_ggn,
+                    whole.grad_batch,
+                    batch_size,
                     cache,
-                    subsampling_grad=None,
+                    subsampling_grad=subsampling_grad,
                 )
 
     @property
@@ -217,6 +186,7 @@ class GGNEngine(Generic[ResultT]):
             sqrt_ggn = ExactSqrtGGN(subsampling=settings.subsampling_ggn)
         if settings.structured:
             use_structured_sqrt_ggn(sqrt_ggn)
+        self._sqrt_ggn = sqrt_ggn  # it records the loss weights of micro-batches
         extensions: list[BackpropExtension] = [sqrt_ggn]
         if self.needs_gradients:
             # After the square roots: their buffers tell which gradients to skip.
@@ -278,11 +248,14 @@ class GGNEngine(Generic[ResultT]):
         return self._results[key]
 
     def _reset(self) -> None:
+        self._batch_size = None
+        self._passes.clear()
+        self._restart_blocks()
+
+    def _restart_blocks(self) -> None:
         self._blocks = {}
         self._ready = {}
         self._results = {}
-        self._batch_size = None
-        self._kept = []
         for index, group in enumerate(self._groups):
             trainable = {id(p) for p in group["params"] if p.requires_grad}
             if trainable:
@@ -300,12 +273,37 @@ class GGNEngine(Generic[ResultT]):
                 "reduction='mean' (the step would be off by the batch size). Use "
                 f"{type(loss).__name__}(reduction='mean')."
             )
-        self._reset()
+        if self.accumulates and self._passes.count > 0:
+            self._next_micro_batch()
+        else:
+            self._reset()
         self._batch_size = batch_size = _input_batch_size(loss)
         for name in ("subsampling_ggn", "subsampling_grad"):
             indices = getattr(self.settings, name)
             check_subsampling_in_range(indices, batch_size, name)
+        weight = None if self._sqrt_ggn is None else self._sqrt_ggn.loss_weight
+        self._passes.start(batch_size, weight)
         self._print(f"backward pass started, batch size {batch_size}")
+
+    def _next_micro_batch(self) -> None:
+        """A further backward pass through the loss: keep, no longer stream.
+
+        Raises:
+            ValueError: With sub-sampling, whose indices select samples of one pass.
+        """
+        settings = self.settings
+        if (
+            settings.subsampling_ggn is not None
+            or settings.subsampling_grad is not None
+        ):
+            raise ValueError(
+                "The closure back-propagated several micro-batches (gradient "
+                "accumulation), but subsampling_ggn and subsampling_grad select "
+                "samples of one backward pass. Use subsampling_ggn=None and "
+                "subsampling_grad=None with gradient accumulation."
+            )
+        if self._passes.count == 1 and self.global_batch is None:
+            self._restart_blocks()  # the first micro-batch was reduced: start over
 
     def _reduce_module(self, module: Module) -> None:
         if isinstance(module, _Loss):
@@ -313,7 +311,8 @@ class GGNEngine(Generic[ResultT]):
             return
         batch_size = self._batch_size or _input_batch_size(module)
         cache = LayerCache()  # lets the parameters of this layer share work
-        kept: list[_KeptBuffers] = []
+        streaming = self.global_batch is None and self._passes.count <= 1
+        kept: list[KeptBuffers] = []
         for param in module.parameters(recurse=False):
             index = self._group_of_param.get(id(param))
             if index is None:
@@ -323,7 +322,9 @@ class GGNEngine(Generic[ResultT]):
                 continue
             sqrt_ggn = getattr(param, self.savefields[0])
             grad_batch = getattr(param, GRAD_BATCH, None)
-            if self.global_batch is None:
+            if not streaming or self.accumulates:
+                kept.append(KeptBuffers(index, param, Stored(sqrt_ggn, grad_batch)))
+            if streaming:
                 self._reduce(
                     index,
                     param,
@@ -333,10 +334,8 @@ class GGNEngine(Generic[ResultT]):
                     cache,
                     subsampling_grad=self.settings.subsampling_grad,
                 )
-            else:
-                kept.append(_KeptBuffers(index, param, sqrt_ggn, grad_batch))
         if kept:
-            self._kept.append((batch_size, kept))
+            self._passes.keep(kept, batch_size)
 
     def _reduce(
         self,
@@ -373,16 +372,6 @@ class GGNEngine(Generic[ResultT]):
             else:
                 self._results[group_key(block.group)] = self._finish(block)
             del self._blocks[index]
-
-
-@dataclass(frozen=True)
-class _KeptBuffers:
-    """A parameter's BackPACK buffers, kept until the ranks gather them."""
-
-    index: int
-    param: Tensor
-    sqrt_ggn: Tensor | Buffers
-    grad_batch: Tensor | None
 
 
 def _input_batch_size(module: Module) -> int:

@@ -31,6 +31,9 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+SCALAR_FIELDS = ("inverse_complement", "curvature_excess", "step_length")
+"""The 0-dim fields of :class:`FrozenBasis` (the others have one entry per column)."""
+
 
 @dataclass(frozen=True)
 class FrozenBasis:
@@ -45,6 +48,14 @@ class FrozenBasis:
         step_weights: ``b`` ``[r]``: ``Bᵀ(b ⊙ Bḡ)`` is the step inside span(B).
         curvature_weights: ``c`` ``[r]``: ``Σ c_i π_i²`` is the model's curvature.
         inverse_complement: ``1/ρ`` (0-dim; ``0`` without a complement step).
+        curvature_excess: ``η ≥ 1`` (0-dim): how much the refreshing batch's GGN
+            exceeded the damped model's curvature along the refresh's step. The
+            trust region of the steps until the next refresh bounds ``−η ḡᵀs``:
+            the model keeps no batch GGN to check against.
+        step_length: ``ν‖s‖`` of the refresh's own step (before the learning
+            rate; ``inf`` until it is known): the steps until the next refresh are
+            no longer, so that a frozen curvature that no longer holds cannot throw
+            the model far (:func:`guarded_curvature`).
     """
 
     weights: Tensor
@@ -55,6 +66,8 @@ class FrozenBasis:
     step_weights: Tensor
     curvature_weights: Tensor
     inverse_complement: Tensor
+    curvature_excess: Tensor
+    step_length: Tensor
 
     def without_first(self, count: int) -> FrozenBasis:
         """The coefficients of the columns from ``count`` on (copies).
@@ -65,12 +78,10 @@ class FrozenBasis:
         Returns:
             The coefficients of the remaining columns.
         """
-        columns = {
-            name: value[count:].clone()
-            for name, value in self.as_dict().items()
-            if name != "inverse_complement"
-        }
-        return FrozenBasis(**columns, inverse_complement=self.inverse_complement)
+        entries = self.as_dict()
+        scalars = {name: entries.pop(name) for name in SCALAR_FIELDS}
+        columns = {name: value[count:].clone() for name, value in entries.items()}
+        return FrozenBasis(**columns, **scalars)
 
     def as_dict(self) -> dict[str, Tensor]:
         """The fields as a dict of tensors (for the optimizer's state dict).
@@ -105,6 +116,7 @@ def freeze(
     chosen: Tensor,
     newton_fraction: float,
     complement_curvature: Tensor | None,
+    curvature_excess: Tensor,
 ) -> FrozenBasis:
     """The coefficients of the steps until the next refresh.
 
@@ -117,6 +129,7 @@ def freeze(
         newton_fraction: ``φ``.
         complement_curvature: ``ρ`` (0-dim, ``inf``: none), or ``None`` without a
             complement step.
+        curvature_excess: ``η`` (see :class:`FrozenBasis`).
 
     Returns:
         The frozen coefficients.
@@ -141,6 +154,8 @@ def freeze(
             kept, 0.0
         ),
         inverse_complement=inverse,
+        curvature_excess=curvature_excess.to(weights),
+        step_length=weights.new_full((), torch.inf),
     )
 
 
@@ -169,3 +184,28 @@ def frozen_basis_step(
         slope=torch.dot(gradient, step),
         curvature=torch.dot(projections.square(), frozen.curvature_weights),
     )
+
+
+def guarded_curvature(
+    step: BasisStep, frozen: FrozenBasis, bound: float | None
+) -> Tensor:
+    """The curvature the trust region bounds for a step along a frozen basis.
+
+    ``max(−η ḡᵀs, bound ‖s‖² / L²)`` with ``L`` the refresh's step length: the
+    trust-region scale ``ν = min(1, √(bound / curvature))`` then keeps the step's
+    damped model within ``bound`` as at a refresh and its length ``ν‖s‖`` within
+    ``L``.
+
+    Args:
+        step: The step.
+        frozen: The group's frozen coefficients.
+        bound: ``2κ / lr²`` of the trust region, ``None`` without one.
+
+    Returns:
+        The curvature (0-dim).
+    """
+    model = -step.slope * frozen.curvature_excess
+    if bound is None:
+        return model
+    length = step.step.square().sum() / frozen.step_length.square()
+    return torch.maximum(model, bound * length)

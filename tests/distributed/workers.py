@@ -7,6 +7,7 @@ saves what the test compares to ``<out>/<rank>.pt``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import warnings
@@ -49,6 +50,9 @@ class Job:
             fresh model and optimizer, and step on from both (``None``: no resume).
         route: Gather every structured layer by this route (a
             :class:`~dampednewton.math.traffic.Route` value; ``None``: the cheaper).
+        micro_batches: Sizes of the micro-batches that split each rank's batch
+            (gradient accumulation, each loss weighted by its share ``N_m/N``);
+            empty: one backward pass.
     """
 
     model: str = "mlp"
@@ -59,6 +63,7 @@ class Job:
     nan_step: int = 1
     resume_at: int | None = None
     route: str | None = None
+    micro_batches: tuple[int, ...] = ()
 
 
 def make_model(name: str) -> nn.Module:
@@ -122,33 +127,35 @@ def reference(job: Job, world_size: int) -> list[Tensor]:
 
         with mock.patch(
             "dampednewton.backpack.extensions.sampled_cross_entropy_gradients",
-            per_rank_draws(job.options.get("seed", SEED), world_size, step),
+            per_rank_draws(
+                job.options.get("seed", SEED), world_size, step, job.micro_batches
+            ),
         ):
             optimizer.step(closure)
         history.append(_flat(model))
     return history
 
 
-def per_rank_draws(seed: int, world_size: int, step: int) -> Callable[..., Tensor]:
+def per_rank_draws(
+    seed: int, world_size: int, step: int, micro_batches: tuple[int, ...] = ()
+) -> Callable[..., Tensor]:
     """The cross-entropy's Monte-Carlo gradients of one step as the ranks draw them.
 
     Each rank's (equal) slice of the global batch's logits draws from that rank's
-    generator of the step, seeded from ``(seed, rank, step)``.
+    generator of the step, seeded from ``(seed, rank, step)``, one micro-batch
+    after the other.
     """
 
     def draws(logits: Tensor, mc_samples: int, generator: Any = None) -> Tensor:
         parts = logits.split(logits.shape[0] // world_size)
-        return torch.cat(
-            [
-                sampled_cross_entropy_gradients(
-                    part,
-                    mc_samples,
-                    SeededGenerator(seed).for_rank(part.device, rank, step),
-                )
-                for rank, part in enumerate(parts)
-            ],
-            dim=1,
-        )
+        drawn = []
+        for rank, part in enumerate(parts):
+            rank_generator = SeededGenerator(seed).for_rank(part.device, rank, step)
+            drawn.extend(
+                sampled_cross_entropy_gradients(micro, mc_samples, rank_generator)
+                for micro in part.split(list(micro_batches or (len(part),)))
+            )
+        return torch.cat(drawn, dim=1)
 
     return draws
 
@@ -247,8 +254,11 @@ def _local(job: Job, world_size: int, rank: int, step: int) -> tuple[Tensor, Ten
 def _closure(model, optimizer, loss_fn, inputs, labels, job):
     def closure() -> Tensor:
         optimizer.zero_grad()
-        loss = loss_fn(model(inputs), labels)
-        loss.backward()
+        if job.micro_batches:
+            loss = _accumulate(model, loss_fn, inputs, labels, job)
+        else:
+            loss = loss_fn(model(inputs), labels)
+            loss.backward()
         if not job.ddp:  # replicated by hand: average the gradients ourselves
             for param in model.parameters():
                 dist.all_reduce(param.grad)
@@ -256,6 +266,22 @@ def _closure(model, optimizer, loss_fn, inputs, labels, job):
         return loss
 
     return closure
+
+
+def _accumulate(model, loss_fn, inputs, labels, job) -> Tensor:
+    """Backward passes of the micro-batches, each loss weighted by its share.
+
+    Under DDP, every pass but the last skips the all-reduce (``no_sync``).
+    """
+    total = torch.zeros((), dtype=inputs.dtype)
+    sizes = list(job.micro_batches)
+    for number, rows in enumerate(torch.arange(len(inputs)).split(sizes), start=1):
+        last = number == len(sizes)
+        with contextlib.nullcontext() if last or not job.ddp else model.no_sync():
+            loss = loss_fn(model(inputs[rows]), labels[rows]) * len(rows) / len(inputs)
+            loss.backward()
+        total = total + loss.detach()
+    return total
 
 
 def _resume(rank, job, out, model, optimizer):

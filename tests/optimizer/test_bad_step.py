@@ -117,18 +117,53 @@ def _returns_no_loss(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
     return lambda: optimizer.step(no_loss)
 
 
-def _two_backward_passes(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
-    """Gradient accumulation over two halves of the batch in one closure."""
-    half = len(case.X) // 2
+def _same_graph_twice(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
+    """Two backward passes of one forward pass: the gradient counted twice."""
 
-    def accumulate():
+    def twice():
         optimizer.zero_grad()
-        for part in (slice(None, half), slice(half, None)):
-            loss = case.loss_fn(case.model(case.X[part]), case.y[part])
-            loss.backward()
+        loss = case.loss_fn(case.model(case.X), case.y)
+        loss.backward(retain_graph=True)
+        loss.backward()
         return loss
 
-    return lambda: optimizer.step(accumulate)
+    return lambda: optimizer.step(twice)
+
+
+def _forwards_before_backwards(
+    case: Case, optimizer: DampedNewton
+) -> Callable[[], Any]:
+    """Both halves' forward passes, then their backward passes.
+
+    BackPACK holds the second forward pass's inputs only.
+    """
+    half = len(case.X) // 2
+
+    def forwards_first():
+        optimizer.zero_grad()
+        losses = [
+            case.loss_fn(case.model(case.X[part]), case.y[part]) / 2
+            for part in (slice(None, half), slice(half, None))
+        ]
+        for loss in losses:
+            loss.backward()
+        return sum(losses)
+
+    return lambda: optimizer.step(forwards_first)
+
+
+def _separate_regularizer(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
+    """A second backward pass that never reached the loss module."""
+
+    def with_regularizer():
+        optimizer.zero_grad()
+        loss = case.loss_fn(case.model(case.X), case.y)
+        loss.backward()
+        penalty = sum(p.square().sum() for p in case.model.parameters())
+        penalty.backward()
+        return loss
+
+    return lambda: optimizer.step(with_regularizer)
 
 
 def _stale_gradients(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
@@ -156,7 +191,11 @@ def _negative_damping(evals, gram_evecs, gammas, lambdas):
     return -torch.ones_like(evals)
 
 
-DOUBLE_BACKWARD = r"(?s)ran 2 backward passes.*once per closure.*def closure"
+DOUBLE_BACKWARD = (
+    r"(?s)refused the step: a backward pass reached .* already back-propagated"
+    r".*retain_graph.*one forward and one backward pass per micro-batch.*def closure"
+)
+NOT_THROUGH_LOSS = r"(?s)ran 2 backward passes.*1 of them started at .* loss module"
 STALE_GRADIENTS = r"(?s)held values from before.*optimizer\.zero_grad\(\)"
 
 NONFINITE_CASES = [
@@ -197,7 +236,16 @@ STEP_CASES = [
     BadStep("reduction-sum", _sum_loss, ValueError, "reduction='sum'"),
     *NONFINITE_CASES,
     BadStep("closure-without-loss", _returns_no_loss, TypeError, "return the loss"),
-    BadStep("two-backward-passes", _two_backward_passes, RuntimeError, DOUBLE_BACKWARD),
+    BadStep("same-graph-twice", _same_graph_twice, RuntimeError, DOUBLE_BACKWARD),
+    BadStep(
+        "forwards-before-backwards",
+        _forwards_before_backwards,
+        RuntimeError,
+        DOUBLE_BACKWARD,
+    ),
+    BadStep(
+        "separate-regularizer", _separate_regularizer, RuntimeError, NOT_THROUGH_LOSS
+    ),
     BadStep("stale-gradients", _stale_gradients, RuntimeError, STALE_GRADIENTS),
     BadStep(
         "stale-zero-filled-gradients",
@@ -286,8 +334,18 @@ def test_nonfinite_step_is_skipped_with_a_warning(bad: BadStep):
 
 @pytest.mark.parametrize(
     ("prepare", "match"),
-    [(_two_backward_passes, DOUBLE_BACKWARD), (_stale_gradients, STALE_GRADIENTS)],
-    ids=["two-backward-passes", "stale-gradients"],
+    [
+        (_same_graph_twice, DOUBLE_BACKWARD),
+        (_forwards_before_backwards, DOUBLE_BACKWARD),
+        (_separate_regularizer, NOT_THROUGH_LOSS),
+        (_stale_gradients, STALE_GRADIENTS),
+    ],
+    ids=[
+        "same-graph-twice",
+        "forwards-before-backwards",
+        "separate-regularizer",
+        "stale-gradients",
+    ],
 )
 def test_bad_backward_is_refused_on_steps_without_backpack(prepare, match: str):
     """Between refreshes of the averaged curvature, the step reads only ``.grad``."""
