@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import platform
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from benchmarks.measure import (
 )
 from benchmarks.problems import Problem, build_problem
 from benchmarks.result import FinalMetrics, RunResult, StepTime
+from benchmarks.resume import finished_result
 from benchmarks.training import OptimizerNeeds, mini_batches, train
 
 DATA_PARALLEL_HINT = (
@@ -175,8 +177,14 @@ def _config_container(cfg: DictConfig) -> dict[str, Any]:
         return config_dict(cfg, resolve=False)
 
 
-def run_job(cfg: DictConfig, output_dir: Path) -> RunResult:
-    """Run one job and write ``result.json`` into ``output_dir``.
+def run_job(
+    cfg: DictConfig, output_dir: Path, overrides: Sequence[str] = ()
+) -> RunResult:
+    """Run one job and write ``result.json`` into ``output_dir``, unless it is done.
+
+    A job whose complete result an earlier run of the same sweep left in
+    ``output_dir`` (same overrides and config, not failed) is not run again: its
+    stored record is returned (see :mod:`benchmarks.resume`).
 
     Under ``torchrun`` (see :mod:`benchmarks.data_parallel`) every rank trains and
     only rank 0 writes. There a failed job ends the process (``SystemExit``, after
@@ -188,14 +196,20 @@ def run_job(cfg: DictConfig, output_dir: Path) -> RunResult:
     Args:
         cfg: The composed job config (its ``optimizer`` node receives the grid point).
         output_dir: The Hydra job directory.
+        overrides: The Hydra job's overrides (recorded, and checked on a rerun).
 
     Returns:
         The job's record (also for the progress callback), with ``job_dir`` set.
     """
-    result = RunResult(cfg.problem.name, cfg.optimizer_name, cfg.seed)
+    result = RunResult(
+        cfg.problem.name, cfg.optimizer_name, cfg.seed, overrides=list(overrides)
+    )
     try:
         reason = skip_reason(cfg)
         point = None if reason else select_grid_point(cfg)
+        done = finished_result(output_dir, _config_container(cfg), overrides)
+        if done is not None:
+            return done
         if point is None:
             result.status = "skipped"
             result.skip_reason = reason or "grid_point beyond this optimizer's grid"
