@@ -20,6 +20,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from benchmarks.checkpointing import CHECKPOINT_FILE, Checkpointing
 from benchmarks.config_dict import config_dict
 from benchmarks.data_parallel import (
     join_process_group,
@@ -96,7 +97,7 @@ def _communication_seconds(optimizer: torch.optim.Optimizer) -> float | None:
     return getattr(optimizer, "communication_seconds", None)
 
 
-def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
+def _train_from_config(cfg: DictConfig, result: RunResult, output_dir: Path) -> None:
     """Build everything from the config, train, and record into ``result``."""
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
     data_parallel = join_process_group(device, cfg.data_parallel.timeout_s)
@@ -128,7 +129,20 @@ def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
         device,
     )
     communication_start = _communication_seconds(optimizer)
-    log = train(problem, optimizer, needs, batches, Stopwatch(device), data_parallel)
+    checkpointing = None
+    if cfg.get("checkpoint_every") is not None:
+        checkpointing = Checkpointing(
+            output_dir, cfg.checkpoint_every, _config_container(cfg)
+        )
+    log = train(
+        problem,
+        optimizer,
+        needs,
+        batches,
+        Stopwatch(device),
+        data_parallel,
+        checkpointing,
+    )
     communication_end = _communication_seconds(optimizer)
     curves = log.curves
     maximize = problem.protocol.maximize
@@ -148,6 +162,7 @@ def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
     result.steps_to_target = log.steps_to_target
     result.time_to_target = log.time_to_target
     result.steps_taken = len(log.step_times)
+    result.resumed_from_step = log.resumed_from_step
     result.train_time = sum(log.step_times)
     result.step_time = StepTime(
         log.median_step_time(cfg.timing.warmup_steps), cfg.timing.warmup_steps
@@ -216,7 +231,7 @@ def run_job(
         else:
             result.grid_point = point
             result.hyperparameters = hyperparameters(cfg.optimizer)
-            _train_from_config(cfg, result)
+            _train_from_config(cfg, result, output_dir)
     except Exception as err:
         result.status = "failed"
         result.error = f"{type(err).__name__}: {err}"
@@ -230,6 +245,8 @@ def run_job(
     result.config = _config_container(cfg)
     if launched_rank() == 0:
         result.write(output_dir)
+        if result.status != "failed":  # a rerun of a failed job resumes from it
+            (output_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
     if result.status == "failed" and launched_world_size() > 1:
         raise SystemExit(
             f"rank {launched_rank()} of {launched_world_size()}: the job failed "

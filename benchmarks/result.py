@@ -107,6 +107,8 @@ class RunResult:
         steps_to_target: Per target, the first evaluated step that reached it.
         time_to_target: Training seconds at those steps.
         steps_taken: Optimizer steps taken.
+        resumed_from_step: The checkpoint step a rerun continued from (``None``: the
+            job trained from step 0; see :mod:`benchmarks.checkpointing`).
         train_time: Training seconds (evaluations excluded).
         step_time: Median time per step.
         memory: Peak memory (:mod:`benchmarks.measure`).
@@ -149,6 +151,7 @@ class RunResult:
     steps_to_target: list[int | None] = field(default_factory=list)
     time_to_target: list[float | None] = field(default_factory=list)
     steps_taken: int | None = None
+    resumed_from_step: int | None = None
     train_time: float | None = None
     step_time: StepTime | None = None
     memory: MemoryReading | None = None
