@@ -56,6 +56,8 @@ def summary_line(result: RunResult) -> str:
         f"{result.problem} {result.optimizer} {_format_setting(setting)} "
         f"seed={result.seed}"
     ).replace("  ", " ")
+    if result.resumed:
+        return f"{head}: already done ({result.status}), kept {result.result_file}"
     if result.status == "skipped":
         return f"{head}: skipped ({result.skip_reason})"
     if result.status == "failed":
@@ -116,8 +118,10 @@ class SweepProgress(Callback):
         """Print the job's summary line and advance the bar (rank 0 only)."""
         if launched_rank() != 0:
             return
+        resumed = False  # kept from an earlier run: no time to measure
         try:  # `return_value` raises the job's exception when it failed
             line = summary_line(job_return.return_value)
+            resumed = job_return.return_value.resumed
         except Exception as err:
             overrides = list(job_return.overrides or [])
             line = f"job {overrides} raised: {err}"
@@ -126,7 +130,11 @@ class SweepProgress(Callback):
             return
         # The first job also pays one-off imports and data loading; the sequential
         # launcher runs the jobs in the plan's order.
-        if self._plan is not None and 0 < self._done < len(self._plan.kinds):
+        if (
+            self._plan is not None
+            and 0 < self._done < len(self._plan.kinds)
+            and not resumed
+        ):
             kind = self._plan.kinds[self._done]
             self._durations[kind].append(time.perf_counter() - self._job_start)
         self._done += 1

@@ -24,12 +24,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from benchmarks.aggregate import Tuned, group_settings, load_results, tune
+from benchmarks.aggregate import Tuned, group_settings, tune
 from benchmarks.callbacks import summary_line
 from benchmarks.config_dict import config_dict
 from benchmarks.data_parallel import launched_rank
 from benchmarks.job import run_job
 from benchmarks.result import RunResult
+from benchmarks.resume import sweep_results
 
 #: Ratio between neighbouring grid values: half a decade.
 FACTOR = 10**0.5
@@ -117,10 +118,10 @@ def job_config(extension: Extension, run: RunResult, round_: int) -> DictConfig:
     return cfg
 
 
-def _next_job_number(sweep_dir: Path) -> int:
-    """One more than the largest numbered subdirectory of the sweep."""
-    numbers = [int(p.name) for p in sweep_dir.iterdir() if p.name.isdigit()]
-    return max(numbers, default=-1) + 1
+def _before_round(result: RunResult, round_: int) -> bool:
+    """Whether a result is the sweep's own or from an extension round before this."""
+    origin = result.extended_from
+    return origin is None or origin["round"] < round_
 
 
 @dataclass(frozen=True)
@@ -148,11 +149,23 @@ def plan_round(sweep_dir: Path, round_: int, rounds: int) -> list[ExtensionJob]:
 
     Returns:
         The jobs, numbered after the sweep's last job; empty when no tuned value
-        is on an extendable edge.
+        is on an extendable edge. The round sees only the sweep's own results and
+        those of earlier rounds, so that a rerun of an interrupted sweep plans the
+        same jobs into the same directories (where :func:`~benchmarks.job.run_job`
+        keeps those that completed).
     """
+    earlier = {
+        number: result
+        for number, result in sweep_results(sweep_dir).items()
+        if _before_round(result, round_)
+    }
+    trained = sorted(  # in the order of aggregate.load_results
+        (result for result in earlier.values() if result.status != "skipped"),
+        key=lambda result: Path(str(result.job_dir)),
+    )
     jobs = []
-    number = _next_job_number(sweep_dir)
-    for extension in extensions(tune(group_settings(load_results(sweep_dir)))):
+    number = max(earlier, default=-1) + 1
+    for extension in extensions(tune(group_settings(trained))):
         announcement: str | None = (
             f"grid extension {round_}/{rounds}: {extension.problem} "
             f"{extension.optimizer} {extension.key}={extension.value:g} is the "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import platform
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from benchmarks.checkpointing import CHECKPOINT_FILE, Checkpointing
 from benchmarks.config_dict import config_dict
 from benchmarks.data_parallel import (
     join_process_group,
@@ -35,6 +37,7 @@ from benchmarks.measure import (
 )
 from benchmarks.problems import Problem, build_problem
 from benchmarks.result import FinalMetrics, RunResult, StepTime
+from benchmarks.resume import finished_result
 from benchmarks.training import OptimizerNeeds, mini_batches, train
 
 DATA_PARALLEL_HINT = (
@@ -94,7 +97,7 @@ def _communication_seconds(optimizer: torch.optim.Optimizer) -> float | None:
     return getattr(optimizer, "communication_seconds", None)
 
 
-def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
+def _train_from_config(cfg: DictConfig, result: RunResult, output_dir: Path) -> None:
     """Build everything from the config, train, and record into ``result``."""
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
     data_parallel = join_process_group(device, cfg.data_parallel.timeout_s)
@@ -126,7 +129,20 @@ def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
         device,
     )
     communication_start = _communication_seconds(optimizer)
-    log = train(problem, optimizer, needs, batches, Stopwatch(device), data_parallel)
+    checkpointing = None
+    if cfg.get("checkpoint_every") is not None:
+        checkpointing = Checkpointing(
+            output_dir, cfg.checkpoint_every, _config_container(cfg)
+        )
+    log = train(
+        problem,
+        optimizer,
+        needs,
+        batches,
+        Stopwatch(device),
+        data_parallel,
+        checkpointing,
+    )
     communication_end = _communication_seconds(optimizer)
     curves = log.curves
     maximize = problem.protocol.maximize
@@ -146,6 +162,7 @@ def _train_from_config(cfg: DictConfig, result: RunResult) -> None:
     result.steps_to_target = log.steps_to_target
     result.time_to_target = log.time_to_target
     result.steps_taken = len(log.step_times)
+    result.resumed_from_step = log.resumed_from_step
     result.train_time = sum(log.step_times)
     result.step_time = StepTime(
         log.median_step_time(cfg.timing.warmup_steps), cfg.timing.warmup_steps
@@ -175,8 +192,14 @@ def _config_container(cfg: DictConfig) -> dict[str, Any]:
         return config_dict(cfg, resolve=False)
 
 
-def run_job(cfg: DictConfig, output_dir: Path) -> RunResult:
-    """Run one job and write ``result.json`` into ``output_dir``.
+def run_job(
+    cfg: DictConfig, output_dir: Path, overrides: Sequence[str] = ()
+) -> RunResult:
+    """Run one job and write ``result.json`` into ``output_dir``, unless it is done.
+
+    A job whose complete result an earlier run of the same sweep left in
+    ``output_dir`` (same overrides and config, not failed) is not run again: its
+    stored record is returned (see :mod:`benchmarks.resume`).
 
     Under ``torchrun`` (see :mod:`benchmarks.data_parallel`) every rank trains and
     only rank 0 writes. There a failed job ends the process (``SystemExit``, after
@@ -188,21 +211,27 @@ def run_job(cfg: DictConfig, output_dir: Path) -> RunResult:
     Args:
         cfg: The composed job config (its ``optimizer`` node receives the grid point).
         output_dir: The Hydra job directory.
+        overrides: The Hydra job's overrides (recorded, and checked on a rerun).
 
     Returns:
         The job's record (also for the progress callback), with ``job_dir`` set.
     """
-    result = RunResult(cfg.problem.name, cfg.optimizer_name, cfg.seed)
+    result = RunResult(
+        cfg.problem.name, cfg.optimizer_name, cfg.seed, overrides=list(overrides)
+    )
     try:
         reason = skip_reason(cfg)
         point = None if reason else select_grid_point(cfg)
+        done = finished_result(output_dir, _config_container(cfg), overrides)
+        if done is not None:
+            return done
         if point is None:
             result.status = "skipped"
             result.skip_reason = reason or "grid_point beyond this optimizer's grid"
         else:
             result.grid_point = point
             result.hyperparameters = hyperparameters(cfg.optimizer)
-            _train_from_config(cfg, result)
+            _train_from_config(cfg, result, output_dir)
     except Exception as err:
         result.status = "failed"
         result.error = f"{type(err).__name__}: {err}"
@@ -216,6 +245,8 @@ def run_job(cfg: DictConfig, output_dir: Path) -> RunResult:
     result.config = _config_container(cfg)
     if launched_rank() == 0:
         result.write(output_dir)
+        if result.status != "failed":  # a rerun of a failed job resumes from it
+            (output_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
     if result.status == "failed" and launched_world_size() > 1:
         raise SystemExit(
             f"rank {launched_rank()} of {launched_world_size()}: the job failed "

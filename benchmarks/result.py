@@ -10,7 +10,9 @@ A job never raises (:mod:`benchmarks.job`): it ends with one of the statuses
 * ``"skipped"``: not run (``grid_point`` beyond its optimizer's grid, or a damping
   rule given to an optimizer without damping).
 
-Non-finite floats are written as ``null`` (strict JSON).
+Non-finite floats are written as ``null`` (strict JSON). The file is written
+atomically (:mod:`benchmarks.atomic`): it is complete or absent, so that a rerun of
+the sweep can trust it (:mod:`benchmarks.resume`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from benchmarks.atomic import write_atomically
 from benchmarks.measure import MemoryReading
 from benchmarks.training import Curves
 
@@ -104,6 +107,8 @@ class RunResult:
         steps_to_target: Per target, the first evaluated step that reached it.
         time_to_target: Training seconds at those steps.
         steps_taken: Optimizer steps taken.
+        resumed_from_step: The checkpoint step a rerun continued from (``None``: the
+            job trained from step 0; see :mod:`benchmarks.checkpointing`).
         train_time: Training seconds (evaluations excluded).
         step_time: Median time per step.
         memory: Peak memory (:mod:`benchmarks.measure`).
@@ -119,8 +124,13 @@ class RunResult:
             ``communication_seconds``; ``None`` for one process or an optimizer
             without that count).
         config: The job's resolved config.
+        overrides: The Hydra job's command-line overrides (``[]`` for a job the
+            grid extension added); a rerun of the sweep checks them and ``config``
+            before it keeps the result (:mod:`benchmarks.resume`).
         job_dir: The directory of ``result.json`` (set when read or written, not
             stored in the file).
+        resumed: Whether this job was not run because an earlier run of the same
+            sweep left its complete result (not stored in the file).
     """
 
     problem: str
@@ -141,6 +151,7 @@ class RunResult:
     steps_to_target: list[int | None] = field(default_factory=list)
     time_to_target: list[float | None] = field(default_factory=list)
     steps_taken: int | None = None
+    resumed_from_step: int | None = None
     train_time: float | None = None
     step_time: StepTime | None = None
     memory: MemoryReading | None = None
@@ -153,7 +164,9 @@ class RunResult:
     world_size: int = 1
     communication_per_step: float | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
     job_dir: str | None = field(default=None, compare=False)
+    resumed: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         """Check the status.
@@ -197,10 +210,10 @@ class RunResult:
             Plain data; non-finite floats become ``None``.
         """
         data = dataclasses.asdict(self)
-        del data["job_dir"]
+        del data["job_dir"], data["resumed"]
         data["best"] = {"test_metric": data.pop("best_test_metric")}
         data["diverged"] = self.diverged
-        return _finite_or_none(data)
+        return finite_or_none(data)
 
     @classmethod
     def from_json(cls, data: dict[str, Any], job_dir: str | None = None) -> RunResult:
@@ -228,7 +241,7 @@ class RunResult:
         return cls(**data, best_test_metric=best.get("test_metric"), job_dir=job_dir)
 
     def write(self, job_dir: Path) -> Path:
-        """Write ``result.json`` into ``job_dir`` and remember the directory.
+        """Write ``result.json`` atomically into ``job_dir``; remember the directory.
 
         Args:
             job_dir: The job's directory (created if missing).
@@ -236,10 +249,10 @@ class RunResult:
         Returns:
             The file's path.
         """
-        job_dir.mkdir(parents=True, exist_ok=True)
-        path = job_dir / RESULT_FILE
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
+        data = self.to_json()
+        path = write_atomically(
+            job_dir / RESULT_FILE, lambda stream: json.dump(data, stream, indent=1)
+        )
         self.job_dir = str(job_dir)
         return path
 
@@ -257,12 +270,12 @@ class RunResult:
             return cls.from_json(json.load(f), job_dir=str(Path(path).parent))
 
 
-def _finite_or_none(value: Any) -> Any:
+def finite_or_none(value: Any) -> Any:
     """Replace non-finite floats (recursively) by ``None`` for strict JSON."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
+        return {k: finite_or_none(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite_or_none(v) for v in value]
+        return [finite_or_none(v) for v in value]
     return value

@@ -8,7 +8,9 @@ Examples (from the repository root)::
     torchrun --nproc-per-node 2 -m benchmarks.run problem=digits_mlp  # data-parallel
 
 Every job writes ``result.json`` into its Hydra job directory; a multirun ends with
-a report (CSV, Markdown tables, plots) in ``<sweep dir>/report``. Under ``torchrun``
+a report (CSV, Markdown tables, plots) in ``<sweep dir>/report``. Rerunning a
+multirun into the same ``hydra.sweep.dir`` keeps the jobs that completed and reruns
+the others (:mod:`benchmarks.resume`). Under ``torchrun``
 (:mod:`benchmarks.data_parallel`) the ranks other than 0 neither log nor write.
 """
 
@@ -34,7 +36,10 @@ def main(cfg: DictConfig) -> RunResult:
     Returns:
         The job's record (consumed by the progress callback).
     """
-    return run_job(cfg, Path(HydraConfig.get().runtime.output_dir))
+    hydra_config = HydraConfig.get()
+    return run_job(
+        cfg, Path(hydra_config.runtime.output_dir), list(hydra_config.overrides.task)
+    )
 
 
 # Ranks other than 0 under torchrun: no .hydra/ copy of the config, no job log.

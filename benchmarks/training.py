@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from benchmarks.checkpointing import Checkpointing
 from benchmarks.data_parallel import DataParallel
 from benchmarks.measure import Stopwatch
 from benchmarks.problems import Problem, Protocol
@@ -75,6 +76,8 @@ class TrainingLog:
         steps_to_target: Per target of the protocol, the first evaluated step whose
             test metric reached it (``None``: never).
         time_to_target: Training seconds at those steps.
+        resumed_from_step: The checkpoint's step this run continued from (``None``:
+            it started at step 0).
     """
 
     curves: Curves = field(default_factory=Curves)
@@ -82,6 +85,7 @@ class TrainingLog:
     divergence: str | None = None
     steps_to_target: list[int | None] = field(default_factory=list)
     time_to_target: list[float | None] = field(default_factory=list)
+    resumed_from_step: int | None = None
 
     @property
     def diverged(self) -> bool:
@@ -181,6 +185,7 @@ def train(
     batches: Iterator[Tensor],
     stopwatch: Stopwatch,
     data_parallel: DataParallel | None = None,
+    checkpointing: Checkpointing | None = None,
 ) -> TrainingLog:
     """Train for the problem's step budget, evaluating on its schedule.
 
@@ -201,10 +206,21 @@ def train(
             ``DistributedDataParallel`` on this rank's shard of every batch of
             ``batches`` (a global batch); the mini-batch loss is the ranks' mean,
             and every rank evaluates identically, so all take the same decisions.
+        checkpointing: Save a checkpoint every ``checkpointing.every`` steps, and
+            continue from this job's checkpoint if there is one (one process only;
+            see :mod:`benchmarks.checkpointing`).
 
     Returns:
         The log.
+
+    Raises:
+        ValueError: For checkpoints under ``torchrun``.
     """
+    if checkpointing is not None and data_parallel is not None:
+        raise ValueError(
+            "checkpoint_every works in one process only; set checkpoint_every=null "
+            "under torchrun."
+        )
     protocol, data = problem.protocol, problem.data
     train_eval = slice(0, protocol.train_eval_samples)
     log = TrainingLog()
@@ -253,8 +269,20 @@ def train(
             )
         return None
 
-    log.divergence = record(0)
     step = 0
+    resumed = checkpointing and checkpointing.restore(problem.model, optimizer)
+    if resumed:
+        step = resumed.step
+        saved = dict(resumed.log)
+        log.curves = Curves(**saved.pop("curves"))
+        for key, value in saved.items():
+            setattr(log, key, value)
+        log.resumed_from_step = step
+        elapsed = sum(log.step_times)  # the same additions in the same order
+        for _ in range(step):  # replay the batch order up to the checkpoint
+            next(batches)
+    else:
+        log.divergence = record(0)
     while not log.diverged and step < protocol.steps:
         step += 1
         index = next(batches)
@@ -271,6 +299,8 @@ def train(
             log.divergence = f"non-finite mini-batch loss at step {step}"
         elif step % protocol.eval_every == 0 or step == protocol.steps:
             log.divergence = record(step)
+        if checkpointing and checkpointing.due(step) and step < protocol.steps:
+            checkpointing.save(step, problem.model, optimizer, log)
     if not log.diverged and protocol.metric == "accuracy":
         log.divergence = _chance_level(protocol, problem.num_classes, log)
     return log

@@ -1,4 +1,11 @@
-"""Group settings that cannot be pickled (lambdas, local functions) in state dicts.
+"""State dicts: settings that cannot be pickled, and checks of a state dict to load.
+
+:func:`check_state_dict` refuses, before anything is loaded, a state dict that is not
+DampedNewton's for these parameter groups (another optimizer's such as Adam's, a
+different number of groups or parameters, a missing or corrupted entry), with an error
+that names what is wrong; the optimizer is left as it was.
+
+Group settings that cannot be pickled (lambdas, local functions) in state dicts:
 
 A lambda criterion or damping steps fine, but ``torch.save(optimizer.state_dict())``
 would fail with pickle's "Can't pickle <function <lambda>>", which names neither the
@@ -11,8 +18,14 @@ the group, the key and the picklable alternatives.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from torch import Tensor
+
+from dampednewton.records import BASIS
+from dampednewton.update import MOMENTUM
 
 PICKLABLE_ALTERNATIVES = {
     "criterion": "TopK(k), EigenvalueThreshold(v) or RelativeThreshold(f)",
@@ -96,3 +109,128 @@ def unwrap_settings(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         for group in groups
     ]
+
+
+#: Per-parameter state entries DampedNewton writes (averaged basis, momentum buffer).
+PARAMETER_STATE_KEYS = frozenset({BASIS, MOMENTUM})
+#: Its entries of the state that are not per parameter (optimizer.GLOBAL, GROUPS).
+GLOBAL_KEY, GROUPS_KEY = "global", "groups"
+SAVE_HINT = (
+    " Load the output of DampedNewton.state_dict() of an optimizer built on the same "
+    "parameter groups (as many groups, as many parameters in each)."
+)
+
+
+class StateDictError(ValueError):
+    """A state dict that ``DampedNewton.load_state_dict`` refuses (nothing loaded)."""
+
+
+def _refuse(problem: str) -> StateDictError:
+    return StateDictError(f"DampedNewton refused the state dict: {problem}.{SAVE_HINT}")
+
+
+def _check_groups(saved: Any, param_groups: Sequence[Mapping[str, Any]]) -> None:
+    """Same number of groups and parameters; every setting of DampedNewton present."""
+    if not isinstance(saved, Sequence) or not all(
+        isinstance(group, Mapping) for group in saved
+    ):
+        raise _refuse("'param_groups' must be a list of dicts")
+    if len(saved) != len(param_groups):
+        raise _refuse(
+            f"it has {len(saved)} parameter group(s), this optimizer "
+            f"{len(param_groups)}"
+        )
+    for index, (group, own) in enumerate(zip(saved, param_groups, strict=True)):
+        params = group.get("params")
+        if not isinstance(params, Sequence) or len(params) != len(own["params"]):
+            count = len(params) if isinstance(params, Sequence) else "no"
+            raise _refuse(
+                f"its group {index} has {count} parameters, this optimizer's "
+                f"{len(own['params'])}"
+            )
+        missing = sorted(set(own) - set(group))
+        if missing:
+            foreign = sorted(set(group) - set(own))
+            raise _refuse(
+                f"its group {index} lacks the setting(s) {missing}"
+                + (
+                    f" and has {foreign}, which DampedNewton does not: the state "
+                    "dict of another optimizer (e.g. Adam's)?"
+                    if foreign
+                    else ""
+                )
+            )
+
+
+def _check_counters(state: Mapping[Any, Any], num_groups: int) -> None:
+    """The step counters and, when present, one statistics dict per group."""
+    counters = state.get(GLOBAL_KEY)
+    if not isinstance(counters, Mapping) or not all(
+        isinstance(counters.get(key), int) for key in ("step", "skipped_steps")
+    ):
+        raise _refuse(
+            f"state['{GLOBAL_KEY}'] must hold the integer counters 'step' and "
+            f"'skipped_steps', got {counters!r}"
+        )
+    stats = state.get(GROUPS_KEY, [{}] * num_groups)
+    if not isinstance(stats, Sequence) or len(stats) != num_groups:
+        raise _refuse(
+            f"state['{GROUPS_KEY}'] must be a list of {num_groups} per-group dicts"
+        )
+
+
+def _check_parameter_state(state: Mapping[Any, Any], num_params: int) -> None:
+    """Per-parameter entries: indices of this optimizer's parameters, own keys only."""
+    for key, entry in state.items():
+        if key in (GLOBAL_KEY, GROUPS_KEY):
+            continue
+        if not isinstance(key, int) or not 0 <= key < num_params:
+            raise _refuse(
+                f"its state has the entry {key!r}, neither a parameter index below "
+                f"{num_params} nor '{GLOBAL_KEY}'/'{GROUPS_KEY}'"
+            )
+        if not isinstance(entry, Mapping):
+            raise _refuse(f"the state of parameter {key} is not a dict")
+        foreign = sorted(set(entry) - PARAMETER_STATE_KEYS)
+        if foreign:
+            raise _refuse(
+                f"the state of parameter {key} has {foreign}, which DampedNewton "
+                f"never writes (it writes {sorted(PARAMETER_STATE_KEYS)}): the state "
+                "dict of another optimizer (e.g. Adam's exp_avg)?"
+            )
+        if not all(isinstance(value, Tensor) for value in entry.values()):
+            raise _refuse(f"the state of parameter {key} holds a non-tensor")
+
+
+def check_state_dict(
+    state_dict: Any, param_groups: Sequence[Mapping[str, Any]]
+) -> None:
+    """Check that ``state_dict`` is DampedNewton's, for these groups, before loading.
+
+    Args:
+        state_dict: What was passed to ``DampedNewton.load_state_dict``.
+        param_groups: The optimizer's own parameter groups.
+
+    Raises:
+        StateDictError: If it is not a dict with ``'state'`` and ``'param_groups'``,
+            has another number of groups or of parameters in a group, lacks a
+            DampedNewton setting in a group (another optimizer's groups), holds
+            per-parameter entries DampedNewton never writes (Adam's ``exp_avg``),
+            lacks the step counters, or has a malformed ``'dampednewton'`` entry.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise _refuse(f"expected a dict, got {type(state_dict).__name__}")
+    missing = [key for key in ("state", "param_groups") if key not in state_dict]
+    if missing:
+        raise _refuse(f"it lacks the key(s) {missing}")
+    _check_groups(state_dict["param_groups"], param_groups)
+    state = state_dict["state"]
+    if not isinstance(state, Mapping):
+        raise _refuse("'state' must be a dict")
+    _check_counters(state, len(param_groups))
+    _check_parameter_state(state, sum(len(group["params"]) for group in param_groups))
+    generator = state_dict.get("dampednewton")
+    if generator is not None and not (
+        isinstance(generator, Mapping) and {"seed", "generator"} <= set(generator)
+    ):
+        raise _refuse("its 'dampednewton' entry must hold 'seed' and 'generator'")

@@ -29,7 +29,7 @@ from dampednewton.amortized import (
 )
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.backpack.extensions import modified_loss_warning
-from dampednewton.checkpoint import mark_unpicklable, unwrap_settings
+from dampednewton.checkpoint import check_state_dict, mark_unpicklable, unwrap_settings
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.guard import (
     STACKLEVEL_OF_CALLER,
@@ -510,6 +510,7 @@ class DampedNewton(Optimizer):
         Args:
             state_dict: State as returned by :meth:`state_dict`.
         """
+        check_state_dict(state_dict, self.param_groups)
         state_dict = dict(state_dict)
         extra = state_dict.pop("dampednewton", None)
         state_dict["param_groups"] = unwrap_settings(state_dict["param_groups"])

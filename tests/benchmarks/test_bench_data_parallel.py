@@ -131,6 +131,37 @@ def test_a_failing_rank_stops_every_rank_of_a_torchrun_multirun(mode, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_killed_rank_stops_every_rank_of_a_torchrun_multirun(tmp_path):
+    """Rank 1 is killed (SIGKILL, no clean-up) at its third step of the first job.
+
+    Rank 0's collective fails at once ("Connection closed by peer"), well within
+    ``data_parallel.timeout_s``; torchrun names the killed rank as the root cause
+    and stops rank 0 (SIGTERM), possibly before rank 0 recorded the failure: its
+    ``result.json``, if written, is complete (atomic) and says why.
+    """
+    script = Path(__file__).with_name("failing_rank.py")
+    command = [
+        *(*TORCHRUN, "--nproc-per-node", "2", str(script), "--multirun", *JOB),
+        *("seed=0,1", "data_parallel.timeout_s=60", f"hydra.sweep.dir={tmp_path}"),
+    ]
+    start = time.perf_counter()
+    completed = _launch(command, 120, FAILING_RANK_MODE="kill")
+    elapsed = time.perf_counter() - start
+    assert completed.returncode != 0
+    assert elapsed < 60, "rank 0 waited out the timeout for the killed rank"
+    assert re.search(
+        r"rank\s*: 1 \(local_rank: 1\)\n\s*exitcode\s*: -9 .*\(SIGKILL\)",
+        completed.stderr,
+    ), completed.stderr
+    if (tmp_path / "0" / RESULT_FILE).exists():
+        first = RunResult.read(tmp_path / "0" / RESULT_FILE)
+        assert first.status == "failed" and first.error is not None
+        assert "Connection closed by peer" in first.error, first.error
+        assert "[rank 0 of 2 under torchrun: a collective fails" in first.error
+    assert not (tmp_path / "1" / RESULT_FILE).exists()
+
+
+@pytest.mark.slow
 def test_torchrun_multirun_extends_its_grid_on_every_rank(tmp_path):
     """SGD on lr ∈ {1e-5, 0.1}: 0.1 wins at the edge; all ranks run lr=0.316."""
     command = [

@@ -6,6 +6,8 @@ fraction of a second, so that the claims of the README's defaults stay checked.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from backpack import extend
@@ -20,6 +22,15 @@ STEPS = 150
 BATCH_SIZE = 64
 INITIAL_LOSS = 2.3
 """About ln 10, the cross-entropy of an untrained 10-class model."""
+DEFAULTS_ACCURACY = 0.94
+"""Mean − 6 std of the test accuracy with no arguments, rounded down: 0.9722 ± 0.0038
+(seeds 0-7; the same at 1 and 2 torch threads; tests/conftest.py states the rule)."""
+LEARNED_ACCURACY = 0.84
+"""Mean − 6 std of the worst damping of ``test_no_damping_collapses``, rounded down:
+0.925 ± 0.0136 (1e-3 at 2 threads; largest std 1e-4 at 1 thread; seeds 0-7 at 1
+and 2 threads; every damping's mean 0.925-0.973). An AMD EPYC measured 0.8956 at
+1e-4 and seed 0, 2.6 std below that damping's mean. A collapsed run ends near chance
+(ViViT's step below: 0.18-0.58)."""
 
 
 def train(seed: int, **settings) -> tuple[float, float]:
@@ -53,27 +64,42 @@ def train(seed: int, **settings) -> tuple[float, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_no_arguments_train_a_real_classifier(seed: int):
-    """``DampedNewton(model.parameters())``: ≥ 0.95 test accuracy in 150 steps."""
+    """``DampedNewton(model.parameters())``: ≥ 0.94 test accuracy in 150 steps."""
     _, accuracy = train(seed)
-    assert accuracy >= 0.95
+    assert accuracy >= DEFAULTS_ACCURACY
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damping", [1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0])
 def test_no_damping_collapses(damping: float):
-    """Over five decades of damping the defaults learn (measured: 0.93 to 0.98)."""
+    """Over five decades of damping the defaults learn (mean accuracy 0.925-0.973).
+
+    The train loss falls below the untrained one (log10 of the final loss: -0.47 ±
+    0.01 at damping 10, at worst -1.06 ± 0.24 elsewhere; log10 2.3 = 0.36).
+    """
     loss, accuracy = train(0, damping=damping)
-    assert loss < INITIAL_LOSS / 4
-    assert accuracy >= 0.9
+    assert loss < INITIAL_LOSS
+    assert accuracy >= LEARNED_ACCURACY
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damping", [1e-4, 1e-3, 1e-2])
 def test_without_the_safeguards_small_damping_blows_up(damping: float):
-    """ViViT's step at the same dampings: the loss explodes (measured: 1e2 to 5e5)."""
-    loss, accuracy = train(0, damping=damping, **VIVIT_STEP)
+    """ViViT's step at the same dampings: the loss explodes, the defaults' does not.
+
+    log10 of the final loss: 1.97 ± 0.08 at damping 1e-2, 3.18 ± 0.14 at 1e-3 (seeds
+    0-7), ≥ 5 at 1e-4; the bound log10 23 = 1.36 is 7.6 std below the smallest. The
+    accuracy (0.41 ± 0.075 at 1e-2, up to 0.58) is compared with the defaults' run at
+    the same damping and seed (0.925 ± 0.0136 at worst): 7 std of the difference.
+    """
+    try:
+        loss, accuracy = train(0, damping=damping, **VIVIT_STEP)
+    except FloatingPointError as error:  # overflowed (seed 1 at 1e-4, 1 thread)
+        assert "not finite" in str(error)
+        loss, accuracy = math.inf, 0.0
+    _, safeguarded_accuracy = train(0, damping=damping)
     assert loss > 10 * INITIAL_LOSS
-    assert accuracy < 0.5
+    assert accuracy < safeguarded_accuracy
 
 
 def test_default_damping_is_a_new_levenberg_marquardt_per_optimizer():
