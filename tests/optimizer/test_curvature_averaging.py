@@ -165,10 +165,19 @@ def test_averaged_curvature_matches_explicit_moving_average(
         largest_excess = max(largest_excess, excess)
         scale = 1.0
         if kl_clip is not None:
+            bound = 2 * kl_clip / lr**2
             curvature = -(gradient @ step_direction)
-            if step % interval == 0:
-                curvature = max(curvature, step_direction @ G @ step_direction)
-            scale = min(1.0, (2 * kl_clip / (lr**2 * curvature)).sqrt().item())
+            if refresh:
+                # Between refreshes the batch GGN's excess over the model (η) and
+                # the refresh's step length L guard the trust region instead.
+                eta = max(1.0, (step_direction @ G @ step_direction) / curvature)
+                curvature = curvature * eta
+            else:
+                length = step_direction.square().sum() / refresh_length**2
+                curvature = max(curvature * eta, bound * length)
+            scale = min(1.0, (bound / curvature).sqrt().item())
+            if refresh:
+                refresh_length = scale * step_direction.norm()
             if step == 0:
                 assert scale < 1, "the trust region must be active in this case"
         expected = lr * scale * step_direction
