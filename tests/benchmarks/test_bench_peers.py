@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -69,3 +72,24 @@ def test_read_out_takes_adamws_first_step_and_hidden_weights_muons():
         torch.testing.assert_close(after[index], adamw_first_step(index))
     assert not torch.allclose(after[0], adamw_first_step(0)), "Muon's, not AdamW's"
     assert not torch.equal(after[0], before[0])
+
+
+def test_pytorch_optimizer_imports_without_torchvision():
+    # PyPI's torchvision wheel does not import against a CPU torch: the peers must not
+    # need it.
+    code = (
+        "import sys, pytorch_optimizer; "
+        "from pytorch_optimizer import SOAP, Kron, Muon; "
+        "assert 'torchvision' not in sys.modules, 'imported torchvision'"
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert process.returncode == 0, process.stderr
+
+
+def test_einsum_plans_its_contractions_for_kron():
+    # Without opt_einsum, torch.einsum contracts left to right: Kron's five-operand
+    # preconditioner product took 9 s a step on the MNIST-1D MLP instead of 9 ms.
+    assert torch.backends.opt_einsum.is_available()
+    assert torch.backends.opt_einsum.enabled
