@@ -48,11 +48,11 @@ def _compare(theirs: float, ours: float, better: str, worse: str, even: str) -> 
 
 
 def _grid_point(fastest: FastestToTarget, choice: Tuned) -> str:
-    """`` at lr=0.1`` for the varied settings of the fastest run's grid point."""
+    """`` (lr=0.1)``: the varied settings of the fastest run's grid point."""
     if fastest.setting is None or not choice.grid:
         return ""
     values = {key: fastest.setting.hyperparameters.get(key) for key in choice.grid}
-    return f" at {format_hyperparameters(values)}"
+    return f" ({format_hyperparameters(values)})"
 
 
 def _figures(choice: Tuned, index: int) -> tuple[FastestToTarget, FastestToTarget]:
@@ -118,8 +118,8 @@ def trade_off(
     lead = (
         f"On {problem}, {name} reached test {metric} {targets[index]:g} in "
         f"{steps.value:.0f} steps{_grid_point(steps, choice)}{_seed_note(steps)} "
-        f"and {seconds.value:.2g} s of training (the grid's fastest run, median "
-        "over seeds, for every optimizer)"
+        f"and {seconds.value:.2g} s of training{_grid_point(seconds, choice)} (the "
+        "grid's fastest run, median over seeds, for every optimizer)"
     )
     figures = {o: _figures(t, index) for o, t in others.items()}
     contenders = {o: f for o, f in figures.items() if f[0].reached}

@@ -49,8 +49,8 @@ def test_fewer_steps_but_costlier_steps_are_both_stated_with_their_numbers():
     # the harder target (0.9): ours in 20 steps, sgd the fewest and soonest of the
     # others (60 steps, 0.6 s)
     assert (
-        "On p, dampednewton reached test accuracy 0.9 in 20 steps at lr=1 and 2 s"
-        in (text)
+        "On p, dampednewton reached test accuracy 0.9 in 20 steps (lr=1) and 2 s of "
+        "training (lr=1)" in text
     )
     assert (
         "Fewest steps among the others: sgd, 60 steps: dampednewton took 3× fewer"
@@ -108,7 +108,7 @@ def test_each_seed_takes_its_fastest_grid_point_and_the_median_seed_counts():
         result("dampednewton", s, 0.95, [5, 20], [0.5, 2.0], 0.1) for s in range(3)
     ]
     text = paragraph(runs)
-    assert "Fewest steps among the others: sgd, 70 steps at lr=1:" in text
+    assert "Fewest steps among the others: sgd, 70 steps (lr=1):" in text
 
 
 def test_a_target_most_seeds_missed_is_not_reached():
@@ -156,3 +156,11 @@ def test_no_paragraph_without_the_package_or_without_a_rival():
     assert paragraph([result("sgd", 0, 0.9, [1, 2], [0.1, 0.2], 0.01)]) is None
     ours = [result("dampednewton", 0, 0.9, [1, 2], [0.1, 0.2], 0.01)]
     assert paragraph(ours) is None
+
+
+def test_steps_and_time_name_their_own_grid_points():
+    # lr=1 takes fewer steps, lr=0.1 cheaper ones: each figure names its grid point
+    runs = [result("sgd", 0, 0.9, [30, 60], [0.3, 0.6], 0.01)]
+    runs += [result("dampednewton", 0, 0.95, [10, 20], [1.0, 2.0], 0.1)]
+    runs += [result("dampednewton", 0, 0.95, [15, 30], [0.5, 1.0], 0.03, lr=0.1)]
+    assert "in 20 steps (lr=1) and 1 s of training (lr=0.1)" in paragraph(runs)
