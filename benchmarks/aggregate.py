@@ -255,3 +255,59 @@ def step_time_ratio(
     if not times[optimizer] or not times[reference]:
         return math.nan
     return statistics.median(times[optimizer]) / statistics.median(times[reference])
+
+
+@dataclass(frozen=True)
+class FastestToTarget:
+    """AlgoPerf's figure of one optimizer to one target: the grid's fastest run.
+
+    Every seed is a tuning study: its fastest run over the grid points that reached
+    the target (``inf`` if none did); the figure is the median over seeds (the upper
+    one for an even count, so that it is a run's own value).
+
+    Attributes:
+        value: Steps or training seconds to the target (``inf``: the median seed
+            never reached it).
+        setting: The grid point of the median seed's fastest run (``None`` if it
+            never reached the target).
+        seeds_reached: Seeds with a run that reached the target.
+        seeds: Seeds in all.
+    """
+
+    value: float
+    setting: Setting | None
+    seeds_reached: int
+    seeds: int
+
+    @property
+    def reached(self) -> bool:
+        """Whether the median seed reached the target."""
+        return math.isfinite(self.value)
+
+
+def fastest_to_target(
+    candidates: Iterable[Setting], key: str, index: int
+) -> FastestToTarget:
+    """The grid's fastest run to a target, AlgoPerf's rule over seeds.
+
+    Args:
+        candidates: The settings (grid points) of one (problem, optimizer).
+        key: ``"steps_to_target"`` or ``"time_to_target"``.
+        index: Which target of the problem (0: the easier).
+
+    Returns:
+        The median over seeds of each seed's fastest successful run to the target.
+    """
+    per_seed: dict[int, tuple[float, Setting | None]] = {}
+    for setting in candidates:
+        for run in setting.runs:
+            best = per_seed.setdefault(run.seed, (math.inf, None))
+            value = getattr(run, key)[index] if run.status == "ok" else None
+            if value is not None and value < best[0]:
+                per_seed[run.seed] = (float(value), setting)
+    ordered = sorted(per_seed.values(), key=lambda pair: pair[0])
+    if not ordered:
+        return FastestToTarget(math.inf, None, 0, 0)
+    value, fastest = ordered[len(ordered) // 2]
+    reached = sum(math.isfinite(v) for v, _ in ordered)
+    return FastestToTarget(value, fastest, reached, len(ordered))

@@ -16,6 +16,7 @@ from pathlib import Path
 from benchmarks.aggregate import (
     Setting,
     Tuned,
+    fastest_to_target,
     group_settings,
     load_results,
     step_time_ratio,
@@ -95,6 +96,42 @@ def _target_cell(setting: Setting, key: str, index: int, seeds: int) -> str:
     if reached == 0:
         return f"— (0/{seeds})"
     return f"{format_pm(mean, std, 3)} ({reached}/{seeds})"
+
+
+def _fastest_cell(choice: Tuned, key: str, index: int) -> str:
+    """AlgoPerf's steps or seconds to one target, its grid point, seeds that reached."""
+    fastest = fastest_to_target(choice.candidates, key, index)
+    seeds = f"{fastest.seeds_reached}/{fastest.seeds}"
+    if not fastest.reached or fastest.setting is None:
+        return f"— ({seeds})"
+    values = {k: fastest.setting.hyperparameters.get(k) for k in choice.grid}
+    where = f"{format_hyperparameters(values)}, " if values else ""
+    return f"{format_number(fastest.value, 3)} ({where}{seeds})"
+
+
+def _fastest_table(tuned: dict[str, Tuned], targets: list[float]) -> list[str]:
+    """Lines of the table of the grid's fastest runs to each target (AlgoPerf)."""
+    pairs = [(f"steps to {t:g}", f"time to {t:g} [s]") for t in targets]
+    columns = ["optimizer", *(column for pair in pairs for column in pair)]
+    lines = [
+        "The grid's fastest run to each target (AlgoPerf's rule: each seed's "
+        "fastest grid point, median over seeds; its grid point, seeds that reached "
+        "the target):",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for optimizer, choice in tuned.items():
+        cells = [
+            optimizer,
+            *(
+                _fastest_cell(choice, key, index)
+                for index in range(len(targets))
+                for key in ("steps_to_target", "time_to_target")
+            ),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _parallel_cells(setting: Setting) -> list[str]:
@@ -187,7 +224,10 @@ def problem_table(
             format_number(peak, 4),
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Grids (values tried; every setting over the same seeds):", ""]
+    lines.append("")
+    if targets:
+        lines += _fastest_table(tuned, targets)
+    lines += ["Grids (values tried; every setting over the same seeds):", ""]
     for optimizer, choice in tuned.items():
         grid = "; ".join(
             f"{key} ∈ {{{_grid_values(choice, key)}}}" for key in choice.grid

@@ -7,7 +7,13 @@ import statistics
 
 import pytest
 
-from benchmarks.aggregate import group_settings, mean_std, step_time_ratio, tune
+from benchmarks.aggregate import (
+    fastest_to_target,
+    group_settings,
+    mean_std,
+    step_time_ratio,
+    tune,
+)
 from benchmarks.result import RunResult
 
 
@@ -77,3 +83,42 @@ def test_step_time_ratio_uses_medians_over_all_runs():
     settings = group_settings(runs)
     assert step_time_ratio(settings, "p", "dn") == pytest.approx(20.0 / 2.0)
     assert math.isnan(step_time_ratio(settings, "p", "adam"))
+
+
+def reached(optimizer, lr, seed, steps, status="ok"):
+    """A run that reached the only target (0.5) in ``steps`` (``None``: never)."""
+    return RunResult.from_json(
+        {
+            "problem": "p",
+            "optimizer": optimizer,
+            "seed": seed,
+            "status": status,
+            "hyperparameters": {"lr": lr},
+            "targets": [0.5],
+            "steps_to_target": [steps],
+            "time_to_target": [None if steps is None else steps / 100],
+        }
+    )
+
+
+def test_fastest_to_target_is_each_seeds_fastest_grid_point_median_over_seeds():
+    runs = [
+        *(reached("sgd", 0.1, seed, s) for seed, s in enumerate((50, 95, None))),
+        *(reached("sgd", 1.0, seed, s) for seed, s in enumerate((60, 70, 90))),
+        reached("sgd", 3.0, 0, 10, status="diverged"),  # a diverged run never counts
+    ]
+    settings = group_settings(runs)
+    steps = fastest_to_target(settings, "steps_to_target", 0)
+    # per seed: min(50, 60) = 50, min(95, 70) = 70, min(None, 90) = 90; median 70
+    assert steps.value == 70 and steps.setting.hyperparameters == {"lr": 1.0}
+    assert (steps.seeds_reached, steps.seeds, steps.reached) == (3, 3, True)
+    assert fastest_to_target(settings, "time_to_target", 0).value == 0.7
+
+
+def test_fastest_to_target_takes_the_upper_median_and_misses_when_it_missed():
+    two = [reached("adam", 0.1, 0, 40), reached("adam", 0.1, 1, 80)]
+    assert fastest_to_target(group_settings(two), "steps_to_target", 0).value == 80
+    missed = [reached("adam", 0.1, s, steps) for s, steps in enumerate((40, None))]
+    fastest = fastest_to_target(group_settings(missed), "steps_to_target", 0)
+    assert not fastest.reached and fastest.setting is None
+    assert (fastest.seeds_reached, fastest.seeds) == (1, 2)

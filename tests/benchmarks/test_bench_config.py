@@ -210,6 +210,20 @@ def test_grid_points_are_the_product_first_key_slowest():
         grid_points({"lr": []})
 
 
+BASELINES = ["sgd", "momentum", "adam"]
+PEERS = ["soap", "kron", "muon"]  # pytorch-optimizer's
+
+
+def test_make_bench_runs_every_optimizer_of_the_problem_presets(compose_config):
+    cfg = compose_config(["+sweep=default"], return_hydra_config=True)
+    optimizers = _sweep_values(cfg.hydra.sweeper.params.optimizer)
+    assert optimizers == [*BASELINES, "dampednewton", *PEERS]
+    for name in PEERS:
+        (lr,) = cfg.grid[name].values()
+        for low, high in itertools.pairwise(lr):
+            assert high / low == pytest.approx(10**0.5, rel=0.06), f"{name}: {lr}"
+
+
 @pytest.mark.parametrize(
     ("preset", "full_steps"),
     [
@@ -219,7 +233,7 @@ def test_grid_points_are_the_product_first_key_slowest():
         ("fmnist_2c2d", 4000),
     ],
 )
-def test_problem_presets_compare_four_optimizers_on_half_decade_grids(
+def test_problem_presets_compare_the_optimizers_and_peers_on_half_decade_grids(
     compose_config, preset, full_steps
 ):
     cpu = compose_config([f"+sweep={preset}"], return_hydra_config=True)
@@ -230,8 +244,7 @@ def test_problem_presets_compare_four_optimizers_on_half_decade_grids(
     assert gpu.hydra.sweeper.params == cpu.hydra.sweeper.params
     assert gpu.grid == cpu.grid
     optimizers = _sweep_values(cpu.hydra.sweeper.params.optimizer)
-    assert optimizers[:3] == ["sgd", "momentum", "adam"]
-    assert optimizers[3] == "dampednewton"
+    assert optimizers == [*BASELINES, "dampednewton", *PEERS]
     for name in optimizers:
         varied = {k: v for k, v in cpu.grid[name].items() if len(v) > 1}
         (key, values), *others = varied.items()

@@ -214,3 +214,25 @@ def test_hyperparameters_flatten_nested_nodes(compose_config):
         "extra.b._target_": "x.Y",
         "extra.b.c": 2,
     }
+
+
+@pytest.mark.parametrize("optimizer", ["soap", "kron", "muon"])
+def test_peer_configs_train_through_the_runner(compose_config, tmp_path, optimizer):
+    """SOAP, PSGD-Kron and Muon from pytorch-optimizer, as a sweep runs them."""
+    summary, result = _job(
+        compose_config,
+        tmp_path,
+        [
+            f"optimizer={optimizer}",
+            "problem=digits_mlp",
+            "problem.steps=20",
+            "problem.eval_every=10",
+            "optimizer.lr=0.01",
+        ],
+    )
+    assert result["status"] == "ok" and summary.status == "ok", result.get("error")
+    assert result["optimizer"] == optimizer
+    assert result["hyperparameters"]["lr"] == 0.01
+    assert result["steps_taken"] == 20 and result["step_time"]["median"] > 0
+    train_loss = result["curves"]["train_loss"]
+    assert train_loss[-1] < train_loss[0], f"{optimizer} did not lower the loss"
