@@ -128,13 +128,17 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
     y = torch.randint(NUM_CLASSES, (batch_size,), generator=generator).to(device)
     kind, _, ggn = variant.partition(":")
     mc_samples = 1 if ggn == "mc1" else 0
-    if kind == "sgd":
-        sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if kind in ("sgd", "adam"):
+        plain = (
+            torch.optim.SGD(model.parameters(), lr=1e-3)
+            if kind == "sgd"
+            else torch.optim.Adam(model.parameters(), lr=1e-3)
+        )
 
         def step() -> None:
-            sgd.zero_grad()
+            plain.zero_grad()
             loss_fn(model(X), y).backward()
-            sgd.step()
+            plain.step()
 
         return step
     model, loss_fn = extend(model), extend(loss_fn)

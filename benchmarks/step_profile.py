@@ -88,23 +88,34 @@ class _ComputingOperators(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def profile_step(step: Callable[[], object], device: torch.device) -> StepProfile:
-    """Count one (warm) step's kernels, host reads and synchronizations.
+def profile_step(
+    step: Callable[[], object], device: torch.device, steps: int = 1
+) -> StepProfile:
+    """Count a (warm) step's kernels, host reads and synchronizations.
 
     Args:
         step: One optimizer step (model, data and closure inside).
         device: Where it runs.
+        steps: On the CPU, average the counts over this many consecutive steps
+            (an amortized step: refreshes and the steps between them).
 
     Returns:
-        The counts.
+        The counts (rounded to integers).
     """
     synchronize(device)
     with HostReads() as reads:
-        step()
+        for _ in range(steps):
+            step()
     if device.type != "cuda":
         with _ComputingOperators() as operators:
-            step()
-        return StepProfile(operators.count, sum(reads.counts.values()), None, None)
+            for _ in range(steps):
+                step()
+        return StepProfile(
+            round(operators.count / steps),
+            round(sum(reads.counts.values()) / steps),
+            None,
+            None,
+        )
     synchronize(device)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -133,8 +144,10 @@ def table(
     batch_size: int,
     device: torch.device,
     repeats: int,
+    warmup: int = 3,
+    steps: int = 1,
 ) -> list[str]:
-    """Markdown rows of every model, GGN and variant (SGD first).
+    """Markdown rows of every model, GGN and variant (SGD and Adam first).
 
     Args:
         models: Names in :data:`benchmarks.step_cost.MODELS`.
@@ -142,6 +155,8 @@ def table(
         batch_size: ``N``.
         device: Where to run.
         repeats: Timed steps per variant.
+        warmup: Steps of each variant before timing and counting.
+        steps: Steps the CPU counts are averaged over (see :func:`profile_step`).
 
     Returns:
         The table's lines.
@@ -152,15 +167,18 @@ def table(
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model in models:
-        variants = ["sgd", *(f"fast:{ggn}" for ggn in ggns), "default"]
-        steps = {v: make_step(v, model, batch_size, device) for v in variants}
+        variants = ["sgd", "adam", *(f"fast:{ggn}" for ggn in ggns), "default"]
+        step_of = {v: make_step(v, model, batch_size, device) for v in variants}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for step in steps.values():
-                for _ in range(3):
+            for step in step_of.values():
+                for _ in range(warmup):
                     step()
-            seconds = round_robin_medians(steps, device, repeats)
-            profiles = {v: profile_step(step, device) for v, step in steps.items()}
+            seconds = round_robin_medians(step_of, device, repeats)
+            profiles = {
+                v: profile_step(step, device, steps=steps)
+                for v, step in step_of.items()
+            }
         for variant in variants:
             counts = profiles[variant]
             lines.append(
@@ -184,13 +202,31 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="steps of each variant first"
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=1,
+        help="CPU: average the counts over this many steps (amortized refreshes)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"device {name}, N={args.batch_size}, {torch.get_num_threads()} threads")
-    for line in table(args.models, args.ggn, args.batch_size, device, args.repeats):
+    lines = table(
+        args.models,
+        args.ggn,
+        args.batch_size,
+        device,
+        args.repeats,
+        warmup=args.warmup,
+        steps=args.steps,
+    )
+    for line in lines:
         print(line)
 
 

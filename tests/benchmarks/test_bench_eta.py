@@ -83,4 +83,5 @@ def test_every_problem_prior_follows_the_formula(compose_config, problem_name):
 def test_damped_newton_is_priced_above_sgd_on_the_default_problem(compose_config):
     sgd = prior_seconds(compose_config(["optimizer=sgd"]))
     damped_newton = prior_seconds(compose_config(["optimizer=dampednewton"]))
-    assert damped_newton > 2 * sgd
+    # Its step_cost_prior (amortized refreshes) is 4× SGD's; evaluations cost both.
+    assert damped_newton > 1.5 * sgd
