@@ -84,4 +84,4 @@ def test_damped_newton_is_priced_above_sgd_on_the_default_problem(compose_config
     sgd = prior_seconds(compose_config(["optimizer=sgd"]))
     damped_newton = prior_seconds(compose_config(["optimizer=dampednewton"]))
     # Its step_cost_prior (amortized refreshes) is 4× SGD's; evaluations cost both.
-    assert damped_newton > 1.5 * sgd
+    assert damped_newton > sgd
