@@ -141,7 +141,7 @@ def test_averaged_curvature_matches_explicit_moving_average(
     )
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     average, updates, largest_excess = None, 0, -torch.inf
-    rho = torch.tensor(torch.nan)
+    rho = refresh_length = eta = torch.tensor(torch.nan)
     for step in range(5):
         copy_parameters(case.reference_model, case.model)
         args = (case.reference_model, case.reference_loss_fn, reference_params)

@@ -169,3 +169,26 @@ def test_resume_between_refreshes_is_bit_identical():
         assert torch.equal(
             flat(resumed.model.parameters()), flat(reference.model.parameters())
         )
+
+
+@pytest.mark.parametrize("tolerance", [1.0, None])
+def test_a_loss_rise_between_refreshes_refreshes_at_the_next_step(tolerance):
+    """A frozen step whose loss exceeds twice the refresh's brings the refresh forward.
+
+    The schedule refreshes at steps 0 and 3; the rise adds step 2.
+    ``loss_tolerance=None`` keeps the schedule.
+    """
+    case = build_case(PROBLEM["mlp-ce"])
+    averaging = CurvatureAveraging(
+        decay=0.7, interval=INTERVAL, ramp=False, loss_tolerance=tolerance
+    )
+    optimizer = make_optimizer(case.model.parameters(), averaging=averaging)
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    shuffled = case.y.roll(1)
+    far = make_closure(optimizer, case.model, case.loss_fn, 30 * case.X, shuffled)
+    updates = []
+    for batch in (closure, far, closure, closure):
+        optimizer.step(batch)
+        updates.append(optimizer.state["groups"][0]["curvature_updates"])
+    assert optimizer.state["global"]["step"] == 4
+    assert updates == ([1, 1, 2, 3] if tolerance is not None else [1, 1, 1, 2])
