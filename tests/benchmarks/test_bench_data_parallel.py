@@ -121,7 +121,7 @@ def test_a_failing_rank_stops_every_rank_of_a_torchrun_multirun(mode, tmp_path):
     first = RunResult.read(tmp_path / "0" / RESULT_FILE)
     assert first.status == "failed"
     assert first.error is not None
-    expected = "Connection closed by peer" if mode == "raise" else "timeout"
+    expected = r"Connection (closed|reset) by peer" if mode == "raise" else "timeout"
     assert re.search(expected, first.error), first.error
     assert "[rank 0 of 2 under torchrun: a collective fails" in first.error
     assert not (tmp_path / "1" / RESULT_FILE).exists()
@@ -134,7 +134,7 @@ def test_a_failing_rank_stops_every_rank_of_a_torchrun_multirun(mode, tmp_path):
 def test_a_killed_rank_stops_every_rank_of_a_torchrun_multirun(tmp_path):
     """Rank 1 is killed (SIGKILL, no clean-up) at its third step of the first job.
 
-    Rank 0's collective fails at once ("Connection closed by peer"), well within
+    Rank 0's collective fails at once ("Connection closed/reset by peer"), within
     ``data_parallel.timeout_s``; torchrun names the killed rank as the root cause
     and stops rank 0 (SIGTERM), possibly before rank 0 recorded the failure: its
     ``result.json``, if written, is complete (atomic) and says why.
@@ -156,7 +156,8 @@ def test_a_killed_rank_stops_every_rank_of_a_torchrun_multirun(tmp_path):
     if (tmp_path / "0" / RESULT_FILE).exists():
         first = RunResult.read(tmp_path / "0" / RESULT_FILE)
         assert first.status == "failed" and first.error is not None
-        assert "Connection closed by peer" in first.error, first.error
+        # gloo says "closed" or "reset" by peer, depending on where the read broke.
+        assert re.search(r"Connection (closed|reset) by peer", first.error), first.error
         assert "[rank 0 of 2 under torchrun: a collective fails" in first.error
     assert not (tmp_path / "1" / RESULT_FILE).exists()
 
