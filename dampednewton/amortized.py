@@ -149,7 +149,7 @@ def frozen_group_step(
         damping=frozen.damping,
         coefficients=frozen.newton * slopes.where(kept, 0.0),
         slope=result.slope,
-        curvature=result.curvature,
+        curvature=result.curvature(frozen),
         batch_curvature=guarded_curvature(result, frozen, bound),
         selected=kept,
         complement_curvature=frozen.inverse_complement.reciprocal(),

@@ -10,6 +10,8 @@ records it (:mod:`dampednewton.records`) and adapts the damping.
 from __future__ import annotations
 
 import copy
+import functools
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -38,8 +40,7 @@ from dampednewton.guard import (
     nonfinite_problem,
     refuse,
 )
-from dampednewton.math.frozen_basis import frozen_basis_step, guarded_curvature
-from dampednewton.model import trust_region_scale
+from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_host
 from dampednewton.options import (
     GroupOptions,
     SharedOptions,
@@ -69,6 +70,16 @@ DEFAULT_DAMPING = 0.1
 """Initial ``δ`` of the default Levenberg-Marquardt damping."""
 DEFAULT_DAMPING_INTERVAL = 5
 """Steps between adaptations of the default Levenberg-Marquardt damping (K-FAC's T₃)."""
+
+
+def _loss_tolerance(options: Sequence[GroupOptions]) -> float | None:
+    """The smallest ``loss_tolerance`` of the averaged groups (``None``: none set)."""
+    tolerances = [
+        option.averaging.loss_tolerance
+        for option in options
+        if option.averaging is not None and option.averaging.loss_tolerance is not None
+    ]
+    return min(tolerances, default=None)
 
 
 class DampedNewton(Optimizer):
@@ -423,43 +434,36 @@ class DampedNewton(Optimizer):
                 gradient = gradient_vector(group["params"], basis)
                 steps.append(frozen_basis_step(basis, gradient, frozen))
                 frozens.append(frozen)
-            # One read: a non-finite loss, gradient or step makes a slope non-finite.
-            total = loss.detach().to(steps[0].slope) + sum(s.slope for s in steps)
-            finite, rising = torch.stack(
-                [total.isfinite(), self._loss_rose(loss, options)]
-            ).tolist()
-            if rising:
-                self.state[GLOBAL][REFRESH_DUE] = True
-            if not finite:
+            # One read: the loss (and the last refresh's), each step's slope and
+            # squared length, and its frozen excess and length. A non-finite loss,
+            # gradient or step makes a read value non-finite.
+            reference = self.state[GLOBAL].get(REFRESH_LOSS)
+            read = [loss.detach(), loss.detach() if reference is None else reference]
+            for step, frozen in zip(steps, frozens, strict=True):
+                read += [
+                    step.slope,
+                    step.step.square().sum(),
+                    frozen.curvature_excess,
+                    frozen.step_length,
+                ]
+            dtype = functools.reduce(torch.promote_types, (t.dtype for t in read))
+            values = torch.stack([t.to(dtype) for t in read]).tolist()
+            if not all(math.isfinite(value) for value in values[:2] + values[2::4]):
                 refuse("the loss or the step is not finite", self._nonfinite)
                 self.state[GLOBAL]["skipped_steps"] += 1
                 return loss
-            for group, option, step, frozen in zip(
-                self.param_groups, options, steps, frozens, strict=True
+            tolerance = _loss_tolerance(options)
+            if tolerance is not None and values[0] > (1 + tolerance) * values[1]:
+                self.state[GLOBAL][REFRESH_DUE] = True
+            for index, (group, option, step) in enumerate(
+                zip(self.param_groups, options, steps, strict=True)
             ):
+                slope, squares, excess, length = values[2 + 4 * index : 6 + 4 * index]
                 bound = trust_bound(option.lr, option.kl_clip)
-                guarded = guarded_curvature(step, frozen, bound)
-                scale = trust_region_scale(
-                    option.lr, step.slope, guarded, option.kl_clip
-                )
-                apply_flat_step(
-                    group["params"], step.step.mul_(scale), self.state, option
-                )
+                scale = trust_scale_on_host(slope, squares, excess, length, bound)
+                apply_flat_step(group["params"], step.step, self.state, option, scale)
         self.state[GLOBAL]["step"] += 1
         return loss
-
-    def _loss_rose(self, loss: Tensor, options: Sequence[GroupOptions]) -> Tensor:
-        """Whether the loss rose past a group's tolerance since the last refresh."""
-        reference = self.state[GLOBAL].get(REFRESH_LOSS)
-        tolerances = [
-            option.averaging.loss_tolerance
-            for option in options
-            if option.averaging is not None
-            and option.averaging.loss_tolerance is not None
-        ]
-        if reference is None or not tolerances:
-            return torch.zeros((), dtype=torch.bool, device=loss.device)
-        return loss.detach() > (1 + min(tolerances)) * reference
 
     @property
     def communication_seconds(self) -> float:

@@ -93,6 +93,7 @@ def apply_flat_step(
     direction: Tensor,
     state: MutableMapping[Any, dict[str, Any]],
     options: GroupOptions,
+    scale: float = 1.0,
 ) -> None:
     """Move a group's parameters along a flat direction ``νs`` (under ``no_grad``).
 
@@ -101,9 +102,11 @@ def apply_flat_step(
 
     Args:
         params: The group's parameters.
-        direction: ``νs`` ``[D]``, the parameters' entries in order.
+        direction: ``s`` ``[D]``, the parameters' entries in order.
         state: The optimizer's per-parameter state (momentum buffers).
         options: The group's options.
+        scale: ``ν`` (a number: the multi-tensor ``add`` takes it with the
+            learning rate).
     """
     trainable = [p.requires_grad for p in params]
     pieces = [
@@ -114,8 +117,8 @@ def apply_flat_step(
     ]
     plain = options.momentum == 0 and options.weight_decay == 0
     if plain and all(trainable) and all(p.dtype == direction.dtype for p in params):
-        torch._foreach_add_(list(params), pieces, alpha=options.lr)
+        torch._foreach_add_(list(params), pieces, alpha=options.lr * scale)
         return
     for param, piece, moves in zip(params, pieces, trainable, strict=True):
         if moves:
-            update_parameter(param, piece, state[param], options)
+            update_parameter(param, piece * scale, state[param], options)

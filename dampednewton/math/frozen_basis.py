@@ -26,6 +26,7 @@ in the complement.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -100,13 +101,22 @@ class BasisStep:
         step: ``s`` ``[D]`` (flat, in the basis' dtype).
         projections: ``π = Bḡ`` ``[r]``.
         slope: ``ḡᵀs`` (0-dim).
-        curvature: ``sᵀḠs`` under the averaged GGN (0-dim).
     """
 
     step: Tensor
     projections: Tensor
     slope: Tensor
-    curvature: Tensor
+
+    def curvature(self, frozen: FrozenBasis) -> Tensor:
+        """``sᵀḠs`` under the averaged GGN: ``Σ_i c_i π_i²`` (0-dim).
+
+        Args:
+            frozen: The coefficients the step was taken with.
+
+        Returns:
+            The quadratic model's curvature along the step.
+        """
+        return torch.dot(self.projections.square(), frozen.curvature_weights)
 
 
 def freeze(
@@ -179,10 +189,7 @@ def frozen_basis_step(
         projections * frozen.step_weights,
     )
     return BasisStep(
-        step=step,
-        projections=projections,
-        slope=torch.dot(gradient, step),
-        curvature=torch.dot(projections.square(), frozen.curvature_weights),
+        step=step, projections=projections, slope=torch.dot(gradient, step)
     )
 
 
@@ -209,3 +216,36 @@ def guarded_curvature(
         return model
     length = step.step.square().sum() / frozen.step_length.square()
     return torch.maximum(model, bound * length)
+
+
+def trust_scale_on_host(
+    slope: float,
+    squared_length: float,
+    frozen_excess: float,
+    frozen_length: float,
+    bound: float | None,
+) -> float:
+    """``ν`` of :func:`guarded_curvature` from values already read to the host.
+
+    The lean path reads the step's slope and squared length with its other checks
+    in one transfer and finishes the trust region in Python (no small device
+    operations); the result equals ``trust_region_scale`` of the guarded curvature.
+
+    Args:
+        slope: ``ḡᵀs``.
+        squared_length: ``‖s‖²``.
+        frozen_excess: ``η``.
+        frozen_length: ``L``.
+        bound: ``2κ / lr²``, ``None`` without a trust region.
+
+    Returns:
+        ``ν = min(1, √(bound / max(−η ḡᵀs, bound ‖s‖² / L²)))``.
+    """
+    if bound is None:
+        return 1.0
+    if frozen_length == 0:
+        longest = math.inf if squared_length > 0 else 0.0
+    else:
+        longest = bound * squared_length / frozen_length**2
+    curvature = max(-slope * frozen_excess, longest)
+    return 1.0 if curvature <= bound else math.sqrt(bound / curvature)
