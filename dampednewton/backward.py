@@ -211,7 +211,10 @@ class BackwardCheck:
             return (
                 "the parameters' .grad held values from before the closure's backward "
                 "pass, so .grad is not this batch's gradient. Zero the gradients at "
-                "the start of the closure (optimizer.zero_grad())"
+                "the start of the closure (optimizer.zero_grad()). Under PyTorch "
+                "Lightning this is Trainer(accumulate_grad_batches > 1), whose earlier "
+                "batches the curvature never sees: keep accumulate_grad_batches=1 and "
+                "accumulate micro-batches inside one closure (docs/accumulation.md)"
             )
         return None
 

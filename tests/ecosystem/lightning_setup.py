@@ -67,17 +67,23 @@ class Classifier(pl.LightningModule):
         losses: The loss of every closure call (training_step), in order.
     """
 
-    def __init__(self, manual: bool = False, **optimizer_settings: Any):
+    def __init__(
+        self, manual: bool = False, micro_batches: int = 1, **optimizer_settings: Any
+    ):
         """Build the model.
 
         Args:
             manual: Manual optimization (``opt.step(closure)`` in training_step).
+            micro_batches: Manual optimization: the closure accumulates the batch's
+                gradient over this many micro-batches, each loss weighted by its
+                share of the batch (docs/accumulation.md).
             **optimizer_settings: Overrides of :data:`OPTIMIZER_SETTINGS`.
         """
         super().__init__()
         self.model = make_model()
         self.loss_fn = extend(nn.CrossEntropyLoss())
         self.automatic_optimization = not manual
+        self.micro_batches = micro_batches
         self.optimizer_settings = {**OPTIMIZER_SETTINGS, **optimizer_settings}
         self.losses: list[float] = []
 
@@ -92,8 +98,15 @@ class Classifier(pl.LightningModule):
 
         def closure() -> Tensor:
             optimizer.zero_grad()
-            loss = self.loss_fn(self.model(inputs), targets)
-            self.manual_backward(loss)
+            loss = inputs.new_zeros(())
+            for x, y in zip(
+                inputs.tensor_split(self.micro_batches),
+                targets.tensor_split(self.micro_batches),
+                strict=True,
+            ):
+                part = self.loss_fn(self.model(x), y) * (len(y) / len(targets))
+                self.manual_backward(part)
+                loss = loss + part.detach()
             self.losses.append(loss.item())
             return loss
 

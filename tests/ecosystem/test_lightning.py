@@ -97,10 +97,30 @@ def test_norm_clipping_scales_the_step_by_the_clipping_factor():
         )
 
 
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_a_closure_that_accumulates_micro_batches_takes_the_batch_step(micro_batches):
+    """Lightning's route to accumulation: manual optimization, one closure.
+
+    The closure back-propagates each micro-batch's loss times its share of the batch
+    (uneven for 3 of 8 samples); with the exact GGN every step, refreshes and steps
+    between them, equals the plain loop's on the whole batch.
+    """
+    module = Classifier(manual=True, micro_batches=micro_batches, mc_samples=0)
+    fit(module, STEPS)
+    model, _, losses = plain_loop(STEPS, mc_samples=0)
+    torch.testing.assert_close(torch.tensor(module.losses), torch.tensor(losses))
+    pairs = zip(module.model.parameters(), model.parameters(), strict=True)
+    for after, expected in pairs:
+        torch.testing.assert_close(after, expected, rtol=1e-10, atol=1e-12)
+
+
 def test_accumulate_grad_batches_is_refused():
-    """Lightning accumulates by skipping ``zero_grad`` before the stepping closure."""
+    """Lightning accumulates by skipping ``zero_grad`` before the stepping closure.
+
+    The error names the option and the closure pattern that accumulates instead.
+    """
     with pytest.raises(
-        RuntimeError, match=r"\.grad held values from before the closure's backward"
+        RuntimeError, match=r"accumulate_grad_batches=1 and accumulate micro-batches"
     ):
         fit(Classifier(), STEPS, accumulate_grad_batches=2)
 
