@@ -1,4 +1,4 @@
-"""Numbers quoted in README.md's prose come from rerunning what produces them."""
+"""Numbers quoted in the docs' prose come from rerunning what produces them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from dampednewton import DampedNewton
 from tests.cases import readme_problem
 
-README = Path(__file__).parents[1] / "README.md"
+USAGE = Path(__file__).parents[1] / "docs" / "usage.md"
 # ViViT's step: no complement, this batch's exact GGN, no trust region.
 VIVIT = {
     "complement": None,
@@ -23,7 +23,7 @@ VIVIT = {
 
 
 def readme_example_loss(**settings) -> float:
-    """The loss after the first and 20 more steps of README's optimizer example."""
+    """The loss after the first and 20 more steps of the README's example."""
     model, loss_fn, X, y = readme_problem()
     optimizer = DampedNewton(model.parameters(), **settings)
 
@@ -40,7 +40,7 @@ def readme_example_loss(**settings) -> float:
 
 @pytest.mark.slow
 def test_criterion_paragraph_quotes_the_losses_the_example_reaches():
-    text = " ".join(README.read_text().split())
+    text = " ".join(USAGE.read_text().split())
     defaults = [readme_example_loss(criterion=k) for k in (3, 10, 30)]
     vivit = [readme_example_loss(criterion=k, **VIVIT) for k in (3, 10, 30)]
     expected = (

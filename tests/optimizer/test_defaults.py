@@ -1,7 +1,7 @@
 """The defaults on real data: no arguments train well, and no damping collapses.
 
 scikit-learn's bundled digits (MLP 64-32-10, batch 64): a few hundred steps, each a
-fraction of a second, so that the claims of the README's defaults stay checked.
+fraction of a second, so that the claims of docs/usage.md's defaults stay checked.
 """
 
 from __future__ import annotations

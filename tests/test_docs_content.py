@@ -1,0 +1,106 @@
+"""What the docs state about the code matches the code; their links resolve."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
+from torch.nn.modules.loss import _Loss
+
+import dampednewton
+import dampednewton.diagnostics
+from dampednewton.backpack.layers import LAYERS
+from dampednewton.backpack.private import registered_module_types
+from tests.markdown import ROOT
+
+DOCS = ROOT / "docs"
+MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def table_rows(path: Path, heading: str) -> list[list[str]]:
+    """The cells of the first table after ``heading``, without its header rows."""
+    section = ("\n" + path.read_text()).split(f"\n{heading}\n")[1].splitlines()
+    start = next(i for i, line in enumerate(section) if line.startswith("|"))
+    table = itertools.takewhile(lambda line: line.startswith("|"), section[start:])
+    rows = [[cell.strip() for cell in line.strip("|").split(" | ")] for line in table]
+    return rows[2:]
+
+
+def test_migration_table_names_exist_with_their_defaults():
+    """Every ``Name(args)`` of the table exists; its keyword values are defaults."""
+    rows = table_rows(DOCS / "migration.md", "# Migrating from ViViT and Cockpit")
+    calls = [
+        chunk for row in rows for chunk in re.findall(r"`([A-Z]\w*\(.*?\))`", row[1])
+    ]
+    assert len(calls) >= 15, calls
+    for chunk in calls:
+        call = ast.parse(chunk, mode="eval").body
+        name = call.func.id
+        target = getattr(dampednewton, name, None) or getattr(
+            dampednewton.diagnostics, name
+        )
+        parameters = inspect.signature(target).parameters
+        for argument in call.args:
+            assert argument.id in parameters, f"{chunk}: no argument {argument.id}"
+        for keyword in call.keywords:
+            default = _default(target, keyword.arg, parameters)
+            expected = eval(ast.unparse(keyword.value), vars(dampednewton.diagnostics))
+            assert default == expected, f"{chunk}: default {default!r}"
+
+
+def _default(target, name: str, parameters) -> object:
+    """A parameter's default, built by its factory for dataclass fields."""
+    if dataclasses.is_dataclass(target):
+        field = {f.name: f for f in dataclasses.fields(target)}[name]
+        if field.default_factory is not dataclasses.MISSING:
+            return field.default_factory()
+    return parameters[name].default
+
+
+def test_supported_layers_are_the_registries():
+    """The table of docs/usage.md lists what the square-root extensions handle."""
+    rows = table_rows(DOCS / "usage.md", "## Supported layers")
+    structured, other_parametrized, parameter_free, losses = (
+        set(re.findall(r"`(\w+)`", row[1])) for row in rows
+    )
+    exact = set(registered_module_types(SqrtGGNExact()))
+    assert exact == set(registered_module_types(SqrtGGNMC()))
+    parametrized = exact & set(registered_module_types(BatchGrad()))
+    loss_types = {cls for cls in exact if issubclass(cls, _Loss)}
+    assert structured == {cls.__name__ for cls in LAYERS}
+    assert structured | other_parametrized == {cls.__name__ for cls in parametrized}
+    assert not structured & other_parametrized
+    assert parameter_free == {cls.__name__ for cls in exact - parametrized - loss_types}
+    assert losses == {cls.__name__ for cls in loss_types}
+
+
+def _outside_code(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a markdown file's headings."""
+    headings = re.findall(r"^#+ (.*)$", _outside_code(path.read_text()), re.MULTILINE)
+    return {
+        re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        for heading in headings
+    }
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda path: path.name)
+def test_relative_links_resolve(path):
+    links = re.findall(r"\]\(([^)\s]+)\)", _outside_code(path.read_text()))
+    for link in links:
+        if re.match(r"\w+://", link):
+            continue
+        target, _, anchor = link.partition("#")
+        resolved = (path.parent / target).resolve() if target else path
+        assert resolved.exists(), f"{path.name}: {link} does not exist"
+        if anchor:
+            assert anchor in _anchors(resolved), f"{path.name}: no heading #{anchor}"
