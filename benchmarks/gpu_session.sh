@@ -17,12 +17,12 @@ case "${1:-}" in
     timeout 560 python3 -m pytest -q -m cuda -p no:cacheprovider tests >"$out/cuda-tests.txt" 2>&1
     tail -5 "$out/cuda-tests.txt" ;;
   profile)
-    timeout 560 python3 -m benchmarks.step_profile --models mlp 3c3d --ggn mc1 exact \
+    timeout 560 python3 -m benchmarks.micro.step_profile --models mlp 3c3d --ggn mc1 exact \
       >"$out/profile.md" 2>&1
     cat "$out/profile.md" ;;
   memory)
-    timeout 300 python3 -m benchmarks.critical_batch --model 3c3d >"$out/critical.md" 2>&1
-    timeout 260 python3 -m benchmarks.step_cost --models mlp 3c3d --ggn mc1 exact \
+    timeout 300 python3 -m benchmarks.micro.critical_batch --model 3c3d >"$out/critical.md" 2>&1
+    timeout 260 python3 -m benchmarks.micro.step_cost --models mlp 3c3d --ggn mc1 exact \
       --memory --skip-materialized >"$out/step_cost.txt" 2>&1
     cat "$out/critical.md" "$out/step_cost.txt" ;;
   fmnist_2c2d)

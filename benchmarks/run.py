@@ -10,8 +10,8 @@ Examples (from the repository root)::
 Every job writes ``result.json`` into its Hydra job directory; a multirun ends with
 a report (CSV, Markdown tables, plots) in ``<sweep dir>/report``. Rerunning a
 multirun into the same ``hydra.sweep.dir`` keeps the jobs that completed and reruns
-the others (:mod:`benchmarks.resume`). Under ``torchrun``
-(:mod:`benchmarks.data_parallel`) the ranks other than 0 neither log nor write.
+the others (:mod:`benchmarks.sweep.resume`). Under ``torchrun``
+(:mod:`benchmarks.sweep.data_parallel`) the ranks other than 0 neither log nor write.
 """
 
 import sys
@@ -21,9 +21,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from benchmarks.data_parallel import launched_rank, leave_process_group
-from benchmarks.job import run_job
-from benchmarks.result import RunResult
+from benchmarks.sweep.data_parallel import launched_rank, leave_process_group
+from benchmarks.sweep.job import run_job
+from benchmarks.sweep.result import RunResult
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 
-from benchmarks import training
+from benchmarks.sweep import training
 
 FAILING_STEP = 3
 original_step = training._step

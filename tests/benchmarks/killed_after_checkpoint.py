@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import run
-from benchmarks.checkpointing import Checkpointing
+from benchmarks.sweep.checkpointing import Checkpointing
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 """Hydra looks for ``conf`` next to ``__main__``, which is this file here."""

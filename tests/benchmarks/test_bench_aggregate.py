@@ -7,14 +7,14 @@ import statistics
 
 import pytest
 
-from benchmarks.aggregate import (
+from benchmarks.report.aggregate import (
     fastest_to_target,
     group_settings,
     mean_std,
     step_time_ratio,
     tune,
 )
-from benchmarks.result import RunResult
+from benchmarks.sweep.result import RunResult
 
 
 def result(optimizer, lr, seed, metric, status="ok", maximize=True, step=1e-3):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.checkpointing import CHECKPOINT_FILE, Checkpointing
-from benchmarks.result import RESULT_FILE, RunResult
+from benchmarks.sweep.checkpointing import CHECKPOINT_FILE, Checkpointing
+from benchmarks.sweep.result import RESULT_FILE, RunResult
 
 pytestmark = pytest.mark.slow  # three runs in subprocesses
 

@@ -7,7 +7,8 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from benchmarks.communication_model import (
+from benchmarks.problems.models import mlp
+from benchmarks.scaling.communication_model import (
     AGREEMENT_BYTES,
     DDP_BUCKET_BYTES,
     INFINIBAND,
@@ -22,9 +23,8 @@ from benchmarks.communication_model import (
     gathered_layout,
     gram_growth,
 )
-from benchmarks.models import mlp
-from benchmarks.scaling import extrapolation_table, measure, predicted_bytes
-from benchmarks.scaling_worker import ScalingJob
+from benchmarks.scaling.scaling import extrapolation_table, measure, predicted_bytes
+from benchmarks.scaling.scaling_worker import ScalingJob
 
 
 def test_linear_layers_gather_backproped_output_gradients_and_inputs():
@@ -121,14 +121,17 @@ def _job(model: dict, input_shape: tuple[int, ...]) -> ScalingJob:
     [
         (
             {
-                "_target_": "benchmarks.models.mlp",
+                "_target_": "benchmarks.problems.models.mlp",
                 "in_features": 6,
                 "hidden": [5],
                 "out_features": 10,
             },
             (6,),
         ),
-        ({"_target_": "benchmarks.models.mnist1d_cnn", "channels": 3}, (1, 40)),
+        (
+            {"_target_": "benchmarks.problems.models.mnist1d_cnn", "channels": 3},
+            (1, 40),
+        ),
     ],
     ids=["mlp", "cnn"],
 )

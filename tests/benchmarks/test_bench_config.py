@@ -13,12 +13,12 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from benchmarks.data import Dataset
-from benchmarks.grid import grid_points, select_grid_point, skip_reason
 from benchmarks.measure import Stopwatch
-from benchmarks.models import mlp
-from benchmarks.problems import METRICS, Problem, Protocol, build_problem
-from benchmarks.training import OptimizerNeeds, mini_batches, train
+from benchmarks.problems.data import Dataset
+from benchmarks.problems.models import mlp
+from benchmarks.problems.problems import METRICS, Problem, Protocol, build_problem
+from benchmarks.sweep.grid import grid_points, select_grid_point, skip_reason
+from benchmarks.sweep.training import OptimizerNeeds, mini_batches, train
 
 CPU = torch.device("cpu")
 

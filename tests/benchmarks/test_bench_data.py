@@ -13,11 +13,11 @@ import torch
 from backpack import backpack, extend
 from backpack.extensions import SqrtGGNExact
 
-from benchmarks import data, quadratics
-from benchmarks.models import quadratic_model
+from benchmarks.problems import data, quadratics
+from benchmarks.problems.models import quadratic_model
 
 # sha256 of float64 bytes drawn by numpy.random.default_rng (PCG64; platform
-# independent). Recorded from benchmarks.quadratics at the time of writing.
+# independent). Recorded from benchmarks.problems.quadratics at the time of writing.
 DEEPOBS_TRAIN_SAMPLES_SHA256 = (
     "493da7b6526a0f091093e6be25aeb9057d7b44145459e2f50a98ef25df903167"
 )

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.data_parallel import DataParallel
-from benchmarks.report import write_report
-from benchmarks.result import RESULT_FILE, RunResult
+from benchmarks.report.report import write_report
+from benchmarks.sweep.data_parallel import DataParallel
+from benchmarks.sweep.result import RESULT_FILE, RunResult
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = [

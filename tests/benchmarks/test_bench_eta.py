@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.eta import (
+from benchmarks.sweep.eta import (
     JOB_OVERHEAD_SECONDS,
     format_duration,
     job_kind,

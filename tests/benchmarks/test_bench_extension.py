@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.aggregate import group_settings, load_results, tune
-from benchmarks.extension import FACTOR, extend_sweep, extensions
-from benchmarks.result import RunResult
+from benchmarks.report.aggregate import group_settings, load_results, tune
+from benchmarks.sweep.grid_extension import FACTOR, extend_sweep, extensions
+from benchmarks.sweep.result import RunResult
 
 REPO = Path(__file__).resolve().parents[2]
 

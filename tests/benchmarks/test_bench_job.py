@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from benchmarks.callbacks import summary_line
-from benchmarks.data import Dataset
-from benchmarks.job import hyperparameters, run_job
-from benchmarks.models import mlp
-from benchmarks.problems import Problem, Protocol
-from benchmarks.result import RESULT_FILE
-from benchmarks.training import evaluate, mini_batches
+from benchmarks.problems.data import Dataset
+from benchmarks.problems.models import mlp
+from benchmarks.problems.problems import Problem, Protocol
+from benchmarks.sweep.callbacks import summary_line
+from benchmarks.sweep.job import hyperparameters, run_job
+from benchmarks.sweep.result import RESULT_FILE
+from benchmarks.sweep.training import evaluate, mini_batches
 
 
 def test_mini_batches_cover_each_epoch_once_dropping_the_rest():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks import models
+from benchmarks.problems import models
 
 MODELS: list[
     tuple[str, Callable[[torch.Generator], nn.Module], tuple[int, ...], int]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.models import conv_2c2d, mlp, mnist1d_cnn, quadratic_model
-from benchmarks.peers import muon, split_hidden_weights
+from benchmarks.problems.models import conv_2c2d, mlp, mnist1d_cnn, quadratic_model
+from benchmarks.problems.peers import muon, split_hidden_weights
 
 
 def _generator():

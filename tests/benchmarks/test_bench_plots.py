@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from benchmarks.aggregate import group_settings, tune
-from benchmarks.plots import (
+from benchmarks.report.aggregate import group_settings, tune
+from benchmarks.report.plots import (
     curves_figure,
     seed_band,
     sensitivity_figure,
     step_cost_figure,
 )
-from benchmarks.report import write_report
-from benchmarks.result import RunResult
+from benchmarks.report.report import write_report
+from benchmarks.sweep.result import RunResult
 
 LM = "dampednewton.LevenbergMarquardt"
 

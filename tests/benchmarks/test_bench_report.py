@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.aggregate import group_settings, tune
-from benchmarks.report import problem_table
-from benchmarks.result import RunResult
+from benchmarks.report.aggregate import group_settings, tune
+from benchmarks.report.report import problem_table
+from benchmarks.sweep.result import RunResult
 
 
 def result(optimizer, seed, steps, lr):

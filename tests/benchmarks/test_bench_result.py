@@ -8,8 +8,8 @@ import math
 import pytest
 
 from benchmarks.measure import MemoryReading
-from benchmarks.result import RESULT_FILE, FinalMetrics, RunResult, StepTime
-from benchmarks.training import Curves
+from benchmarks.sweep.result import RESULT_FILE, FinalMetrics, RunResult, StepTime
+from benchmarks.sweep.training import Curves
 
 
 def trained() -> RunResult:

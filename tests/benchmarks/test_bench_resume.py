@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from benchmarks.result import RESULT_FILE, RunResult
+from benchmarks.sweep.result import RESULT_FILE, RunResult
 
 pytestmark = pytest.mark.slow  # multiruns in subprocesses
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.report import main as report_main
+from benchmarks.report.report import main as report_main
 
 pytestmark = pytest.mark.slow  # runs a sweep and the run script in subprocesses
 
@@ -164,5 +164,5 @@ def test_report_script_without_results_says_so_and_exits_2(tmp_path, missing):
     assert process.returncode == 2
     assert "Traceback" not in process.stderr
     expected = "is not a directory" if missing == "no_such_dir" else "No result.json"
-    assert "report.py: error:" in process.stderr
+    assert "python -m benchmarks.report: error:" in process.stderr
     assert expected in process.stderr

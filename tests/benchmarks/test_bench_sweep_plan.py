@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import open_dict
 
-from benchmarks.sweep_plan import SweepPlan, expand_sweep
+from benchmarks.sweep.sweep_plan import SweepPlan, expand_sweep
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

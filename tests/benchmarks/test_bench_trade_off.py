@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.aggregate import group_settings, tune
-from benchmarks.result import RunResult
-from benchmarks.trade_off import trade_off
+from benchmarks.report.aggregate import group_settings, tune
+from benchmarks.report.trade_off import trade_off
+from benchmarks.sweep.result import RunResult
 
 
 def result(optimizer, seed, final, steps, seconds, step_time, lr=1.0):

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.compile_cost`` runs end to end on a tiny setting."""
+"""``python -m benchmarks.micro.compile_cost`` runs end to end on a tiny setting."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
     "extended model (make test-floor)",
 )
 def test_compile_script_reports_graph_breaks_and_both_timings():
-    command = [sys.executable, "-m", "benchmarks.compile_cost"]
+    command = [sys.executable, "-m", "benchmarks.micro.compile_cost"]
     command += ["--batch-size", "8", "--repeats", "1", "--threads", "1"]
     output = subprocess.run(
         command, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300

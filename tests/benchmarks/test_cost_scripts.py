@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> str:
-    command = [sys.executable, "-m", f"benchmarks.{args[0]}", *args[1:]]
+    command = [sys.executable, "-m", f"benchmarks.micro.{args[0]}", *args[1:]]
     result = subprocess.run(
         command, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300
     )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.critical_batch import largest_fitting, main
-from benchmarks.step_profile import table
+from benchmarks.micro.critical_batch import largest_fitting, main
+from benchmarks.micro.step_profile import table
 
 
 def _rows(lines: list[str]) -> dict[str, list[str]]:

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.threads`` runs on a tiny setting and prints its table."""
+"""``python -m benchmarks.micro.cpu_threads`` runs on a tiny setting, prints a table."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_threads_script_prints_medians_and_ratios():
-    command = [sys.executable, "-m", "benchmarks.threads"]
+    command = [sys.executable, "-m", "benchmarks.micro.cpu_threads"]
     command += ["--settings", "gram-eigh", "vivit-mc1", "--batch-size", "8"]
     command += ["--repeats", "1", "--busy", "1"]
     output = subprocess.run(

@@ -13,8 +13,8 @@ import torch
 from backpack import extend
 from torch import nn
 
-from benchmarks.data import load_digits
-from benchmarks.models import mlp
+from benchmarks.problems.data import load_digits
+from benchmarks.problems.models import mlp
 from dampednewton import DampedNewton, LevenbergMarquardt
 from tests.utils import VIVIT_STEP
 

@@ -3,8 +3,8 @@
 On a GPU every host read of a device value is a synchronization that stalls the
 launch queue. The step's checks and counts, BackPACK's check that the loss was not
 scaled included, are read together (``dampednewton.step_status``). Counted on the
-CPU with :class:`~benchmarks.host_reads.HostReads`, and on CUDA with torch's sync debug
-mode.
+CPU with :class:`~benchmarks.micro.host_reads.HostReads`, and on CUDA with torch's sync
+debug mode.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from backpack import extend
 from torch import nn
 
-from benchmarks.host_reads import HostReads
+from benchmarks.micro.host_reads import HostReads
 from dampednewton import CurvatureAveraging, DampedNewton, LevenbergMarquardt
 from dampednewton.math.cost import prefers_partial_eigensolver
 from dampednewton.math.linalg import top_eigh

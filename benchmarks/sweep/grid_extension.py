@@ -1,15 +1,15 @@
 """Grid extension at the edge: run more settings where a tuned value is on an edge.
 
 At the end of a multirun, :func:`extend_sweep` tunes the sweep
-(:func:`benchmarks.aggregate.tune`). For every (problem, optimizer) pair whose tuned
-setting has every seed ``ok`` and whose tuned value of a varied hyperparameter is the
-smallest (largest) value tried, it adds one point half a decade beyond that edge: the
-edge value divided (multiplied) by ``10**0.5``. Only grids of positive numbers that are
-not all integers are extended (a learning rate or a damping, not ``criterion``). The
+(:func:`benchmarks.report.aggregate.tune`). For every (problem, optimizer) pair whose
+tuned setting has every seed ``ok`` and whose tuned value of a varied hyperparameter is
+the smallest (largest) value tried, it adds one point half a decade beyond that edge:
+the edge value divided (multiplied) by ``10**0.5``. Only grids of positive numbers that
+are not all integers are extended (a learning rate or a damping, not ``criterion``). The
 new setting is the tuned one with that value changed, run on every seed of the tuned
-setting: each job is the stored config of one tuned run with the new value (``grid``
-and ``grid_point`` cleared, ``extended_from`` set), run in-process by
-:func:`benchmarks.job.run_job` into the next numbered subdirectory of the sweep
+setting: each job is the stored config of one tuned run with the new value (``grid`` and
+``grid_point`` cleared, ``extended_from`` set), run in-process by
+:func:`benchmarks.sweep.job.run_job` into the next numbered subdirectory of the sweep
 directory. Then the sweep is tuned again, for at most ``rounds`` rounds. Under
 ``torchrun`` every rank runs the jobs of rank 0's plan (:func:`plan_round`).
 """
@@ -24,13 +24,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from benchmarks.aggregate import Tuned, group_settings, tune
-from benchmarks.callbacks import summary_line
-from benchmarks.config_dict import config_dict
-from benchmarks.data_parallel import launched_rank
-from benchmarks.job import run_job
-from benchmarks.result import RunResult
-from benchmarks.resume import sweep_results
+from benchmarks.report.aggregate import Tuned, group_settings, tune
+from benchmarks.sweep.callbacks import summary_line
+from benchmarks.sweep.config_dict import config_dict
+from benchmarks.sweep.data_parallel import launched_rank
+from benchmarks.sweep.job import run_job
+from benchmarks.sweep.result import RunResult
+from benchmarks.sweep.resume import sweep_results
 
 #: Ratio between neighbouring grid values: half a decade.
 FACTOR = 10**0.5
@@ -72,7 +72,7 @@ def extensions(tuned: dict[tuple[str, str], Tuned]) -> list[Extension]:
 
     Args:
         tuned: ``(problem, optimizer) → Tuned``, from
-            :func:`~benchmarks.aggregate.tune`.
+            :func:`~benchmarks.report.aggregate.tune`.
 
     Returns:
         One extension per (pair, hyperparameter) on an extendable edge; none for a
@@ -151,7 +151,7 @@ def plan_round(sweep_dir: Path, round_: int, rounds: int) -> list[ExtensionJob]:
         The jobs, numbered after the sweep's last job; empty when no tuned value
         is on an extendable edge. The round sees only the sweep's own results and
         those of earlier rounds, so that a rerun of an interrupted sweep plans the
-        same jobs into the same directories (where :func:`~benchmarks.job.run_job`
+        same jobs into the same directories (where :func:`~benchmarks.sweep.job.run_job`
         keeps those that completed).
     """
     earlier = {

@@ -1,6 +1,6 @@
 """The record of one benchmark job and its ``result.json`` (read and written here only).
 
-A job never raises (:mod:`benchmarks.job`): it ends with one of the statuses
+A job never raises (:mod:`benchmarks.sweep.job`): it ends with one of the statuses
 
 * ``"ok"``: trained; every field is set.
 * ``"diverged"``: trained until the divergence rule fired (``divergence`` says why;
@@ -11,8 +11,8 @@ A job never raises (:mod:`benchmarks.job`): it ends with one of the statuses
   rule given to an optimizer without damping).
 
 Non-finite floats are written as ``null`` (strict JSON). The file is written
-atomically (:mod:`benchmarks.atomic`): it is complete or absent, so that a rerun of
-the sweep can trust it (:mod:`benchmarks.resume`).
+atomically (:mod:`benchmarks.sweep.atomic`): it is complete or absent, so that a rerun
+of the sweep can trust it (:mod:`benchmarks.sweep.resume`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from benchmarks.atomic import write_atomically
 from benchmarks.measure import MemoryReading
-from benchmarks.training import Curves
+from benchmarks.sweep.atomic import write_atomically
+from benchmarks.sweep.training import Curves
 
 RESULT_FILE = "result.json"
 
@@ -108,7 +108,7 @@ class RunResult:
         time_to_target: Training seconds at those steps.
         steps_taken: Optimizer steps taken.
         resumed_from_step: The checkpoint step a rerun continued from (``None``: the
-            job trained from step 0; see :mod:`benchmarks.checkpointing`).
+            job trained from step 0; see :mod:`benchmarks.sweep.checkpointing`).
         train_time: Training seconds (evaluations excluded).
         step_time: Median time per step.
         memory: Peak memory (:mod:`benchmarks.measure`).
@@ -126,7 +126,7 @@ class RunResult:
         config: The job's resolved config.
         overrides: The Hydra job's command-line overrides (``[]`` for a job the
             grid extension added); a rerun of the sweep checks them and ``config``
-            before it keeps the result (:mod:`benchmarks.resume`).
+            before it keeps the result (:mod:`benchmarks.sweep.resume`).
         job_dir: The directory of ``result.json`` (set when read or written, not
             stored in the file).
         resumed: Whether this job was not run because an earlier run of the same

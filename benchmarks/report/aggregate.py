@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.result import RESULT_FILE, RunResult, recorded
+from benchmarks.sweep.result import RESULT_FILE, RunResult, recorded
 
 
 def load_results(sweep_dir: Path) -> list[RunResult]:
@@ -120,7 +120,7 @@ class Setting:
     def extended_from(self) -> dict[str, Any] | None:
         """How the grid extension added this setting (``None``: in the sweep's grid).
 
-        See :mod:`benchmarks.extension`.
+        See :mod:`benchmarks.sweep.grid_extension`.
         """
         return next((r.extended_from for r in self.runs if r.extended_from), None)
 

@@ -4,23 +4,23 @@ For the best ``dampednewton*`` optimizer of a problem, on the hardest target it
 reached: its steps and training time to the target against every other optimizer's,
 naming the other that took the fewest steps and the one that took the least time,
 with the cost of a step against theirs; then the final metrics. Steps and time to a
-target follow AlgoPerf's rule (:func:`benchmarks.aggregate.fastest_to_target`: the
-grid's fastest run, median over seeds), for every optimizer alike. Every number
-comes from the sweep's own results.
+target follow AlgoPerf's rule
+(:func:`benchmarks.report.aggregate.fastest_to_target`: the grid's fastest run, median
+over seeds), for every optimizer alike. Every number comes from the sweep's own results.
 """
 
 from __future__ import annotations
 
 import math
 
-from benchmarks.aggregate import (
+from benchmarks.report.aggregate import (
     FastestToTarget,
     Setting,
     Tuned,
     fastest_to_target,
     step_time_ratio,
 )
-from benchmarks.text import format_hyperparameters, format_number
+from benchmarks.report.text import format_hyperparameters, format_number
 
 #: Optimizer names of this package (the trade-off compares them with the others).
 PACKAGE_OPTIMIZERS = "dampednewton"

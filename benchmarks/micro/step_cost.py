@@ -10,8 +10,8 @@ steps, top-20, complement, trust region), and their ratios to SGD. With
 (growth of the resident-set peak during the steps on CPU,
 ``torch.cuda.max_memory_allocated`` on GPU).
 
-    python -m benchmarks.step_cost                       # MLP and CNN, N=128
-    python -m benchmarks.step_cost --models mlp mlp-large cnn --batch-sizes 32 128 512
+    python -m benchmarks.micro.step_cost             # MLP and CNN, N=128
+    python -m benchmarks.micro.step_cost --models mlp-large --batch-sizes 32 128 512
 """
 
 from __future__ import annotations
@@ -19,166 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Mapping
 
 import torch
-from backpack import backpack, extend
-from torch import nn
 
-from benchmarks.models import cifar10_3c3d, mlp
-from dampednewton import DampedNewton, DirectionalDampedNewtonComputation
+from benchmarks.micro.harness import DIRECTIONS, MODELS, make_step, round_robin_medians
 
-NUM_CLASSES = 10
-DIRECTIONS = 10
 NOT_RUN = "—"  # the cells of the materialized path under --skip-materialized
-
-
-def flat_mlp(hidden: tuple[int, ...]) -> Callable[[], nn.Module]:
-    """Factory of a ReLU MLP 784-hidden-10 on flattened 28×28 inputs."""
-
-    def build() -> nn.Module:
-        generator = torch.Generator().manual_seed(0)
-        return nn.Sequential(
-            nn.Flatten(), mlp(784, hidden, NUM_CLASSES, "relu", generator=generator)
-        )
-
-    return build
-
-
-def cnn() -> nn.Module:
-    """conv(16,5)-pool-conv(32,5)-pool-fc128-fc10 on 1×28×28 inputs."""
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 5),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 5),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(32 * 4 * 4, 128),
-        nn.ReLU(),
-        nn.Linear(128, NUM_CLASSES),
-    )
-
-
-def deepobs_3c3d() -> nn.Module:
-    """DeepOBS's cifar10_3c3d (ViViT's memory benchmark) on 3×32×32 inputs."""
-    return cifar10_3c3d(NUM_CLASSES, generator=torch.Generator().manual_seed(0))
-
-
-MODELS: dict[str, Callable[[], nn.Module]] = {
-    "mlp": flat_mlp((128, 128)),
-    "mlp-large": flat_mlp((512, 512)),
-    "cnn": cnn,
-    "3c3d": deepobs_3c3d,
-}
-INPUT_SHAPES: dict[str, tuple[int, ...]] = {"3c3d": (3, 32, 32)}
-"""A model's input shape, where it is not 1×28×28."""
-
-
-def input_shape(model_name: str) -> tuple[int, ...]:
-    """The shape of one input of a model of :data:`MODELS`."""
-    return INPUT_SHAPES.get(model_name, (1, 28, 28))
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work so wall times are honest."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def round_robin_medians(
-    steps: Mapping[str, Callable[[], object]],
-    device: torch.device,
-    repeats: int,
-    rounds: int = 8,
-) -> dict[str, float]:
-    """Median seconds per step of each variant, timed in alternating blocks.
-
-    Every round runs each variant for one untimed warm-up step and then
-    ``⌈repeats / rounds⌉`` timed steps in a row, as in a training loop (warm caches);
-    the rounds expose all variants to the same slow phases of a shared machine.
-    """
-    per_round = -(-repeats // rounds)
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            step()
-            for _ in range(per_round):
-                synchronize(device)
-                start = time.perf_counter()
-                step()
-                synchronize(device)
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-def make_step(variant: str, model_name: str, batch_size: int, device: torch.device):
-    """Build model, data and a closure-driven step for one variant."""
-    generator = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)  # benchmark script: module initialization only
-    model = MODELS[model_name]().to(device)
-    loss_fn = nn.CrossEntropyLoss()
-    X = torch.randn(batch_size, *input_shape(model_name), generator=generator)
-    X = X.to(device)
-    y = torch.randint(NUM_CLASSES, (batch_size,), generator=generator).to(device)
-    kind, _, ggn = variant.partition(":")
-    mc_samples = 1 if ggn == "mc1" else 0
-    if kind in ("sgd", "adam"):
-        plain = (
-            torch.optim.SGD(model.parameters(), lr=1e-3)
-            if kind == "sgd"
-            else torch.optim.Adam(model.parameters(), lr=1e-3)
-        )
-
-        def step() -> None:
-            plain.zero_grad()
-            loss_fn(model(X), y).backward()
-            plain.step()
-
-        return step
-    model, loss_fn = extend(model), extend(loss_fn)
-    if kind in ("fast", "default"):
-        vivit = {
-            "damping": 1e-2,
-            "criterion": DIRECTIONS,
-            "mc_samples": mc_samples,
-            "complement": None,
-            "newton_fraction": 1.0,
-            "averaging": None,
-            "kl_clip": None,
-        }
-        settings = {"seed": 0} if kind == "default" else vivit
-        optimizer = DampedNewton(model.parameters(), lr=1e-3, **settings)
-
-        def closure() -> torch.Tensor:
-            optimizer.zero_grad()
-            loss = loss_fn(model(X), y)
-            loss.backward()
-            return loss
-
-        return lambda: optimizer.step(closure)
-    params = list(model.parameters())
-    group = {"params": params, "criterion": DIRECTIONS, "damping": 1e-2}
-
-    def materialized_step() -> None:
-        computation = DirectionalDampedNewtonComputation(
-            mc_samples_ggn=mc_samples, structured=False
-        )
-        hook = computation.get_extension_hook([group])
-        for p in params:
-            p.grad = None
-        with backpack(*computation.get_extensions(), extension_hook=hook):
-            loss_fn(model(X), y).backward()
-        with torch.no_grad():
-            for p, s in zip(params, computation.get_result(group), strict=True):
-                p.add_(s, alpha=1e-3)
-
-    return materialized_step
 
 
 def peak_memory_mib(variant, model_name, batch_size, device_name) -> float:
@@ -186,7 +34,7 @@ def peak_memory_mib(variant, model_name, batch_size, device_name) -> float:
     command = [
         sys.executable,
         "-m",
-        "benchmarks.step_cost",
+        "benchmarks.micro.step_cost",
         "--single",
         variant,
         model_name,

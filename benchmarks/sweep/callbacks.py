@@ -19,15 +19,15 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from benchmarks.data_parallel import (
+from benchmarks.sweep.data_parallel import (
     broadcast_from_rank_0,
     in_process_group,
     launched_rank,
     launched_world_size,
 )
-from benchmarks.eta import format_duration, remaining_seconds
-from benchmarks.result import RunResult, recorded
-from benchmarks.sweep_plan import SweepPlan
+from benchmarks.sweep.eta import format_duration, remaining_seconds
+from benchmarks.sweep.result import RunResult, recorded
+from benchmarks.sweep.sweep_plan import SweepPlan
 
 # tqdm's bar with the cost-weighted ETA (the postfix) in place of its rate-based one.
 ETA_BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
@@ -42,7 +42,7 @@ def _format_setting(settings: dict[str, Any]) -> str:
 
 
 def summary_line(result: RunResult) -> str:
-    """One line describing a finished job (from :func:`benchmarks.job.run_job`).
+    """One line describing a finished job (from :func:`benchmarks.sweep.job.run_job`).
 
     Args:
         result: The job's record.
@@ -77,7 +77,7 @@ class SweepProgress(Callback):
     """Progress bar over the jobs of a multirun, one summary line per finished job.
 
     At the start it prints the number of jobs and the expected time; the bar's
-    ETA weighs every pending job by its kind's cost (:mod:`benchmarks.eta`), not
+    ETA weighs every pending job by its kind's cost (:mod:`benchmarks.sweep.eta`), not
     by the average of the jobs so far. The sweep's first job, which also pays
     one-off imports and data loading, is left out of the measured times.
     """
@@ -167,7 +167,7 @@ def failed_result_files(sweep_dir: Path) -> list[str]:
     Returns:
         The paths, in job order; diverged runs are results, not failures.
     """
-    from benchmarks.aggregate import load_results
+    from benchmarks.report.aggregate import load_results
 
     return [str(r.result_file) for r in load_results(sweep_dir) if r.status == "failed"]
 
@@ -175,8 +175,9 @@ def failed_result_files(sweep_dir: Path) -> list[str]:
 class SweepReport(Callback):
     """Extend grids at their edges, then report into ``<sweep dir>/report``.
 
-    The extension (:mod:`benchmarks.extension`, at most ``grid_extension.rounds``
-    rounds) runs its jobs in this process, into new numbered job directories.
+    The extension (:mod:`benchmarks.sweep.grid_extension`, at most
+    ``grid_extension.rounds`` rounds) runs its jobs in this process, into new
+    numbered job directories.
     The process exits with status 1 when a job failed (its exception is in its
     ``result.json``), after the report; a diverged run is a result, not a failure.
     Under ``torchrun`` every rank runs the extension's jobs (rank 0 plans them) and
@@ -207,8 +208,8 @@ class SweepReport(Callback):
         A failure of the extension or the report also exits 1 (Hydra would turn
         it into a warning), after its traceback and the failed jobs' paths.
         """
-        from benchmarks.extension import extend_sweep
-        from benchmarks.report import print_locations, write_report
+        from benchmarks.report.report import print_locations, write_report
+        from benchmarks.sweep.grid_extension import extend_sweep
 
         sweep_dir = Path(config.hydra.sweep.dir)
         report_failed = False

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from benchmarks.config_dict import config_dict
+from benchmarks.sweep.config_dict import config_dict
 
 _MISSING = object()
 

@@ -18,8 +18,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from benchmarks.aggregate import Setting, Tuned
-from benchmarks.result import RunResult, recorded
+from benchmarks.report.aggregate import Setting, Tuned
+from benchmarks.sweep.result import RunResult, recorded
 
 #: A sensitivity curve whose means differ by less than this fraction is flat.
 FLAT_TOLERANCE = 1e-4

@@ -1,7 +1,7 @@
 """One benchmark job: train one (problem, optimizer, hyperparameters, seed).
 
 The job never raises for a failing run: divergence (see
-:func:`benchmarks.training.train` for the rule) and exceptions are recorded in
+:func:`benchmarks.sweep.training.train` for the rule) and exceptions are recorded in
 ``result.json`` (``status`` ``"diverged"`` with the ``divergence`` reason, or
 ``"failed"`` with the error message) so that a sweep continues with its next job.
 """
@@ -20,25 +20,25 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from benchmarks.checkpointing import CHECKPOINT_FILE, Checkpointing
-from benchmarks.config_dict import config_dict
-from benchmarks.data_parallel import (
-    join_process_group,
-    launched_rank,
-    launched_world_size,
-    local_device,
-)
-from benchmarks.grid import select_grid_point, skip_reason
 from benchmarks.measure import (
     PeakMemory,
     Stopwatch,
     resolve_device,
     resolve_dtype,
 )
-from benchmarks.problems import Problem, build_problem
-from benchmarks.result import FinalMetrics, RunResult, StepTime
-from benchmarks.resume import finished_result
-from benchmarks.training import OptimizerNeeds, mini_batches, train
+from benchmarks.problems.problems import Problem, build_problem
+from benchmarks.sweep.checkpointing import CHECKPOINT_FILE, Checkpointing
+from benchmarks.sweep.config_dict import config_dict
+from benchmarks.sweep.data_parallel import (
+    join_process_group,
+    launched_rank,
+    launched_world_size,
+    local_device,
+)
+from benchmarks.sweep.grid import select_grid_point, skip_reason
+from benchmarks.sweep.result import FinalMetrics, RunResult, StepTime
+from benchmarks.sweep.resume import finished_result
+from benchmarks.sweep.training import OptimizerNeeds, mini_batches, train
 
 DATA_PARALLEL_HINT = (
     " [rank {rank} of {world_size} under torchrun: a collective fails when another "
@@ -199,9 +199,9 @@ def run_job(
 
     A job whose complete result an earlier run of the same sweep left in
     ``output_dir`` (same overrides and config, not failed) is not run again: its
-    stored record is returned (see :mod:`benchmarks.resume`).
+    stored record is returned (see :mod:`benchmarks.sweep.resume`).
 
-    Under ``torchrun`` (see :mod:`benchmarks.data_parallel`) every rank trains and
+    Under ``torchrun`` (see :mod:`benchmarks.sweep.data_parallel`) every rank trains and
     only rank 0 writes. There a failed job ends the process (``SystemExit``, after
     rank 0 wrote its result): the other ranks wait for this one in a collective,
     so it must not go on to a sweep's next job; its exit makes their collectives

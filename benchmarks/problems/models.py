@@ -212,7 +212,7 @@ def cifar10_3c3d(
 def quadratic_model(
     readout: np.ndarray, init_value: float = 1.0, *, generator: torch.Generator
 ) -> nn.Sequential:
-    """The quadratic's model ``1 ↦ S θ`` (see :mod:`benchmarks.quadratics`).
+    """The quadratic's model ``1 ↦ S θ`` (see :mod:`benchmarks.problems.quadratics`).
 
     ``θ`` is the weight of a bias-free ``Linear(1, D)``, set to ``init_value``
     everywhere; ``S`` is a frozen bias-free ``Linear(D, D)`` (``requires_grad`` off,

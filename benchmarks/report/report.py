@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from benchmarks.aggregate import (
+from benchmarks.report.aggregate import (
     Setting,
     Tuned,
     fastest_to_target,
@@ -22,15 +22,15 @@ from benchmarks.aggregate import (
     step_time_ratio,
     tune,
 )
-from benchmarks.plots import plot_curves, plot_sensitivity, plot_step_cost
-from benchmarks.runs_csv import write_csv
-from benchmarks.text import (
+from benchmarks.report.plots import plot_curves, plot_sensitivity, plot_step_cost
+from benchmarks.report.runs_csv import write_csv
+from benchmarks.report.text import (
     format_hyperparameters,
     format_number,
     format_pm,
     format_value,
 )
-from benchmarks.trade_off import trade_off
+from benchmarks.report.trade_off import trade_off
 
 REPORT_DIR = "report"
 NOTES = (
@@ -370,7 +370,9 @@ def main(argv: list[str] | None = None) -> None:
     Args:
         argv: Arguments (default: ``sys.argv[1:]``).
     """
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.report", description=__doc__.split("\n")[0]
+    )
     parser.add_argument(
         "sweep_dir",
         nargs="?",
@@ -389,7 +391,3 @@ def main(argv: list[str] | None = None) -> None:
     except FileNotFoundError as error:  # no results: say so, without a traceback
         parser.error(str(error))
     print_locations(paths)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,7 @@
 """A cost model of data-parallel DampedNewton: bytes, link time, Gram matrix growth.
 
-A model on paper, not a measurement (``benchmarks.scaling`` measures on CPU/gloo).
+A model on paper, not a measurement (``benchmarks.scaling.scaling`` measures on
+CPU/gloo).
 Per step, each of ``R`` ranks with ``n`` local samples:
 
 * **DampedNewton's gathers** (:func:`dampednewton_bytes`): every layer's BackPACK

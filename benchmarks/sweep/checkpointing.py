@@ -1,9 +1,9 @@
 """Checkpoints of a long job: save every N steps, resume bit-identically.
 
 With ``checkpoint_every: N`` (config key; ``null``: off),
-:func:`benchmarks.training.train` saves ``checkpoint.pt`` in the job directory after
-every N-th step (after that step's evaluation, if any), atomically
-(:mod:`benchmarks.atomic`). It holds the model's and the optimizer's state dicts
+:func:`benchmarks.sweep.training.train` saves ``checkpoint.pt`` in the job directory
+after every N-th step (after that step's evaluation, if any), atomically
+(:mod:`benchmarks.sweep.atomic`). It holds the model's and the optimizer's state dicts
 (``DampedNewton``'s includes its Monte-Carlo generator), the global torch RNG states
 (CPU and CUDA: BackPACK's and AdaHessian's draws), the step counter, the training log
 so far (curves, step times, targets reached) and the job's config. A rerun of the
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from benchmarks.atomic import write_atomically
+from benchmarks.sweep.atomic import write_atomically
 
 CHECKPOINT_FILE = "checkpoint.pt"
 
@@ -37,7 +37,7 @@ class Resumed:
 
     Attributes:
         step: Optimizer steps taken.
-        log: The :class:`~benchmarks.training.TrainingLog` fields as plain data.
+        log: The :class:`~benchmarks.sweep.training.TrainingLog` fields as plain data.
     """
 
     step: int
@@ -90,7 +90,7 @@ class Checkpointing:
             step: Optimizer steps taken.
             model: The model.
             optimizer: The optimizer.
-            log: The :class:`~benchmarks.training.TrainingLog` so far.
+            log: The :class:`~benchmarks.sweep.training.TrainingLog` so far.
         """
         state = {
             "config": self.config,

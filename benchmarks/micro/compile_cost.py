@@ -3,7 +3,7 @@
 BackPACK's ``extend`` registers module backward hooks, and TorchDynamo breaks the
 graph at every module with such hooks ("Module-level backwards hooks require compiled
 autograd"), so the compiled model runs as a chain of small graphs. This script
-times, in one process and alternating blocks (``step_cost.round_robin_medians``),
+times, in one process and alternating blocks (``harness.round_robin_medians``),
 steps of ``DampedNewton`` (its defaults) or SGD on the MLP 784-128-128-10 with
 N=128, with and without ``torch.compile`` of the model, after comparing their
 parameters after one step; it reports the first compiled step (compilation) and the
@@ -13,8 +13,8 @@ Run each optimizer in its own process: TorchDynamo does not guard on module hook
 (``torch._dynamo.config.skip_nnmodule_hook_guards``), so a graph compiled for a
 plain model of a class is reused for an extended one, skipping BackPACK's hooks.
 
-    python -m benchmarks.compile_cost --threads 1
-    python -m benchmarks.compile_cost --threads 1 --optimizer sgd
+    python -m benchmarks.micro.compile_cost --threads 1
+    python -m benchmarks.micro.compile_cost --threads 1 --optimizer sgd
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from backpack import extend
 from torch import nn
 
-from benchmarks.step_cost import MODELS, NUM_CLASSES, round_robin_medians
+from benchmarks.micro.harness import MODELS, NUM_CLASSES, round_robin_medians
 from dampednewton import DampedNewton
 
 OPTIMIZERS = ("dampednewton", "sgd")

@@ -5,8 +5,8 @@ Hydra's basic sweeper launches the Cartesian product of its sweep parameters
 module expands the forms the presets use, comma lists and ``range(...)``, itself; a
 sweep written with other forms (``glob``, ``choice``, quoting) has no plan, and the
 progress bar then runs without a total. Each kind of job
-(:func:`benchmarks.eta.job_kind`) is composed once with Hydra's public compose API for
-its cost prior and name.
+(:func:`benchmarks.sweep.eta.job_kind`) is composed once with Hydra's public compose API
+for its cost prior and name.
 """
 
 from __future__ import annotations
@@ -21,9 +21,14 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from benchmarks.config_dict import config_dict
-from benchmarks.eta import format_duration, job_kind, prior_seconds, remaining_seconds
-from benchmarks.grid import skip_reason
+from benchmarks.sweep.config_dict import config_dict
+from benchmarks.sweep.eta import (
+    format_duration,
+    job_kind,
+    prior_seconds,
+    remaining_seconds,
+)
+from benchmarks.sweep.grid import skip_reason
 
 _RANGE = re.compile(r"range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)")
 #: Characters of override values this expansion does not parse (quoting, escapes,
@@ -114,7 +119,9 @@ def compose_job(config: DictConfig, overrides: Sequence[str]) -> DictConfig:
 
 @dataclass
 class SweepPlan:
-    """The jobs of a multirun with their kinds and prior costs (:mod:`benchmarks.eta`).
+    """The jobs of a multirun with their kinds and prior costs.
+
+    The costs come from :mod:`benchmarks.sweep.eta`.
 
     Attributes:
         kinds: The kind of every job, in launch order.

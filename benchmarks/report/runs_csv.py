@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.result import FinalMetrics, RunResult
+from benchmarks.sweep.result import FinalMetrics, RunResult
 
 CSV_COLUMNS = [
     "problem",

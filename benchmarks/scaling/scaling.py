@@ -2,7 +2,7 @@
 
 Measured (default): for each problem and world size, spawns that many gloo ranks
 (1 thread each) that train the problem's model (float32, DDP, the package's
-defaults; ``benchmarks.scaling_worker``) for a few warm-up and timed steps, and
+defaults; ``benchmarks.scaling.scaling_worker``) for a few warm-up and timed steps, and
 prints per problem and GGN (MC-1, exact): median ms/step, DampedNewton's ms/step in
 its collectives, the bytes rank 0 received per step in them (measured, and the cost
 model's prediction), the bytes DDP's gradient all-reduce received (measured bucket
@@ -10,12 +10,12 @@ sizes, ring traffic ``2 (R − 1)/R``), their ratio, SGD's and Adam's ms/step un
 DDP and DampedNewton's time over SGD's. Strong scaling (fixed global batch) by
 default; ``--weak`` fixes the local batch instead.
 
-``--extrapolate`` prints the cost model (:mod:`benchmarks.communication_model`)
+``--extrapolate`` prints the cost model (:mod:`benchmarks.scaling.communication_model`)
 for 1–64 GPUs instead: nothing is run.
 
-    python -m benchmarks.scaling                               # ~3 min on 2 cores
-    python -m benchmarks.scaling --problems mnist1d_mlp --world-sizes 1 2 --steps 5
-    python -m benchmarks.scaling --extrapolate                 # fmnist_2c2d, MC-1
+    python -m benchmarks.scaling.scaling                # ~3 min on 2 cores
+    python -m benchmarks.scaling.scaling --problems mnist1d_mlp --world-sizes 1 2
+    python -m benchmarks.scaling.scaling --extrapolate  # fmnist_2c2d, MC-1
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from benchmarks.communication_model import (
+from benchmarks.scaling.communication_model import (
     FIXED_COLLECTIVES,
     FLOAT32_BYTES,
     INFINIBAND,
@@ -45,10 +45,15 @@ from benchmarks.communication_model import (
     gathered_layout,
     gram_growth,
 )
-from benchmarks.config_dict import config_dict
-from benchmarks.scaling_worker import VARIANTS, Measurement, ScalingJob, run_rank
+from benchmarks.scaling.scaling_worker import (
+    VARIANTS,
+    Measurement,
+    ScalingJob,
+    run_rank,
+)
+from benchmarks.sweep.config_dict import config_dict
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "problem"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "problem"
 GGN_COLUMNS = {"mc1": 1, "exact": None}  # exact: the number of classes
 
 

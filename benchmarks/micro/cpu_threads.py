@@ -1,7 +1,7 @@
 """Per-step time with torch's default thread count vs the bounded small-matrix solves.
 
 Three variants of the same ``DampedNewton.step``, timed in one process in
-alternating blocks of consecutive steps (``step_cost.round_robin_medians``):
+alternating blocks of consecutive steps (``harness.round_robin_medians``):
 
 * ``default``: torch's default intra-op thread count everywhere (one per core),
   small eigenproblems included (``dampednewton.threads.SMALL_MATRIX_THREADS = None``);
@@ -17,8 +17,8 @@ Settings: the package's defaults, ViViT's step on the MC-1 and on the exact GGN,
 machine reproducibly (the case that motivated the bound: all cores busy with other
 work). Prints median milliseconds per step and the ratios to ``helper``.
 
-    python -m benchmarks.threads                 # as the machine is
-    python -m benchmarks.threads --busy 2        # two cores' worth of other work
+    python -m benchmarks.micro.cpu_threads             # as the machine is
+    python -m benchmarks.micro.cpu_threads --busy 2    # two cores' worth of other work
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ import torch
 from backpack import extend
 from torch import nn
 
-from benchmarks.step_cost import MODELS, NUM_CLASSES, round_robin_medians
+from benchmarks.micro.harness import (
+    MODELS,
+    NUM_CLASSES,
+    closure_step,
+    round_robin_medians,
+)
 from dampednewton import DampedNewton, threads
 from dampednewton.math.linalg import symmetric_eigh
 
@@ -77,14 +82,7 @@ def make_step(model_name: str, setting: str, batch_size: int) -> Callable[[], ob
     optimizer = DampedNewton(
         model.parameters(), lr=1e-3, criterion=10, seed=0, **SETTINGS[setting]
     )
-
-    def closure() -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = loss_fn(model(X), y)
-        loss.backward()
-        return loss
-
-    return lambda: optimizer.step(closure)
+    return closure_step(optimizer, model, loss_fn, X, y)
 
 
 def in_variant(variant: str, step: Callable[[], object]) -> Callable[[], None]:

@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from benchmarks.data import Dataset
+from benchmarks.problems.data import Dataset
 
 #: Test metrics and whether larger values are better.
 METRICS: dict[str, bool] = {"accuracy": True, "loss": False}

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from benchmarks.communication_model import all_reduce_bytes
-from benchmarks.training import mini_batches
+from benchmarks.scaling.communication_model import all_reduce_bytes
+from benchmarks.sweep.training import mini_batches
 
 #: Optimizers a scaling run can measure: DampedNewton's GGNs and two baselines.
 VARIANTS = ("mc1", "exact", "sgd", "adam")

@@ -1,13 +1,13 @@
 """Resuming a sweep: keep the complete results of an earlier run, rerun the rest.
 
 Rerunning a multirun with the same ``hydra.sweep.dir`` (and the same command) runs
-every job again through :func:`benchmarks.job.run_job`, which first asks
+every job again through :func:`benchmarks.sweep.job.run_job`, which first asks
 :func:`finished_result` whether the job directory already holds this job's complete
-result: ``result.json`` parses into a :class:`~benchmarks.result.RunResult` whose
+result: ``result.json`` parses into a :class:`~benchmarks.sweep.result.RunResult` whose
 ``overrides`` and ``config`` are the job's own, with a status other than
 ``"failed"``. Such a job is not run again; a missing, damaged (cut off, unreadable),
 foreign (another job's overrides or config) or failed result is rerun and replaced.
-Results are written atomically (:mod:`benchmarks.atomic`), so a cut-off
+Results are written atomically (:mod:`benchmarks.sweep.atomic`), so a cut-off
 ``result.json`` only comes from outside damage; a job stopped mid-run leaves none.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.result import RESULT_FILE, RunResult, finite_or_none
+from benchmarks.sweep.result import RESULT_FILE, RunResult, finite_or_none
 
 
 def read_result(path: Path) -> RunResult | None:
@@ -42,7 +42,7 @@ def finished_result(
 
     Args:
         job_dir: The job's directory.
-        config: The job's resolved config (as :func:`benchmarks.job.run_job`
+        config: The job's resolved config (as :func:`benchmarks.sweep.job.run_job`
             records it).
         overrides: The job's Hydra overrides (``()`` for a grid-extension job).
 

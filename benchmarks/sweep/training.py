@@ -17,10 +17,10 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from benchmarks.checkpointing import Checkpointing
-from benchmarks.data_parallel import DataParallel
 from benchmarks.measure import Stopwatch
-from benchmarks.problems import Problem, Protocol
+from benchmarks.problems.problems import Problem, Protocol
+from benchmarks.sweep.checkpointing import Checkpointing
+from benchmarks.sweep.data_parallel import DataParallel
 
 CREATE_GRAPH_WARNING = r"Using backward\(\) with create_graph=True"
 """torch's warning on the parameter↔gradient cycle that ``create_graph=True`` leaves;
@@ -193,7 +193,7 @@ def train(
     evaluated loss is NaN or infinite, or an evaluated train loss exceeds
     ``protocol.blowup_factor`` times the one at step 0 (both stop training), or, for
     ``metric: accuracy``, the final test accuracy is at most
-    :meth:`~benchmarks.problems.Protocol.chance_threshold` (chance level plus a
+    :meth:`~benchmarks.problems.problems.Protocol.chance_threshold` (chance level plus a
     margin).
 
     Args:
@@ -208,7 +208,7 @@ def train(
             and every rank evaluates identically, so all take the same decisions.
         checkpointing: Save a checkpoint every ``checkpointing.every`` steps, and
             continue from this job's checkpoint if there is one (one process only;
-            see :mod:`benchmarks.checkpointing`).
+            see :mod:`benchmarks.sweep.checkpointing`).
 
     Returns:
         The log.

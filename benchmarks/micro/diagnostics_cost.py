@@ -12,7 +12,7 @@ same backward pass, ``DampedNewton(monitor=...)``) to the same step without.
 
 Usage::
 
-    python -m benchmarks.diagnostics_cost [--rounds 3] [--repeats 10] [--warmup 2]
+    python -m benchmarks.micro.diagnostics_cost [--rounds 3] [--repeats 10] [--warmup 2]
         [--device cpu] [--threads 1]
 """
 
@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 from backpack import extend
 from torch import nn
 
+from benchmarks.micro.harness import closure_step, plain_step, time_blocks
 from dampednewton import DampedNewton
 from dampednewton.diagnostics import (
     GSNR,
@@ -63,30 +63,22 @@ def make_data(device: torch.device, seed: int = 1) -> tuple[torch.Tensor, torch.
     return X.to(device), y.to(device)
 
 
-def step_function(
-    device: torch.device, diagnostics: list | None
-) -> Callable[[int], None]:
+def step_function(device: torch.device, diagnostics: list | None) -> Callable[[], None]:
     """One training step, optionally monitored by ``diagnostics``."""
     X, y = make_data(device)
     model = make_model(device)
     loss_fn = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     if diagnostics is None:
-
-        def step(index: int) -> None:
-            optimizer.zero_grad()
-            loss_fn(model(X), y).backward()
-            optimizer.step()
-
-        return step
-
+        return plain_step(optimizer, model, loss_fn, X, y)
     model, loss_fn = extend(model), extend(loss_fn)
     monitor = DiagnosticsMonitor(diagnostics, model.named_parameters())
+    step_numbers = itertools.count()
 
-    def monitored_step(index: int) -> None:
+    def monitored_step() -> None:
         optimizer.zero_grad()
         loss = loss_fn(model(X), y)
-        with monitor.backward_context(index, loss):
+        with monitor.backward_context(next(step_numbers), loss):
             loss.backward()
         optimizer.step()
 
@@ -95,7 +87,7 @@ def step_function(
 
 def newton_step_function(
     device: torch.device, mc_samples: int, diagnostics: list | None
-) -> Callable[[int], object]:
+) -> Callable[[], object]:
     """One ``DampedNewton`` step (top-10, constant damping), optionally monitored."""
     X, y = make_data(device)
     model, loss_fn = extend(make_model(device)), extend(nn.CrossEntropyLoss())
@@ -113,45 +105,7 @@ def newton_step_function(
         monitor=monitor,
         seed=0,
     )
-
-    def closure() -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = loss_fn(model(X), y)
-        loss.backward()
-        return loss
-
-    return lambda index: optimizer.step(closure)
-
-
-def time_steps(
-    steps: dict[str, Callable[[int], object]],
-    device: torch.device,
-    rounds: int,
-    warmup: int,
-    repeats: int,
-) -> dict[str, list[float]]:
-    """Wall times of each step function in seconds.
-
-    Each round runs every variant in a block of ``warmup`` untimed and ``repeats``
-    timed consecutive steps. Blocks (not single steps) alternate between the
-    variants, so a changing load on a shared machine affects all of them alike
-    while no variant is timed right after another one evicted its memory.
-    """
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    index = 0
-    for _ in range(rounds):
-        for name, step in steps.items():
-            for repeat in range(warmup + repeats):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                step(index)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if repeat >= warmup:
-                    times[name].append(time.perf_counter() - start)
-                index += 1
-    return times
+    return closure_step(optimizer, model, loss_fn, X, y)
 
 
 VARIANTS: dict[str, list | None] = {
@@ -185,13 +139,13 @@ def main() -> None:
         f"{args.rounds} rounds of {args.repeats} timed steps per variant "
         f"(after {args.warmup} untimed)"
     )
-    steps: dict[str, Callable[[int], object]] = {
+    steps: dict[str, Callable[[], object]] = {
         name: step_function(device, spec) for name, spec in VARIANTS.items()
     }
     for label, mc_samples in NEWTON_VARIANTS.items():
         steps[label] = newton_step_function(device, mc_samples, None)
         steps[f"{label} + gsnr"] = newton_step_function(device, mc_samples, [GSNR()])
-    times = time_steps(steps, device, args.rounds, args.warmup, args.repeats)
+    times = time_blocks(steps, device, args.rounds, args.warmup, args.repeats)
     median = {name: statistics.median(values) for name, values in times.items()}
     fastest = {name: min(values) for name, values in times.items()}
     print(f"{'variant':28s} {'median':>10s} {'ratio':>7s} {'min':>10s} {'ratio':>7s}")

@@ -1,13 +1,13 @@
 """The largest batch whose step fits under a GPU memory cap (ViViT's critical batch).
 
-Each trial runs one step of a variant of :mod:`benchmarks.step_cost` (``fast:exact``,
-``fast:mc1``, ``sgd``, ``default``) at batch size ``N`` in a fresh process whose CUDA
-memory is capped by ``torch.cuda.set_per_process_memory_fraction``; the batch size
-doubles until a step runs out of memory, then bisects to ``--resolution``. ViViT
-reported 208 (exact) and 1,055 (MC-1) for DeepOBS's cifar10_3c3d on an 11 GB card.
-Needs CUDA. Not a test::
+Each trial runs one step of a variant of :func:`benchmarks.micro.harness.make_step`
+(``fast:exact``, ``fast:mc1``, ``sgd``, ``default``) at batch size ``N`` in a fresh
+process whose CUDA memory is capped by ``torch.cuda.set_per_process_memory_fraction``;
+the batch size doubles until a step runs out of memory, then bisects to
+``--resolution``. ViViT reported 208 (exact) and 1,055 (MC-1) for DeepOBS's
+cifar10_3c3d on an 11 GB card. Needs CUDA. Not a test::
 
-    python -m benchmarks.critical_batch --model 3c3d --variants fast:exact fast:mc1
+    python -m benchmarks.micro.critical_batch --variants fast:exact fast:mc1  # 3c3d
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from benchmarks.step_cost import MODELS, make_step
+from benchmarks.measure import synchronize
+from benchmarks.micro.harness import MODELS, make_step
 
 OUT_OF_MEMORY = 3
 """Exit status of a trial whose step ran out of memory."""
@@ -59,8 +60,8 @@ def trial(variant: str, model: str, batch_size: int, cap_gib: float) -> bool:
     """Whether one step fits under the cap, run in a fresh process.
 
     Args:
-        variant: A :mod:`benchmarks.step_cost` variant.
-        model: A model of :data:`benchmarks.step_cost.MODELS`.
+        variant: A :func:`benchmarks.micro.harness.make_step` variant.
+        model: A model of :data:`benchmarks.micro.harness.MODELS`.
         batch_size: ``N``.
         cap_gib: The memory cap in GiB.
 
@@ -70,7 +71,7 @@ def trial(variant: str, model: str, batch_size: int, cap_gib: float) -> bool:
     Raises:
         RuntimeError: When the trial failed otherwise.
     """
-    command = [sys.executable, "-m", "benchmarks.critical_batch", "--single"]
+    command = [sys.executable, "-m", "benchmarks.micro.critical_batch", "--single"]
     command += [variant, model, str(batch_size), str(cap_gib)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode == OUT_OF_MEMORY:
@@ -89,7 +90,7 @@ def _single(variant: str, model: str, batch_size: int, cap_gib: float) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             make_step(variant, model, batch_size, device)()
-        torch.cuda.synchronize(device)
+        synchronize(device)
     except torch.cuda.OutOfMemoryError:
         sys.exit(OUT_OF_MEMORY)
 

@@ -8,7 +8,7 @@ Levenberg-Marquardt damping adapted every 5 steps):
 * ``kernels``: CUDA kernels launched (``torch.profiler``); on the CPU, ATen operators
   that compute (views excluded), the proxy of launches;
 * ``reads``: host reads of device values (``item``, ``tolist``, boolean masks), by
-  :class:`~benchmarks.host_reads.HostReads`, any device;
+  :class:`~benchmarks.micro.host_reads.HostReads`, any device;
 * ``syncs``: CUDA synchronizations that torch reports (``set_sync_debug_mode``),
   which include those of libraries such as cuSOLVER's result checks;
 * ``busy``: the kernels' summed time on the GPU.
@@ -16,7 +16,7 @@ Levenberg-Marquardt damping adapted every 5 steps):
 Step times are medians of steps timed in alternating blocks (as ``step_cost``), with
 the ratio to SGD's. Not a test: run it where the numbers are wanted::
 
-    python -m benchmarks.step_profile --models mlp 3c3d --ggn mc1 exact
+    python -m benchmarks.micro.step_profile --models mlp 3c3d --ggn mc1 exact
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.host_reads import HostReads
-from benchmarks.step_cost import MODELS, make_step, round_robin_medians, synchronize
+from benchmarks.measure import synchronize
+from benchmarks.micro.harness import MODELS, make_step, round_robin_medians
+from benchmarks.micro.host_reads import HostReads
 
 # ATen operators that only describe memory (no kernel on a GPU).
 VIEW_OPERATORS = frozenset(
@@ -150,7 +151,7 @@ def table(
     """Markdown rows of every model, GGN and variant (SGD and Adam first).
 
     Args:
-        models: Names in :data:`benchmarks.step_cost.MODELS`.
+        models: Names in :data:`benchmarks.micro.harness.MODELS`.
         ggns: ``mc1`` and/or ``exact``.
         batch_size: ``N``.
         device: Where to run.
