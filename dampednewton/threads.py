@@ -6,8 +6,9 @@ hardly pay off, and on a machine whose cores are busy with other work, OpenMP's
 waiting threads made one ``eigh`` of a 128×128 Gram matrix take seconds instead of a
 millisecond. :func:`small_matrix_threads` runs such solves on
 :data:`SMALL_MATRIX_THREADS` threads and restores torch's count afterwards
-(``benchmarks/micro/cpu_threads.py`` measures the effect). The thread count is process-wide:
-other Python threads running torch operations at the same time see it too.
+(``benchmarks/micro/cpu_threads.py`` measures the effect). The thread count is
+process-wide: other Python threads running torch operations at the same time see it
+too.
 """
 
 from __future__ import annotations
