@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from dampednewton.backward import quiet_backward_hook_warning
+from dampednewton.backpack.backward import quiet_backward_hook_warning
 from dampednewton.group_step import GroupStep
 from dampednewton.model import predicted_change
 from dampednewton.policies.damping import AdaptiveDamping, Damping

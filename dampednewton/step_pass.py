@@ -20,6 +20,7 @@ from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
 from dampednewton.amortized import frozen_group_step, stored_frozen, trust_bound
+from dampednewton.backpack.backward import BackwardCheck, quiet_backward_hook_warning
 from dampednewton.backpack.extensions import (
     DeferredChecks,
     ExactSqrtGGN,
@@ -30,7 +31,6 @@ from dampednewton.backpack.global_batch import GlobalBatch
 from dampednewton.backpack.hooks import ExtendedModules
 from dampednewton.backpack.passes import Hook, backward_pass
 from dampednewton.backpack.savefields import GRAD_BATCH
-from dampednewton.backward import BackwardCheck, quiet_backward_hook_warning
 from dampednewton.computations.engine import GGNEngine, GGNSettings
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
@@ -297,7 +297,7 @@ def run_closure(
 
     All BackPACK quantities are freed layer by layer, after the hooks ran. The
     closure may accumulate gradients over micro-batches (see
-    :class:`~dampednewton.backward.BackwardCheck`).
+    :class:`~dampednewton.backpack.backward.BackwardCheck`).
 
     Args:
         closure: ``zero_grad``, forward, ``backward``; returns the loss.

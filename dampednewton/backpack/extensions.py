@@ -24,9 +24,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
 from torch.random import fork_rng
 
+from dampednewton.backpack.backward import check_fresh_forward
 from dampednewton.backpack.private import registered_module_types
 from dampednewton.backpack.savefields import module_input
-from dampednewton.backward import check_fresh_forward
 from dampednewton.math.finite import all_finite, finite_flag
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 
