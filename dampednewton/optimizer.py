@@ -1,11 +1,4 @@
-"""``DampedNewton``: a ``torch.optim`` optimizer of damped Newton steps.
-
-A step gathers the groups' validated options (:mod:`dampednewton.options`), computes
-every group's direction in one backward pass (:mod:`dampednewton.step_pass`,
-:mod:`dampednewton.group_step`), refuses it if anything is not finite
-(:mod:`dampednewton.guard`), applies it (trust region, momentum, weight decay),
-records it (:mod:`dampednewton.records`) and adapts the damping.
-"""
+"""``DampedNewton``, the ``torch.optim`` contract; the step is :mod:`._step`."""
 
 from __future__ import annotations
 
@@ -21,27 +14,27 @@ import torch
 from torch import Generator, Tensor
 from torch.optim import Optimizer
 
-from dampednewton.adaptation import adapt, distinct_adaptive
-from dampednewton.amortized import (
+from dampednewton._step.adaptation import adapt, distinct_adaptive
+from dampednewton._step.amortized import (
     FrozenBases,
     gradient_vector,
     record_step_lengths,
     stored_frozen,
     trust_bound,
 )
-from dampednewton.averaging import CurvatureAveraging
-from dampednewton.backpack.extensions import modified_loss_warning
-from dampednewton.checkpoint import check_state_dict, mark_unpicklable, unwrap_settings
-from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.guard import (
+from dampednewton._step.checkpoint import (
+    check_state_dict,
+    mark_unpicklable,
+    unwrap_settings,
+)
+from dampednewton._step.guard import (
     STACKLEVEL_OF_CALLER,
     GeneratorSnapshot,
     check_loss_type,
     nonfinite_problem,
     refuse,
 )
-from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_host
-from dampednewton.options import (
+from dampednewton._step.options import (
     GroupOptions,
     SharedOptions,
     ValidatedGroups,
@@ -49,14 +42,23 @@ from dampednewton.options import (
     check_nonfinite,
     check_process_group,
 )
+from dampednewton._step.records import (
+    FROZEN,
+    StepRecorder,
+    empty_group_stats,
+    store_factors,
+)
+from dampednewton._step.seeding import SeededGenerator
+from dampednewton._step.step_pass import CLOSURE_PATTERN, StepPass, run_closure
+from dampednewton._step.step_status import read_status, settled
+from dampednewton._step.update import apply_flat_step, apply_steps
+from dampednewton.averaging import CurvatureAveraging
+from dampednewton.backpack.extensions import modified_loss_warning
+from dampednewton.diagnostics import DiagnosticsMonitor
+from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_host
 from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature
 from dampednewton.policies.criteria import Criterion
 from dampednewton.policies.damping import Damping, LevenbergMarquardt
-from dampednewton.records import FROZEN, StepRecorder, empty_group_stats, store_factors
-from dampednewton.seeding import SeededGenerator
-from dampednewton.step_pass import CLOSURE_PATTERN, StepPass, run_closure
-from dampednewton.step_status import read_status, settled
-from dampednewton.update import apply_flat_step, apply_steps
 
 GLOBAL = "global"
 GROUPS = "groups"
@@ -101,7 +103,7 @@ class DampedNewton(Optimizer):
     rest of the mean gradient ``ḡ`` with curvature ``ρ`` (default: the smallest kept
     ``λ̄_k + δ_k``; ``complement=None`` drops it; with ``φ = 1`` as well this is
     ViViT's step). The update
-    ``θ ← (1 − lr·wd) θ + lr·m`` with ``m ← μm + νs`` (:mod:`dampednewton.update`)
+    ``θ ← (1 − lr·wd) θ + lr·m`` with ``m ← μm + νs`` (:mod:`dampednewton._step.update`)
     has a trust region ``ν = min(1, √(2κ / (lr² max(−ḡᵀs, sᵀĜs))))`` on the damped
     quadratic model and this batch's GGN ``Ĝ`` (K-FAC's norm constraint,
     ``κ = kl_clip``), the momentum ``μ`` and a decoupled weight decay ``wd``.
@@ -497,7 +499,7 @@ class DampedNewton(Optimizer):
         Group settings that cannot be pickled (a lambda criterion, a local damping
         function) are kept by reference, wrapped so that ``torch.save`` refuses them
         with an error naming the group and the key (see
-        :class:`~dampednewton.checkpoint.UnpicklableSetting`).
+        :class:`~dampednewton._step.checkpoint.UnpicklableSetting`).
 
         Returns:
             A ``torch.optim`` state dict; the extra entry ``'generator'`` holds the

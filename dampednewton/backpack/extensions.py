@@ -105,7 +105,8 @@ class DeferredChecks:
 
     An extension with ``deferred_checks`` set to such an object records them here
     instead of reading them on the host at once (one synchronization each): the
-    optimizer reads all of a step's checks together (``dampednewton.step_status``).
+    optimizer reads all of a step's checks together
+    (``dampednewton._step.step_status``).
     It also never raises on a non-finite model output: it samples from zeros
     instead, and the step is refused. Shared by the extensions of one step, whose
     closure may back-propagate several micro-batches: counts add up, flags combine.

@@ -16,7 +16,7 @@ with ``π = B ḡ`` (so ``γ_i = π_i / √w_i``) it is ``s = Bᵀ(b ⊙ π) −
 ``b_i = (a_i + 1/ρ) / w_i`` and ``a_i = −φ/(λ_i + δ_i)``. The quadratic model's
 slope is ``ḡᵀs`` and its curvature along the kept directions
 ``Σ_i λ_i a_i² γ_i² = Σ_i c_i π_i²`` with ``c_i = λ_i a_i² / w_i``; the trust region
-uses both (:func:`dampednewton.model.trust_region_scale`).
+uses both (:func:`dampednewton._step.quadratic_model.trust_region_scale`).
 
 :class:`FrozenBasis` holds ``b``, ``c`` and ``1/ρ`` (computed once per refresh by
 :func:`freeze`); :func:`frozen_basis_step` is the step. Columns that the criterion

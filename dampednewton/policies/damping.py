@@ -245,9 +245,9 @@ class LevenbergMarquardt(MeanStatisticsDamping):
     the same batch and passes ``ρ = (L(θ + s) − L(θ)) / q(s)`` to :meth:`update`,
     where ``q(s) = ḡᵀs + ½ sᵀGs`` is the quadratic model of the step taken (summed over
     all groups; along the directions ``Σ_k (γ̄_k c_k + ½ λ̄_k c_k²)``, plus the
-    complement step's terms, see :mod:`dampednewton.model`). Every ``interval``
-    steps, ``δ`` is multiplied by ``increase`` when ``ρ < 1/4`` (the model was too
-    optimistic) and by ``decrease`` when ``ρ > 3/4``, then clipped to
+    complement step's terms, see :mod:`dampednewton._step.quadratic_model`). Every
+    ``interval`` steps, ``δ`` is multiplied by ``increase`` when ``ρ < 1/4`` (the
+    model was too optimistic) and by ``decrease`` when ``ρ > 3/4``, then clipped to
     ``[minimum, maximum]``.
 
     Attributes:

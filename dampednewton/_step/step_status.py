@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from dampednewton._step.group_step import AveragedFactor, GroupStep
 from dampednewton.backpack.extensions import DeferredChecks, ignored_targets_error
-from dampednewton.group_step import AveragedFactor, GroupStep
 from dampednewton.math.finite import finite_flag
 from dampednewton.policies.damping import invalid_damping_error
 

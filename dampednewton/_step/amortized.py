@@ -23,14 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dampednewton.group_step import GroupStep
+from dampednewton._step.group_step import GroupStep
+from dampednewton._step.records import BASIS, FROZEN
 from dampednewton.math.frozen_basis import (
     BasisStep,
     FrozenBasis,
     frozen_basis_step,
     guarded_curvature,
 )
-from dampednewton.records import BASIS, FROZEN
 
 
 def stored_frozen(stats: Mapping[str, Any]) -> FrozenBasis | None:

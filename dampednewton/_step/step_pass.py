@@ -1,7 +1,7 @@
 """The single backward pass of a step: its engine, extensions and hooks.
 
 :class:`StepPass` keeps the step's :class:`~dampednewton.computations.engine.GGNEngine`
-(finishing blocks with :class:`~dampednewton.group_step.StepFinisher`) and its
+(finishing blocks with :class:`~dampednewton._step.group_step.StepFinisher`) and its
 BackPACK extensions while the settings that shape them hold, adds the diagnostics
 monitor's extensions and hook to the same pass (:func:`with_monitor`), and runs the
 closure inside that pass (:func:`~dampednewton.backpack.passes.backward_pass`) under
@@ -19,7 +19,15 @@ import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
-from dampednewton.amortized import frozen_group_step, stored_frozen, trust_bound
+from dampednewton._step.amortized import frozen_group_step, stored_frozen, trust_bound
+from dampednewton._step.group_step import (
+    AveragedFactor,
+    GroupStep,
+    StepFinisher,
+    averaged_step,
+)
+from dampednewton._step.options import GroupOptions, SharedOptions
+from dampednewton._step.records import stored_factor
 from dampednewton.backpack.backward import BackwardCheck, quiet_backward_hook_warning
 from dampednewton.backpack.extensions import (
     DeferredChecks,
@@ -34,15 +42,7 @@ from dampednewton.backpack.savefields import GRAD_BATCH
 from dampednewton.computations.engine import GGNEngine, GGNSettings
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
-from dampednewton.group_step import (
-    AveragedFactor,
-    GroupStep,
-    StepFinisher,
-    averaged_step,
-)
-from dampednewton.options import GroupOptions, SharedOptions
 from dampednewton.policies.damping import needs_sample_statistics
-from dampednewton.records import stored_factor
 
 CLOSURE_PATTERN = """\
     def closure():

@@ -14,7 +14,7 @@ from types import TracebackType
 
 from torch import Generator, Tensor
 
-from dampednewton.step_status import StepStatus
+from dampednewton._step.step_status import StepStatus
 
 # Warnings of step()'s helpers point at the user's call: helper, step, and the
 # profiling wrapper that torch.optim puts around every optimizer's step.

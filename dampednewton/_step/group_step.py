@@ -7,8 +7,8 @@ complement step (:mod:`dampednewton.policies.complement`) and the
 curvature averaged across steps (:mod:`dampednewton.averaging`). Each group's result
 is a :class:`GroupStep`: the direction ``s`` (before the learning rate) with its
 slope ``ḡᵀs`` and curvature ``sᵀGs`` for the quadratic model
-(:mod:`dampednewton.model`), and, for averaged groups, the updated factor to commit
-once the step is accepted.
+(:mod:`dampednewton._step.quadratic_model`), and, for averaged groups, the updated
+factor to commit once the step is accepted.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class StepFinisher:
     or ``None``) and ``factor`` (the group's :class:`AveragedFactor` so far, or
     ``None``). A block whose GGN is not finite gives a step flagged in
     :attr:`GroupStep.curvature_finite` (read with the step's other checks, see
-    :mod:`dampednewton.step_status`); one whose eigensolver fails gives ``None``
+    :mod:`dampednewton._step.step_status`); one whose eigensolver fails gives ``None``
     and is recorded in :attr:`eigensolver_succeeded`. Either way the closure
     returns its loss and the optimizer refuses the step with a clear message.
 
@@ -461,7 +461,8 @@ def _damping(
     """The policy's damping ``[K]`` and, unless valid by construction, its check.
 
     The shape is checked at once (known on the host); the values' check is a 0-dim
-    tensor read with the step's other checks (see :mod:`dampednewton.step_status`).
+    tensor read with the step's other checks (see
+    :mod:`dampednewton._step.step_status`).
     """
     policy = as_damping(damping)
     values = checked_damping_shape(
