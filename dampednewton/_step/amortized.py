@@ -140,7 +140,7 @@ def frozen_group_step(
         step=tuple(
             piece.view_as(p)
             for piece, p in zip(
-                result.step.split([p.numel() for p in params]), params, strict=True
+                result.direction.split([p.numel() for p in params]), params, strict=True
             )
         ),
         evals=frozen.curvatures,

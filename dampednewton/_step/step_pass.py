@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from backpack.extensions.backprop_extension import BackpropExtension
@@ -56,6 +56,23 @@ CLOSURE_PATTERN = """\
 StepEngine = GGNEngine[GroupStep | None]
 
 
+class PassResult(NamedTuple):
+    """What :meth:`StepPass.run` gives the step.
+
+    Attributes:
+        loss: The closure's loss (under data parallelism: the ranks' mean).
+        results: Every group's step (``None``: no trainable parameter).
+        solved: Whether every group's eigensolver succeeded.
+        deferred: The checks that the BackPACK hooks left for the step to read (its
+            other checks are in the steps).
+    """
+
+    loss: Tensor
+    results: list[GroupStep | None]
+    solved: bool
+    deferred: DeferredChecks
+
+
 class StepPass:
     """The step's engine and extensions, rebuilt only when settings change."""
 
@@ -81,7 +98,7 @@ class StepPass:
         step: int,
         communicator: Communicator | None = None,
         refresh: bool = False,
-    ) -> tuple[Tensor, list[GroupStep | None], bool, DeferredChecks]:
+    ) -> PassResult:
         """Run the closure's one backward pass and compute every group's direction.
 
         Groups whose averaged factor is not refreshed this step reuse it; when no
@@ -104,9 +121,8 @@ class StepPass:
             refresh: Refresh every averaged group, whatever its schedule says.
 
         Returns:
-            The loss, every group's step (``None``: no trainable parameter), whether
-            every group's eigensolver succeeded, and the checks that the BackPACK
-            hooks left for the step to read (its other checks are in the steps).
+            The loss, the groups' steps, whether the eigensolvers succeeded, and the
+            hooks' deferred checks.
         """
         blocks = [
             step_block(group, option, state, index)
@@ -171,7 +187,7 @@ class StepPass:
                 loss, None if engine is None else engine.batch_size
             )
             if not torch.isfinite(loss):
-                return loss, [None] * len(blocks), True, deferred
+                return PassResult(loss, [None] * len(blocks), True, deferred)
             if engine is not None:
                 engine.reduce_kept()
         elif engine is not None:
@@ -184,7 +200,7 @@ class StepPass:
                 )
             ]
         solved = finisher is None or finisher.eigensolver_succeeded
-        return loss, results, solved, deferred
+        return PassResult(loss, results, solved, deferred)
 
     def get(
         self,

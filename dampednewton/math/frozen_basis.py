@@ -98,12 +98,12 @@ class BasisStep:
     """The step along a frozen basis and its quadratic model.
 
     Attributes:
-        step: ``s`` ``[D]`` (flat, in the basis' dtype).
+        direction: ``s`` ``[D]`` (flat, in the basis' dtype).
         projections: ``π = Bḡ`` ``[r]``.
         slope: ``ḡᵀs`` (0-dim).
     """
 
-    step: Tensor
+    direction: Tensor
     projections: Tensor
     slope: Tensor
 
@@ -189,7 +189,7 @@ def frozen_basis_step(
         projections * frozen.step_weights,
     )
     return BasisStep(
-        step=step, projections=projections, slope=torch.dot(gradient, step)
+        direction=step, projections=projections, slope=torch.dot(gradient, step)
     )
 
 
@@ -214,7 +214,7 @@ def guarded_curvature(
     model = -step.slope * frozen.curvature_excess
     if bound is None:
         return model
-    length = step.step.square().sum() / frozen.step_length.square()
+    length = step.direction.square().sum() / frozen.step_length.square()
     return torch.maximum(model, bound * length)
 
 
