@@ -16,6 +16,7 @@ from dampednewton._step.checkpoint import (
     mark_unpicklable,
     unwrap_settings,
 )
+from dampednewton._step.closure import CLOSURE_PATTERN
 from dampednewton._step.options import (
     GroupOptions,
     SharedOptions,
@@ -26,7 +27,6 @@ from dampednewton._step.options import (
 from dampednewton._step.pipeline import GLOBAL, GROUPS, Pipeline
 from dampednewton._step.records import empty_group_stats
 from dampednewton._step.seeding import SeededGenerator
-from dampednewton._step.step_pass import CLOSURE_PATTERN
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature

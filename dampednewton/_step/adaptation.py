@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from dampednewton._step.group_step import GroupStep
+from dampednewton._step.group_result import GroupStep
 from dampednewton._step.quadratic_model import predicted_change
 from dampednewton.backpack.backward import quiet_backward_hook_warning
 from dampednewton.policies.damping import AdaptiveDamping, Damping

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dampednewton._step.group_step import GroupStep
+from dampednewton._step.group_result import GroupStep
 from dampednewton._step.records import BASIS, FROZEN
 from dampednewton.math.frozen_basis import (
     BasisStep,

@@ -25,6 +25,7 @@ from dampednewton._step.amortized import (
     stored_frozen,
     trust_bound,
 )
+from dampednewton._step.closure import run_closure
 from dampednewton._step.guard import (
     STACKLEVEL_OF_CALLER,
     GeneratorSnapshot,
@@ -40,7 +41,7 @@ from dampednewton._step.records import (
     store_factors,
 )
 from dampednewton._step.seeding import SeededGenerator
-from dampednewton._step.step_pass import StepPass, run_closure
+from dampednewton._step.step_pass import StepPass
 from dampednewton._step.step_status import read_status, settled
 from dampednewton._step.update import apply_flat_step, apply_steps
 from dampednewton.backpack.extensions import modified_loss_warning

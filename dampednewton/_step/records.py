@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dampednewton._step.group_step import AveragedFactor, GroupStep
+from dampednewton._step.group_result import AveragedFactor, GroupStep
 from dampednewton._step.guard import STACKLEVEL_OF_CALLER
 
 BASIS = "curvature_basis"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dampednewton._step.group_step import GroupStep
+from dampednewton._step.group_result import GroupStep
 from dampednewton._step.options import GroupOptions
 from dampednewton._step.quadratic_model import trust_region_scale
 from dampednewton.math.precision import computation_dtype
