@@ -35,7 +35,7 @@ from dampednewton.averaging import (
 )
 from dampednewton.computations.block import (
     Block,
-    gradient_of,
+    mean_gradient_of,
     mean_gradient_products,
     slope_products,
     to_parameter_space,
@@ -197,7 +197,7 @@ class StepFinisher:
         """``ḡᵀV`` (``[1, C·N]``) for the whole batch's mean gradient ``ḡ``."""
         if not self.per_sample_gradients or self.subsampling_grad is None:
             return products.mean(0, keepdim=True)
-        return mean_gradient_products(block, gradient_of)
+        return mean_gradient_products(block, mean_gradient_of)
 
     def _averaged_step(self, block: Block) -> GroupStep:
         """Average this batch's GGN into the group's factor, then step along it.

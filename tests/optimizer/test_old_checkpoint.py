@@ -17,6 +17,7 @@ import torch
 from backpack import extend
 
 from dampednewton import CurvatureAveraging, DampedNewton, LevenbergMarquardt
+from tests.utils import make_closure
 
 CHECKPOINT = Path(__file__).parents[1] / "data" / "checkpoint_before_issue_26.pt"
 STEPS_BEFORE = 3
@@ -44,14 +45,7 @@ def build() -> tuple[torch.nn.Module, DampedNewton, Callable[[], torch.Tensor]]:
         averaging=CurvatureAveraging(decay=0.5, interval=2),
         seed=0,
     )
-
-    def closure() -> torch.Tensor:
-        optimizer.zero_grad()
-        loss = loss_fn(model(X), y)
-        loss.backward()
-        return loss
-
-    return model, optimizer, closure
+    return model, optimizer, make_closure(optimizer, model, loss_fn, X, y)
 
 
 def test_checkpoint_before_the_restructuring_loads_and_steps_the_same():
