@@ -5,70 +5,49 @@ eigenproblems of a step (the Gram matrix ``VᵀV`` is ``N×N`` or ``N·C×N·C``
 hardly pay off, and on a machine whose cores are busy with other work, OpenMP's
 waiting threads made one ``eigh`` of a 128×128 Gram matrix take seconds instead of a
 millisecond. :func:`small_matrix_threads` runs such solves on
-:data:`SMALL_MATRIX_THREADS` threads and restores torch's count afterwards
-(``benchmarks/micro/cpu_threads.py`` measures the effect). The thread count is
-process-wide: other Python threads running torch operations at the same time see it
-too.
+``SMALL_MATRIX_THREADS`` threads (default 1; ``None`` keeps torch's count) and
+restores torch's count afterwards (``benchmarks/micro/cpu_threads.py`` measures the
+effect). Setting ``dampednewton.threads.SMALL_MATRIX_THREADS`` changes the bound of
+every later solve.
+
+The machinery lives in :mod:`dampednewton.math.threads`, below the linear algebra
+that uses it; this module is its public face and forwards the setting there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+import sys
+from types import ModuleType
 
-import torch
-from torch import Tensor
+from dampednewton.math import threads as _bound
+from dampednewton.math.threads import (
+    SMALL_MATRIX_SIZE,
+    limited_threads,
+    small_matrix_threads,
+)
 
-SMALL_MATRIX_THREADS: int | None = 1
+__all__ = [
+    "SMALL_MATRIX_SIZE",
+    "SMALL_MATRIX_THREADS",
+    "limited_threads",
+    "small_matrix_threads",
+]
+
+SMALL_MATRIX_THREADS: int | None
 """Threads for small dense solves on CPU; ``None`` keeps torch's count for them."""
 
-SMALL_MATRIX_SIZE = 512
-"""Matrices with at most this many rows count as small."""
+
+class _ForwardedSetting(ModuleType):
+    """This module, with ``SMALL_MATRIX_THREADS`` read from and written to the bound."""
+
+    @property
+    def SMALL_MATRIX_THREADS(self) -> int | None:
+        """The bound of :mod:`dampednewton.math.threads`."""
+        return _bound.SMALL_MATRIX_THREADS
+
+    @SMALL_MATRIX_THREADS.setter
+    def SMALL_MATRIX_THREADS(self, value: int | None) -> None:
+        _bound.SMALL_MATRIX_THREADS = value
 
 
-@contextmanager
-def limited_threads(limit: int) -> Iterator[None]:
-    """Run the block on at most ``limit`` intra-op threads, then restore the count.
-
-    The previous count is restored also when the block raises. Fewer threads than
-    ``limit`` (e.g. ``torch.set_num_threads(1)`` by the user) are kept.
-
-    Args:
-        limit: Maximum number of threads (>= 1).
-
-    Yields:
-        Nothing; run the operations inside.
-
-    Raises:
-        ValueError: If ``limit < 1``.
-    """
-    if limit < 1:
-        raise ValueError(f"The thread limit must be >= 1, got {limit}.")
-    previous = torch.get_num_threads()
-    if previous <= limit:
-        yield
-        return
-    torch.set_num_threads(limit)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-def small_matrix_threads(matrix: Tensor) -> AbstractContextManager[None]:
-    """The thread bound for a dense solve on ``matrix``, if it is small and on CPU.
-
-    Args:
-        matrix: The square matrix about to be decomposed.
-
-    Returns:
-        :func:`limited_threads` with :data:`SMALL_MATRIX_THREADS` for CPU matrices of
-        at most :data:`SMALL_MATRIX_SIZE` rows, else a context that changes nothing.
-    """
-    if (
-        SMALL_MATRIX_THREADS is None
-        or matrix.device.type != "cpu"
-        or matrix.shape[0] > SMALL_MATRIX_SIZE
-    ):
-        return nullcontext()
-    return limited_threads(SMALL_MATRIX_THREADS)
+sys.modules[__name__].__class__ = _ForwardedSetting

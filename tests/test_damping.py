@@ -26,9 +26,9 @@ from dampednewton.policies.damping import (
     Damping,
     MeanStatisticsDamping,
     as_damping,
-    checked_damping,
     needs_sample_statistics,
 )
+from dampednewton.policies.damping_values import checked_damping
 from tests.assertions import assert_close
 
 NUM_DIRECTIONS = 4

@@ -16,7 +16,7 @@ from backpack import backpack
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch.nn import Module
 
-from dampednewton.backward import quiet_backward_hook_warning
+from dampednewton.backpack.backward import quiet_backward_hook_warning
 
 Hook = Callable[[Module], None]
 """BackPACK's ``extension_hook``: runs on each module after its extensions."""

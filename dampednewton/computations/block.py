@@ -82,13 +82,13 @@ def to_parameter_space(block: Block, gram_vectors: Tensor) -> list[Tensor]:
 
 
 def mean_gradient_products(
-    block: Block, gradient_of: Callable[[Tensor], Tensor]
+    block: Block, mean_gradient_of: Callable[[Tensor], Tensor]
 ) -> Tensor:
     """``ḡᵀV`` (``[1, C·N]``) of the block's factors for the mean gradient ``ḡ``.
 
     Args:
         block: A finished block that kept its factors.
-        gradient_of: The mean gradient of a parameter (shaped like it).
+        mean_gradient_of: The mean gradient of a parameter (shaped like it).
 
     Returns:
         The products summed over the block's parameters.
@@ -97,7 +97,7 @@ def mean_gradient_products(
     return cast(
         Tensor,
         sum(
-            block.factors[id(p)].mean_gradient_products(gradient_of(p), cache)
+            block.factors[id(p)].mean_gradient_products(mean_gradient_of(p), cache)
             for p in block.group["params"]
             if id(p) in block.factors
         ),
@@ -122,10 +122,10 @@ def slope_products(block: Block, per_sample_gradients: bool) -> Tensor:
         if block.gradient_products is None:
             raise RuntimeError("The block reduced no per-sample gradient products.")
         return block.gradient_products
-    return mean_gradient_products(block, gradient_of)
+    return mean_gradient_products(block, mean_gradient_of)
 
 
-def gradient_of(param: Tensor) -> Tensor:
+def mean_gradient_of(param: Tensor) -> Tensor:
     """A parameter's mean gradient ``.grad`` after the backward pass.
 
     Args:

@@ -13,7 +13,8 @@ from dampednewton.computations.engine import GGNEngine, GGNSettings
 from dampednewton.computations.interface import GGNComputation
 from dampednewton.computations.selection import select_directions
 from dampednewton.math.gram_space import gram_space_step, newton_coefficients
-from dampednewton.policies.damping import as_damping, checked_damping
+from dampednewton.policies.damping import as_damping
+from dampednewton.policies.damping_values import checked_damping
 
 
 @dataclass

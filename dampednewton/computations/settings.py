@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import Generator
 
-from dampednewton.checks import (
+from dampednewton.policies.checks import (
     check_integer,
     check_subsampling,
     check_warn_small_eigvals,

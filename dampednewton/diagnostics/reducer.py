@@ -94,7 +94,7 @@ def quantity(param: Tensor, savefield: str) -> Tensor | None:
     return None if value is None else value.detach()
 
 
-def gradient_of(param: Tensor) -> Tensor:
+def detached_gradient_of(param: Tensor) -> Tensor:
     """The detached ``.grad`` of a parameter from :data:`NamedParams`.
 
     Args:

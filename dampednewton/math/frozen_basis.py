@@ -16,7 +16,7 @@ with ``π = B ḡ`` (so ``γ_i = π_i / √w_i``) it is ``s = Bᵀ(b ⊙ π) −
 ``b_i = (a_i + 1/ρ) / w_i`` and ``a_i = −φ/(λ_i + δ_i)``. The quadratic model's
 slope is ``ḡᵀs`` and its curvature along the kept directions
 ``Σ_i λ_i a_i² γ_i² = Σ_i c_i π_i²`` with ``c_i = λ_i a_i² / w_i``; the trust region
-uses both (:func:`dampednewton.model.trust_region_scale`).
+uses both (:func:`dampednewton._step.quadratic_model.trust_region_scale`).
 
 :class:`FrozenBasis` holds ``b``, ``c`` and ``1/ρ`` (computed once per refresh by
 :func:`freeze`); :func:`frozen_basis_step` is the step. Columns that the criterion
@@ -98,12 +98,12 @@ class BasisStep:
     """The step along a frozen basis and its quadratic model.
 
     Attributes:
-        step: ``s`` ``[D]`` (flat, in the basis' dtype).
+        direction: ``s`` ``[D]`` (flat, in the basis' dtype).
         projections: ``π = Bḡ`` ``[r]``.
         slope: ``ḡᵀs`` (0-dim).
     """
 
-    step: Tensor
+    direction: Tensor
     projections: Tensor
     slope: Tensor
 
@@ -189,7 +189,7 @@ def frozen_basis_step(
         projections * frozen.step_weights,
     )
     return BasisStep(
-        step=step, projections=projections, slope=torch.dot(gradient, step)
+        direction=step, projections=projections, slope=torch.dot(gradient, step)
     )
 
 
@@ -214,7 +214,7 @@ def guarded_curvature(
     model = -step.slope * frozen.curvature_excess
     if bound is None:
         return model
-    length = step.step.square().sum() / frozen.step_length.square()
+    length = step.direction.square().sum() / frozen.step_length.square()
     return torch.maximum(model, bound * length)
 
 

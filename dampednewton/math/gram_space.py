@@ -1,12 +1,13 @@
 """Directional derivatives and damped Newton coefficients in Gram space.
 
-Notation (see the design notes): ``Ĝ = VᵀV`` is the ``[C·N, C·N]`` Gram matrix of a GGN
-block built from ``N`` samples, ``Ĝ ũ_k = λ_k ũ_k``, and the parameter-space
-eigenvector is ``e_k = V ũ_k / ‖V ũ_k‖`` with ``‖V ũ_k‖² = ũ_kᵀ Ĝ ũ_k`` (``= λ_k``
-in exact arithmetic). Normalising by the actual length, as ViViT's eigenvectors are,
-keeps ``e_k`` a unit vector for eigenvalues that are zero up to round-off or negative,
-where ``√λ_k`` is meaningless. A direction whose ``V ũ_k`` vanishes numerically
-(``ũ_kᵀ Ĝ ũ_k <= 0``) is the zero vector: its derivatives and coefficients are zero.
+Notation (as in ViViT, Dangel et al. 2022): ``Ĝ = VᵀV`` is the ``[C·N, C·N]`` Gram
+matrix of a GGN block built from ``N`` samples, ``Ĝ ũ_k = λ_k ũ_k``, and the
+parameter-space eigenvector is ``e_k = V ũ_k / ‖V ũ_k‖`` with
+``‖V ũ_k‖² = ũ_kᵀ Ĝ ũ_k`` (``= λ_k`` in exact arithmetic). Normalising by the actual
+length, as ViViT's eigenvectors are, keeps ``e_k`` a unit vector for eigenvalues that
+are zero up to round-off or negative, where ``√λ_k`` is meaningless. A direction whose
+``V ũ_k`` vanishes numerically (``ũ_kᵀ Ĝ ũ_k <= 0``) is the zero vector: its
+derivatives and coefficients are zero.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from dampednewton.math.finite import all_finite
-from dampednewton.threads import small_matrix_threads
+from dampednewton.math.threads import small_matrix_threads
 
 # Diagonal shifts tried, relative to the largest entry, when LAPACK fails to converge.
 RETRY_SHIFTS = (0.0, 1e-12, 1e-8)
@@ -20,7 +20,7 @@ def symmetric_eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
     float64, scaled by a power of two (exact) to unit magnitude, and, should LAPACK
     still not converge, with a tiny diagonal shift that is subtracted again. The
     result is cast back to the input's dtype. Small CPU matrices are solved on a
-    bounded number of threads (:func:`~dampednewton.threads.small_matrix_threads`).
+    bounded number of threads (:func:`~dampednewton.math.threads.small_matrix_threads`).
 
     Args:
         matrix: Symmetric matrix of shape ``[M, M]``.

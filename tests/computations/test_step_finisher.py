@@ -3,10 +3,10 @@
 import torch
 from backpack import extend
 
+from dampednewton._step.group_step import StepFinisher
 from dampednewton.backpack.passes import backward_pass
 from dampednewton.computations import DirectionalDampedNewtonComputation
 from dampednewton.computations.engine import GGNEngine, GGNSettings
-from dampednewton.group_step import StepFinisher
 
 
 def _problem():

@@ -25,9 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dampednewton.backpack.global_batch
 from dampednewton import DampedNewton, LevenbergMarquardt, NoiseAwareDamping
+from dampednewton._step.seeding import SeededGenerator
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 from dampednewton.math.traffic import Route
-from dampednewton.seeding import SeededGenerator
 from tests.distributed.spawning import spawn_ranks
 
 LOCAL_BATCH = 4

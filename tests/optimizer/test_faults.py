@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from dampednewton import DampedNewton
-from dampednewton.checkpoint import StateDictError
+from dampednewton._step.checkpoint import StateDictError
 from tests.cases import PROBLEMS
 from tests.utils import (
     Case,

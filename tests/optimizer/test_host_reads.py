@@ -2,7 +2,7 @@
 
 On a GPU every host read of a device value is a synchronization that stalls the
 launch queue. The step's checks and counts, BackPACK's check that the loss was not
-scaled included, are read together (``dampednewton.step_status``). Counted on the
+scaled included, are read together (``dampednewton._step.step_status``). Counted on the
 CPU with :class:`~benchmarks.micro.host_reads.HostReads`, and on CUDA with torch's sync
 debug mode.
 """

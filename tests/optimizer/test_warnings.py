@@ -15,7 +15,7 @@ from backpack import backpack
 from packaging.version import Version
 
 from dampednewton import DampedNewton, EigvalshComputation, LevenbergMarquardt
-from dampednewton.backward import FULL_BACKWARD_HOOK_WARNING
+from dampednewton.backpack.backward import FULL_BACKWARD_HOOK_WARNING
 from dampednewton.diagnostics import GSNR, DiagnosticsMonitor
 from tests.cases import PROBLEMS, readme_problem
 from tests.utils import EXACT_VIVIT_STEP, build_case, make_closure

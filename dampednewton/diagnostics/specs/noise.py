@@ -24,7 +24,7 @@ from dampednewton.diagnostics.ranks import SINGLE_PROCESS, Ranks, summed_over_ra
 from dampednewton.diagnostics.reducer import (
     Entries,
     NamedParams,
-    gradient_of,
+    detached_gradient_of,
     pieces_of,
     quantity,
 )
@@ -155,7 +155,9 @@ class SumGradSquaredReducer(Generic[SpecT]):
         # Each rank's Σ_n (g_n/N)² has its local N = N_global/R: rescale by 1/R².
         rescale = self._ranks.world_size**2
         return [
-            per_sample_variance(gradient_of(param), total / rescale, batch_size)
+            per_sample_variance(
+                detached_gradient_of(param), total / rescale, batch_size
+            )
             for (_, param), total in zip(
                 named_params, summed_over_ranks(local, self._ranks), strict=True
             )
@@ -180,7 +182,7 @@ class GSNRReducer(SumGradSquaredReducer[GSNR]):
         plain_sum, debiased_sum, count = [], [], 0
         variances = self.variances(named_params, batch_size)
         for (name, param), variance in zip(named_params, variances, strict=True):
-            grad = gradient_of(param)
+            grad = detached_gradient_of(param)
             plain, debiased = gsnr_sums(grad, variance, batch_size, epsilon)
             entries[f"{label}/mean/{name}"] = plain / grad.numel()
             entries[f"{label}/mean_debiased/{name}"] = debiased / grad.numel()
@@ -207,7 +209,9 @@ class NoiseScaleReducer(SumGradSquaredReducer[NoiseScale]):
         """
         variances = self.variances(named_params, batch_size)
         variance_sum = torch.stack([v.sum() for v in variances]).sum()
-        norm = torch.stack([(gradient_of(p) ** 2).sum() for _, p in named_params])
+        norm = torch.stack(
+            [(detached_gradient_of(p) ** 2).sum() for _, p in named_params]
+        )
         norm = norm.sum()
         label = self.spec.label
         entries: Entries = {}

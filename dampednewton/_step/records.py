@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dampednewton.group_step import AveragedFactor, GroupStep
-from dampednewton.guard import STACKLEVEL_OF_CALLER
+from dampednewton._step.group_result import AveragedFactor, GroupStep
+from dampednewton._step.guard import STACKLEVEL_OF_CALLER
 
 BASIS = "curvature_basis"
 FROZEN = "frozen_basis"

@@ -24,8 +24,8 @@ from typing import Any
 
 from torch import Tensor
 
-from dampednewton.records import BASIS
-from dampednewton.update import MOMENTUM
+from dampednewton._step.records import BASIS
+from dampednewton._step.update import MOMENTUM
 
 PICKLABLE_ALTERNATIVES = {
     "criterion": "TopK(k), EigenvalueThreshold(v) or RelativeThreshold(f)",

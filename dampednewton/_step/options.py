@@ -18,13 +18,13 @@ from typing import Any
 from torch import Tensor
 
 from dampednewton.averaging import CurvatureAveraging
-from dampednewton.checks import (
+from dampednewton.distributed import Communicator, resolve_process_group
+from dampednewton.policies.checks import (
     check_integer,
     check_number,
     check_subsampling,
     check_warn_small_eigvals,
 )
-from dampednewton.distributed import Communicator, resolve_process_group
 from dampednewton.policies.complement import ComplementPolicy, as_complement
 from dampednewton.policies.criteria import Criterion, as_criterion
 from dampednewton.policies.damping import (

@@ -1,7 +1,7 @@
 """The single backward pass of a step: its engine, extensions and hooks.
 
 :class:`StepPass` keeps the step's :class:`~dampednewton.computations.engine.GGNEngine`
-(finishing blocks with :class:`~dampednewton.group_step.StepFinisher`) and its
+(finishing blocks with :class:`~dampednewton._step.group_step.StepFinisher`) and its
 BackPACK extensions while the settings that shape them hold, adds the diagnostics
 monitor's extensions and hook to the same pass (:func:`with_monitor`), and runs the
 closure inside that pass (:func:`~dampednewton.backpack.passes.backward_pass`) under
@@ -12,48 +12,52 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
-from dampednewton.amortized import frozen_group_step, stored_frozen, trust_bound
+from dampednewton._step.amortized import frozen_group_step, stored_frozen, trust_bound
+from dampednewton._step.averaged_step import averaged_step
+from dampednewton._step.closure import run_closure
+from dampednewton._step.group_result import AveragedFactor, GroupStep
+from dampednewton._step.group_step import StepFinisher
+from dampednewton._step.options import GroupOptions, SharedOptions
+from dampednewton._step.records import stored_factor
 from dampednewton.backpack.extensions import (
-    DeferredChecks,
     ExactSqrtGGN,
     IndividualGradients,
     MonteCarloSqrtGGN,
 )
 from dampednewton.backpack.global_batch import GlobalBatch
 from dampednewton.backpack.hooks import ExtendedModules
-from dampednewton.backpack.passes import Hook, backward_pass
+from dampednewton.backpack.loss_checks import DeferredChecks
+from dampednewton.backpack.passes import Hook
 from dampednewton.backpack.savefields import GRAD_BATCH
-from dampednewton.backward import BackwardCheck, quiet_backward_hook_warning
 from dampednewton.computations.engine import GGNEngine, GGNSettings
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
-from dampednewton.group_step import (
-    AveragedFactor,
-    GroupStep,
-    StepFinisher,
-    averaged_step,
-)
-from dampednewton.options import GroupOptions, SharedOptions
 from dampednewton.policies.damping import needs_sample_statistics
-from dampednewton.records import stored_factor
-
-CLOSURE_PATTERN = """\
-    def closure():
-        optimizer.zero_grad()
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()
-        return loss
-
-    loss = optimizer.step(closure)"""
 
 StepEngine = GGNEngine[GroupStep | None]
+
+
+class PassResult(NamedTuple):
+    """What :meth:`StepPass.run` gives the step.
+
+    Attributes:
+        loss: The closure's loss (under data parallelism: the ranks' mean).
+        results: Every group's step (``None``: no trainable parameter).
+        solved: Whether every group's eigensolver succeeded.
+        deferred: The checks that the BackPACK hooks left for the step to read (its
+            other checks are in the steps).
+    """
+
+    loss: Tensor
+    results: list[GroupStep | None]
+    solved: bool
+    deferred: DeferredChecks
 
 
 class StepPass:
@@ -81,7 +85,7 @@ class StepPass:
         step: int,
         communicator: Communicator | None = None,
         refresh: bool = False,
-    ) -> tuple[Tensor, list[GroupStep | None], bool, DeferredChecks]:
+    ) -> PassResult:
         """Run the closure's one backward pass and compute every group's direction.
 
         Groups whose averaged factor is not refreshed this step reuse it; when no
@@ -104,9 +108,8 @@ class StepPass:
             refresh: Refresh every averaged group, whatever its schedule says.
 
         Returns:
-            The loss, every group's step (``None``: no trainable parameter), whether
-            every group's eigensolver succeeded, and the checks that the BackPACK
-            hooks left for the step to read (its other checks are in the steps).
+            The loss, the groups' steps, whether the eigensolvers succeeded, and the
+            hooks' deferred checks.
         """
         blocks = [
             step_block(group, option, state, index)
@@ -171,7 +174,7 @@ class StepPass:
                 loss, None if engine is None else engine.batch_size
             )
             if not torch.isfinite(loss):
-                return loss, [None] * len(blocks), True, deferred
+                return PassResult(loss, [None] * len(blocks), True, deferred)
             if engine is not None:
                 engine.reduce_kept()
         elif engine is not None:
@@ -184,7 +187,7 @@ class StepPass:
                 )
             ]
         solved = finisher is None or finisher.eigensolver_succeeded
-        return loss, results, solved, deferred
+        return PassResult(loss, results, solved, deferred)
 
     def get(
         self,
@@ -285,62 +288,6 @@ def with_monitor(
     return list(merged.values()), [monitor.module_hook(step), *hooks]
 
 
-def run_closure(
-    closure: Callable[[], Any],
-    params: Sequence[Tensor],
-    extensions: list,
-    hooks: Sequence[Hook],
-    modules: ExtendedModules | None = None,
-    accumulation: bool = True,
-) -> Any:
-    """Run the closure's backward passes with the extensions (if any) and the hooks.
-
-    All BackPACK quantities are freed layer by layer, after the hooks ran. The
-    closure may accumulate gradients over micro-batches (see
-    :class:`~dampednewton.backward.BackwardCheck`).
-
-    Args:
-        closure: ``zero_grad``, forward, ``backward``; returns the loss.
-        params: Every parameter of the optimizer.
-        extensions: BackPACK extensions; none: a plain backward pass.
-        hooks: The consumers' extension hooks, in order.
-        modules: Records the extended modules of a pass with extensions and
-            suspends their BackPACK hooks in a pass without (then the loss
-            modules' forward passes count the micro-batches).
-        accumulation: Whether several backward passes (micro-batches) may run.
-
-    Returns:
-        What the closure returned.
-
-    Raises:
-        RuntimeError: When the closure back-propagated something else than its
-            micro-batches' losses, a graph twice, or did not zero the gradients.
-    """
-    plain = not extensions and modules is not None and len(modules) > 0
-    with (
-        torch.enable_grad(),
-        quiet_backward_hook_warning(),
-        BackwardCheck(params) as check,
-    ):
-        if plain:
-            assert modules is not None
-            with modules.suspended(), modules.counting_losses(check.count_forward):
-                loss = closure()
-        else:
-            with (
-                backward_pass(extensions, [*hooks, check.module_hook]),
-                recording(modules),
-            ):
-                loss = closure()
-    problem = check.problem(accumulation)
-    if problem is not None:
-        raise RuntimeError(
-            f"DampedNewton refused the step: {problem}; parameters and optimizer "
-            f"state unchanged. The closure should be\n{CLOSURE_PATTERN}"
-        )
-    return loss
-
-
 def step_block(
     group: dict[str, Any], options: GroupOptions, state: Mapping, index: int
 ) -> dict[str, Any]:
@@ -397,11 +344,6 @@ def _result(engine: StepEngine | None, block: dict) -> GroupStep | None:
             "class and does not guard on hooks), and gains nothing from "
             "compilation here: step with the uncompiled model."
         ) from error
-
-
-def recording(modules: ExtendedModules | None) -> AbstractContextManager:
-    """``modules.recording()``, or nothing to record into."""
-    return nullcontext() if modules is None else modules.recording()
 
 
 def _reused(block: dict[str, Any], index: int, state: Mapping) -> GroupStep:

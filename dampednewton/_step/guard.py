@@ -14,11 +14,12 @@ from types import TracebackType
 
 from torch import Generator, Tensor
 
-from dampednewton.step_status import StepStatus
+from dampednewton._step.step_status import StepStatus
 
-# Warnings of step()'s helpers point at the user's call: helper, step, and the
-# profiling wrapper that torch.optim puts around every optimizer's step.
-STACKLEVEL_OF_CALLER = 4
+# Warnings of the pipeline's helpers point at the user's call: helper,
+# Pipeline.step, DampedNewton.step, and the profiling wrapper that torch.optim puts
+# around every optimizer's step.
+STACKLEVEL_OF_CALLER = 5
 
 
 class GeneratorSnapshot:
@@ -116,15 +117,16 @@ def check_loss_type(loss: object) -> None:
         )
 
 
-def refuse(problem: str, nonfinite: str) -> None:
+def refuse(
+    problem: str, nonfinite: str, stacklevel: int = STACKLEVEL_OF_CALLER
+) -> None:
     """Refuse a step: raise for ``'raise'``, warn for ``'skip'``.
-
-    Call it from the optimizer's ``step``, so that the warning points at the
-    user's call.
 
     Args:
         problem: What is not finite (from :func:`nonfinite_problem`).
         nonfinite: The policy, ``'raise'`` or ``'skip'``.
+        stacklevel: Of the warning: the default points at the user's call when
+            ``refuse`` is called from ``Pipeline.step``.
 
     Raises:
         FloatingPointError: For ``nonfinite='raise'``.
@@ -134,4 +136,4 @@ def refuse(problem: str, nonfinite: str) -> None:
         raise FloatingPointError(
             message + " Pass nonfinite='skip' to skip such steps with a warning."
         )
-    warnings.warn(message, RuntimeWarning, stacklevel=STACKLEVEL_OF_CALLER)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)

@@ -23,14 +23,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dampednewton.group_step import GroupStep
+from dampednewton._step.group_result import GroupStep
+from dampednewton._step.records import BASIS, FROZEN
 from dampednewton.math.frozen_basis import (
     BasisStep,
     FrozenBasis,
     frozen_basis_step,
     guarded_curvature,
 )
-from dampednewton.records import BASIS, FROZEN
 
 
 def stored_frozen(stats: Mapping[str, Any]) -> FrozenBasis | None:
@@ -140,7 +140,7 @@ def frozen_group_step(
         step=tuple(
             piece.view_as(p)
             for piece, p in zip(
-                result.step.split([p.numel() for p in params]), params, strict=True
+                result.direction.split([p.numel() for p in params]), params, strict=True
             )
         ),
         evals=frozen.curvatures,

@@ -9,7 +9,8 @@ decay ``wd``:
     \theta \leftarrow (1 - \mathrm{lr}\cdot\mathrm{wd})\,\theta + \mathrm{lr}\cdot m
 
 (Nesterov: ``θ += lr·(νs + μm)``; without momentum ``m = νs`` and no buffer is kept).
-The trust-region scale ``ν`` comes from :func:`~dampednewton.model.trust_region_scale`.
+The trust-region scale ``ν`` comes from
+:func:`~dampednewton._step.quadratic_model.trust_region_scale`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dampednewton.group_step import GroupStep
+from dampednewton._step.group_result import GroupStep
+from dampednewton._step.options import GroupOptions
+from dampednewton._step.quadratic_model import trust_region_scale
 from dampednewton.math.precision import computation_dtype
-from dampednewton.model import trust_region_scale
-from dampednewton.options import GroupOptions
 
 MOMENTUM = "momentum_buffer"
 

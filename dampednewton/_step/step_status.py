@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from dampednewton.backpack.extensions import DeferredChecks, ignored_targets_error
-from dampednewton.group_step import AveragedFactor, GroupStep
+from dampednewton._step.group_result import AveragedFactor, GroupStep
+from dampednewton.backpack.loss_checks import DeferredChecks, ignored_targets_error
 from dampednewton.math.finite import finite_flag
-from dampednewton.policies.damping import invalid_damping_error
+from dampednewton.policies.damping_values import invalid_damping_error
 
 
 @dataclass

@@ -2,10 +2,11 @@
 
 ``ρ = (L(θ + Δθ) − L(θ)) / q`` with the quadratic model ``q`` of the damped Newton
 steps taken (``lr`` and trust-region scaled, summed over groups; the complement's
-term included, momentum and weight decay not, see :mod:`dampednewton.model`). The
-loss after the step comes from calling the closure again, outside the BackPACK
-context, on the same batch. A policy object shared by several groups (torch copies
-the default into every group) is updated once.
+term included, momentum and weight decay not, see
+:mod:`dampednewton._step.quadratic_model`). The loss after the step comes from
+calling the closure again, outside the BackPACK context, on the same batch. A policy
+object shared by several groups (torch copies the default into every group) is
+updated once.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from dampednewton.backward import quiet_backward_hook_warning
-from dampednewton.group_step import GroupStep
-from dampednewton.model import predicted_change
+from dampednewton._step.group_result import GroupStep
+from dampednewton._step.quadratic_model import predicted_change
+from dampednewton.backpack.backward import quiet_backward_hook_warning
 from dampednewton.policies.damping import AdaptiveDamping, Damping
 
 

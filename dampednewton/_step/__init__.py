@@ -1,0 +1,28 @@
+"""The optimizer's step pipeline (private), module by module in call order.
+
+:class:`~dampednewton.DampedNewton` keeps the ``torch.optim`` contract; a step runs:
+
+0. :mod:`.pipeline`: the driver; it calls the modules below in this order.
+1. :mod:`.options`: the param groups as validated, typed options (per group, and
+   those shared by the single backward pass).
+2. :mod:`.seeding`: the optimizer's own generator for Monte-Carlo sampling.
+3. :mod:`.amortized`: between curvature refreshes, the lean step along a frozen
+   basis after a plain backward pass; it ends the step there.
+4. :mod:`.step_pass`: otherwise the closure runs once in a BackPACK pass
+   (:mod:`.closure`: under the one-backward check), with the diagnostics monitor's
+   extensions.
+5. :mod:`.group_step`: each group's direction from its reduced GGN block (ViViT's
+   step, the Newton fraction, the complement), :mod:`.averaged_step` along the
+   averaged curvature; both give a :mod:`.group_result`.
+6. :mod:`.quadratic_model`: the step's predicted change and trust-region scale.
+7. :mod:`.step_status`: the step's device-side checks and counts, in one host read.
+8. :mod:`.guard`: a refused step (non-finite) leaves no trace.
+9. :mod:`.update`: the parameter update (trust region, momentum, weight decay).
+10. :mod:`.records`: per-group statistics and ``newton/*`` diagnostics.
+11. :mod:`.adaptation`: adaptive damping from the step's reduction ratio.
+
+Beside the step, :mod:`.checkpoint` makes and checks state dicts.
+
+Nothing below this package (``math/``, ``policies/``, ``backpack/``,
+``computations/``, ``diagnostics/``) imports from it (``tests/test_layering.py``).
+"""

@@ -1,0 +1,84 @@
+"""The closure's run: its backward passes checked, BackPACK's modules recorded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dampednewton.backpack.backward import BackwardCheck, quiet_backward_hook_warning
+from dampednewton.backpack.hooks import ExtendedModules
+from dampednewton.backpack.passes import Hook, backward_pass
+
+CLOSURE_PATTERN = """\
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    loss = optimizer.step(closure)"""
+
+
+def run_closure(
+    closure: Callable[[], Any],
+    params: Sequence[Tensor],
+    extensions: list,
+    hooks: Sequence[Hook],
+    modules: ExtendedModules | None = None,
+    accumulation: bool = True,
+) -> Any:
+    """Run the closure's backward passes with the extensions (if any) and the hooks.
+
+    All BackPACK quantities are freed layer by layer, after the hooks ran. The
+    closure may accumulate gradients over micro-batches (see
+    :class:`~dampednewton.backpack.backward.BackwardCheck`).
+
+    Args:
+        closure: ``zero_grad``, forward, ``backward``; returns the loss.
+        params: Every parameter of the optimizer.
+        extensions: BackPACK extensions; none: a plain backward pass.
+        hooks: The consumers' extension hooks, in order.
+        modules: Records the extended modules of a pass with extensions and
+            suspends their BackPACK hooks in a pass without (then the loss
+            modules' forward passes count the micro-batches).
+        accumulation: Whether several backward passes (micro-batches) may run.
+
+    Returns:
+        What the closure returned.
+
+    Raises:
+        RuntimeError: When the closure back-propagated something else than its
+            micro-batches' losses, a graph twice, or did not zero the gradients.
+    """
+    plain = not extensions and modules is not None and len(modules) > 0
+    with (
+        torch.enable_grad(),
+        quiet_backward_hook_warning(),
+        BackwardCheck(params) as check,
+    ):
+        if plain:
+            assert modules is not None
+            with modules.suspended(), modules.counting_losses(check.count_forward):
+                loss = closure()
+        else:
+            with (
+                backward_pass(extensions, [*hooks, check.module_hook]),
+                recording(modules),
+            ):
+                loss = closure()
+    problem = check.problem(accumulation)
+    if problem is not None:
+        raise RuntimeError(
+            f"DampedNewton refused the step: {problem}; parameters and optimizer "
+            f"state unchanged. The closure should be\n{CLOSURE_PATTERN}"
+        )
+    return loss
+
+
+def recording(modules: ExtendedModules | None) -> AbstractContextManager:
+    """``modules.recording()``, or nothing to record into."""
+    return nullcontext() if modules is None else modules.recording()

@@ -1,0 +1,277 @@
+"""One optimizer step from start to end: the lean frozen step or the full one.
+
+:class:`Pipeline` holds what :class:`~dampednewton.DampedNewton` keeps between steps
+(the step pass, the frozen bases, the validated options, the recorder, the seeded
+generator, the communicator) and runs a step on the optimizer's param groups and
+state, in the order of :mod:`dampednewton._step`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Generator, Tensor
+
+from dampednewton._step.adaptation import adapt, distinct_adaptive
+from dampednewton._step.amortized import (
+    FrozenBases,
+    gradient_vector,
+    record_step_lengths,
+    stored_frozen,
+    trust_bound,
+)
+from dampednewton._step.closure import run_closure
+from dampednewton._step.guard import (
+    STACKLEVEL_OF_CALLER,
+    GeneratorSnapshot,
+    check_loss_type,
+    nonfinite_problem,
+    refuse,
+)
+from dampednewton._step.options import GroupOptions, ValidatedGroups
+from dampednewton._step.records import (
+    FROZEN,
+    StepRecorder,
+    empty_group_stats,
+    store_factors,
+)
+from dampednewton._step.seeding import SeededGenerator
+from dampednewton._step.step_pass import StepPass
+from dampednewton._step.step_status import read_status, settled
+from dampednewton._step.update import apply_flat_step, apply_steps
+from dampednewton.backpack.extensions import modified_loss_warning
+from dampednewton.diagnostics import DiagnosticsMonitor
+from dampednewton.distributed import Communicator
+from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_host
+
+GLOBAL = "global"
+GROUPS = "groups"
+REFRESH_DUE = "refresh_due"
+"""Global state: the next step refreshes every averaged group (the loss rose)."""
+REFRESH_LOSS = "refresh_loss"
+"""Global state: the mini-batch loss of the last refresh."""
+
+State = dict[Any, Any]
+Groups = list[dict[str, Any]]
+
+
+def loss_tolerance(options: Sequence[GroupOptions]) -> float | None:
+    """The smallest ``loss_tolerance`` of the averaged groups (``None``: none set)."""
+    tolerances = [
+        option.averaging.loss_tolerance
+        for option in options
+        if option.averaging is not None and option.averaging.loss_tolerance is not None
+    ]
+    return min(tolerances, default=None)
+
+
+def group_stats(state: State, groups: Groups) -> list[dict[str, Any]]:
+    """``state['groups']``, created for ``groups`` the first time."""
+    return state.setdefault(GROUPS, [empty_group_stats() for _ in groups])
+
+
+class Pipeline:
+    """The step machinery of one optimizer and what it keeps between steps.
+
+    Args:
+        nonfinite: ``'raise'`` or ``'skip'`` (validated).
+        communicator: Data parallelism, or ``None`` for one process.
+        seeded: The optimizer's Monte-Carlo generator.
+    """
+
+    def __init__(
+        self, nonfinite: str, communicator: Communicator | None, seeded: SeededGenerator
+    ) -> None:
+        self.nonfinite = nonfinite
+        self.communicator = communicator
+        self.seeded = seeded
+        self.step_pass = StepPass()
+        self.bases = FrozenBases()
+        self.validated = ValidatedGroups()
+        self.recorder = StepRecorder()
+
+    def clear(self) -> None:
+        """Forget what depends on the state (after loading a state dict)."""
+        self.step_pass.clear()
+        self.bases.clear()
+
+    def step(
+        self,
+        closure: Callable[[], Tensor],
+        groups: Groups,
+        state: State,
+        monitor: DiagnosticsMonitor | None,
+    ) -> Tensor:
+        """Take one step on ``groups`` and ``state``; return the closure's loss."""
+        options, shared = self.validated.get(groups)
+        step_index = state[GLOBAL]["step"]
+        active = (
+            monitor if monitor is not None and monitor.is_active(step_index) else None
+        )
+        if active is None and self._between_refreshes(options, state, step_index):
+            return self._frozen_step(closure, groups, options, state)
+        generator = self.mc_generator(groups, state)
+        with GeneratorSnapshot(generator) as snapshot:
+            passed = self.step_pass.run(
+                closure,
+                groups,
+                options,
+                shared,
+                state,
+                generator=generator,
+                monitor=active,
+                step=step_index,
+                communicator=self.communicator,
+                refresh=state[GLOBAL].get(REFRESH_DUE, False),
+            )
+            loss, results = passed.loss, passed.results
+            check_loss_type(loss)
+            thresholds = [option.warn_small_eigvals for option in options]
+            status = read_status(loss, results, thresholds, passed.deferred)
+            status.check_inputs(results, passed.deferred)
+            if not status.loss_unscaled:
+                warnings.warn(
+                    modified_loss_warning(
+                        passed.deferred.loss_name, len(passed.deferred.loss_weights)
+                    ),
+                    stacklevel=STACKLEVEL_OF_CALLER - 1,
+                )
+            problem = nonfinite_problem(loss, status, passed.solved)
+            if self.communicator is not None:
+                refused = self.communicator.any_refuses(problem is not None)
+                if refused and problem is None:
+                    problem = "another rank refused the step"
+            if problem is not None:
+                snapshot.restore()
+                refuse(problem, self.nonfinite)
+                state[GLOBAL]["skipped_steps"] += 1
+                return loss
+            record = None
+            if active is not None:
+                params = [p for group in groups for p in group["params"]]
+                record = active.finish(step_index, params, loss)
+        results = [
+            settled(result, group)
+            for result, group in zip(results, status.groups, strict=True)
+        ]
+        scales = apply_steps(
+            [group["params"] for group in groups], options, results, state
+        )
+        stats = group_stats(state, groups)
+        store_factors(state, stats, groups, results)
+        if any(result is not None and result.factor for result in results):
+            record_step_lengths(stats, results, scales)
+            self.bases.clear()
+            state[GLOBAL].update({REFRESH_DUE: False, REFRESH_LOSS: loss.detach()})
+        state[GLOBAL]["step"] += 1
+        small = [
+            0 if group is None else group.small_eigenvalues for group in status.groups
+        ]
+        self.recorder.record(stats, thresholds, small, results, scales, record)
+        adaptive = distinct_adaptive(option.damping for option in options)
+        if adaptive:
+            multiples = [o.lr * scale for o, scale in zip(options, scales, strict=True)]
+            state[GLOBAL]["reduction_ratio"] = adapt(
+                adaptive,
+                closure,
+                loss,
+                zip(multiples, results, strict=True),
+                mean_over_ranks=None
+                if self.communicator is None
+                else self.communicator.mean,
+            )
+        return loss
+
+    def mc_generator(self, groups: Groups, state: State) -> Generator | None:
+        """The Monte-Carlo generator, ``None`` for the exact GGN."""
+        if groups[0]["mc_samples"] == 0:
+            return None
+        device = groups[0]["params"][0].device
+        if self.communicator is not None:
+            rank = self.communicator.rank
+            return self.seeded.for_rank(device, rank, state[GLOBAL]["step"])
+        return self.seeded.get(device)
+
+    def _between_refreshes(
+        self, options: Sequence[GroupOptions], state: State, step: int
+    ) -> bool:
+        """Whether every group steps along its frozen basis (the lean path).
+
+        Steps with a diagnostics monitor active (checked by the caller) or under
+        data parallelism take the same step through the general pipeline.
+        """
+        stats = state.get(GROUPS)
+        if not stats or self.communicator is not None:
+            return False
+        if state[GLOBAL].get(REFRESH_DUE, False):
+            return False
+        return all(
+            option.averaging is not None
+            and FROZEN in group
+            and not option.averaging.refreshes(step, group["curvature_updates"])
+            for option, group in zip(options, stats, strict=True)
+        )
+
+    def _frozen_step(
+        self,
+        closure: Callable[[], Tensor],
+        groups: Groups,
+        options: Sequence[GroupOptions],
+        state: State,
+    ) -> Tensor:
+        """A step between refreshes: plain backward pass, steps along frozen bases.
+
+        One host read (whether loss and steps are finite); a refused step leaves
+        parameters and state untouched.
+        """
+        params = [p for group in groups for p in group["params"]]
+        loss = run_closure(closure, params, [], [], self.step_pass.extended_modules)
+        check_loss_type(loss)
+        with torch.no_grad():
+            steps, frozens = [], []
+            for index, group in enumerate(groups):
+                basis = self.bases.get(index, state, group["params"])
+                frozen = stored_frozen(state[GROUPS][index])
+                assert frozen is not None  # checked by _between_refreshes
+                gradient = gradient_vector(group["params"], basis)
+                steps.append(frozen_basis_step(basis, gradient, frozen))
+                frozens.append(frozen)
+            # One read: the loss (and the last refresh's), each step's slope and
+            # squared length, and its frozen excess and length. A non-finite loss,
+            # gradient or step makes a read value non-finite.
+            reference = state[GLOBAL].get(REFRESH_LOSS)
+            read = [loss.detach(), loss.detach() if reference is None else reference]
+            for step, frozen in zip(steps, frozens, strict=True):
+                read += [
+                    step.slope,
+                    step.direction.square().sum(),
+                    frozen.curvature_excess,
+                    frozen.step_length,
+                ]
+            dtype = functools.reduce(torch.promote_types, (t.dtype for t in read))
+            values = torch.stack([t.to(dtype) for t in read]).tolist()
+            if not all(math.isfinite(value) for value in values[:2] + values[2::4]):
+                refuse(
+                    "the loss or the step is not finite",
+                    self.nonfinite,
+                    stacklevel=STACKLEVEL_OF_CALLER + 1,
+                )
+                state[GLOBAL]["skipped_steps"] += 1
+                return loss
+            tolerance = loss_tolerance(options)
+            if tolerance is not None and values[0] > (1 + tolerance) * values[1]:
+                state[GLOBAL][REFRESH_DUE] = True
+            for index, (group, option, step) in enumerate(
+                zip(groups, options, steps, strict=True)
+            ):
+                slope, squares, excess, length = values[2 + 4 * index : 6 + 4 * index]
+                bound = trust_bound(option.lr, option.kl_clip)
+                scale = trust_scale_on_host(slope, squares, excess, length, bound)
+                apply_flat_step(group["params"], step.direction, state, option, scale)
+        state[GLOBAL]["step"] += 1
+        return loss

@@ -1,0 +1,173 @@
+"""Checks of the loss module and its targets, and the checks a step reads later.
+
+:class:`DeferredChecks` collects device-side checks of BackPACK's hooks so that the
+optimizer reads them with the step's other checks in one host read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from backpack.extensions.backprop_extension import BackpropExtension
+from torch import Tensor
+from torch.nn import CrossEntropyLoss
+from torch.nn.modules.loss import _Loss
+
+from dampednewton.backpack.private import registered_module_types
+
+DEFAULT_IGNORE_INDEX = -100
+
+
+def supported_modules(extension: BackpropExtension) -> list[str]:
+    """The names of the module types ``extension`` supports, sorted."""
+    return sorted(cls.__name__ for cls in registered_module_types(extension))
+
+
+def check_loss_options(loss: _Loss) -> None:
+    """Refuse loss options whose GGN BackPACK does not compute, saying what to do.
+
+    BackPACK's square root of the loss Hessian assumes that every sample enters the
+    mean with weight ``1/N``. Class weights (``CrossEntropyLoss(weight=...)``,
+    ``BCEWithLogitsLoss(weight=..., pos_weight=...)``) and ignored targets break
+    that; BackPACK refuses the weights and a non-default ``ignore_index`` with a
+    generic message and silently includes targets equal to the default
+    ``ignore_index=-100``. ``label_smoothing`` is fine: the cross-entropy's Hessian
+    with respect to the logits, ``diag(p) − p pᵀ``, does not depend on the targets.
+
+    Args:
+        loss: A loss module during the backward pass (BackPACK stored its targets as
+            ``input1``).
+
+    Raises:
+        ValueError: For class weights or a non-default ``ignore_index`` (targets
+            equal to it: :func:`check_targets`).
+    """
+    name = type(loss).__name__
+    reweight = (
+        f"Use {name}() without weights and rebalance by sampling instead (e.g. "
+        "torch.utils.data.WeightedRandomSampler with per-sample weights): BackPACK's "
+        "GGN assumes that every sample enters the mean loss with weight 1/N."
+    )
+    for option in ("weight", "pos_weight"):
+        if getattr(loss, option, None) is not None:
+            raise ValueError(f"{name}({option}=...) is not supported. {reweight}")
+    if not isinstance(loss, CrossEntropyLoss):
+        return
+    drop = (
+        "Drop the samples to ignore before the loss instead: keep = targets != "
+        f"{loss.ignore_index}; loss_fn(outputs[keep], targets[keep])."
+    )
+    if loss.ignore_index != DEFAULT_IGNORE_INDEX:
+        raise ValueError(
+            f"CrossEntropyLoss(ignore_index={loss.ignore_index}) is not supported: "
+            f"BackPACK implements only the default ignore_index={DEFAULT_IGNORE_INDEX}"
+            f" (and no target may equal it). Use CrossEntropyLoss(). {drop}"
+        )
+
+
+def ignored_targets_error(ignored: int, total: int, ignore_index: int) -> ValueError:
+    """The error for targets equal to the cross-entropy's ``ignore_index``.
+
+    Args:
+        ignored: How many targets equal it.
+        total: Number of targets.
+        ignore_index: The loss's ``ignore_index``.
+
+    Returns:
+        The error to raise.
+    """
+    return ValueError(
+        f"{ignored} of the {total} targets equal CrossEntropyLoss's "
+        f"ignore_index={ignore_index}: the loss averages over the other "
+        "samples, BackPACK's GGN over all of them, so the step would be "
+        "wrong. Drop the samples to ignore before the loss instead: keep = targets "
+        f"!= {ignore_index}; loss_fn(outputs[keep], targets[keep])."
+    )
+
+
+@dataclass
+class DeferredChecks:
+    """Checks of the loss's inputs left on the device for the step to read.
+
+    An extension with ``deferred_checks`` set to such an object records them here
+    instead of reading them on the host at once (one synchronization each): the
+    optimizer reads all of a step's checks together
+    (``dampednewton._step.step_status``).
+    It also never raises on a non-finite model output: it samples from zeros
+    instead, and the step is refused. Shared by the extensions of one step, whose
+    closure may back-propagate several micro-batches: counts add up, flags combine.
+
+    Attributes:
+        ignored_targets: Number of targets equal to ``ignore_index`` (0-dim).
+        num_targets: Number of targets.
+        ignore_index: The cross-entropy's ``ignore_index``.
+        model_output_finite: Whether the model output reaching the loss is finite
+            (0-dim), where a Monte-Carlo extension sampled from it.
+        loss_unscaled: Whether the gradient reaching the loss was 1 (0-dim): BackPACK's
+            check that ``backward`` was called on the loss itself, not on a multiple.
+            For several micro-batches: whether their weights (the gradients
+            reaching their losses) sum to 1, up to rounding.
+        loss_name: The loss module, for the warning.
+        loss_weights: The gradient reaching the loss in each micro-batch's backward
+            pass (0-dim each).
+    """
+
+    ignored_targets: Tensor | None = None
+    num_targets: int = 0
+    ignore_index: int = DEFAULT_IGNORE_INDEX
+    model_output_finite: Tensor | None = None
+    loss_unscaled: Tensor | None = None
+    loss_name: str = ""
+    loss_weights: list[Tensor] = field(default_factory=list)
+
+    def add_loss_weight(self, weight: Tensor) -> None:
+        """Record a micro-batch's loss weight and update :attr:`loss_unscaled`.
+
+        Args:
+            weight: The gradient reaching the loss (0-dim).
+        """
+        self.loss_weights.append(weight.detach())
+        if len(self.loss_weights) == 1:
+            self.loss_unscaled = (weight == 1.0).all()
+            return
+        total = torch.stack(self.loss_weights).sum()
+        rounding = 8 * len(self.loss_weights) * torch.finfo(total.dtype).eps
+        self.loss_unscaled = (total - 1.0).abs() <= rounding
+
+    def add_model_output_finite(self, finite: Tensor) -> None:
+        """Combine a micro-batch's finiteness flag of the model output.
+
+        Args:
+            finite: Whether its model output is finite (0-dim).
+        """
+        previous = self.model_output_finite
+        self.model_output_finite = finite if previous is None else previous & finite
+
+
+def check_targets(loss: _Loss, deferred: DeferredChecks | None) -> None:
+    """Refuse cross-entropy targets equal to ``ignore_index``, or defer the check.
+
+    Args:
+        loss: A loss module during the backward pass (targets in ``input1``).
+        deferred: Where to leave the count instead of checking it (``None``: check
+            now, one host synchronization).
+
+    Raises:
+        ValueError: Without ``deferred``, if a target equals ``ignore_index``.
+    """
+    targets = getattr(loss, "input1", None)
+    if (
+        not isinstance(loss, CrossEntropyLoss)
+        or targets is None
+        or targets.is_floating_point()
+    ):
+        return
+    ignored = (targets == loss.ignore_index).sum()
+    if deferred is not None:
+        previous = deferred.ignored_targets
+        deferred.ignored_targets = ignored if previous is None else previous + ignored
+        deferred.num_targets += targets.numel()
+        deferred.ignore_index = loss.ignore_index
+    elif int(ignored):
+        raise ignored_targets_error(int(ignored), targets.numel(), loss.ignore_index)
