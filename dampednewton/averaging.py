@@ -119,11 +119,12 @@ class CurvatureAveraging:
             return True
         if not self.ramp:
             return step % self.interval == 0
-        refresh, gap = 0, 1
-        while refresh < step:
-            refresh += gap
-            gap = min(2 * gap, self.interval)
-        return refresh == step
+        # Gaps 1, 2, 4, … below the interval end at step 2^m − 1, the first with
+        # 2^m ≥ interval; from there every interval steps.
+        end_of_ramp = (1 << (self.interval - 1).bit_length()) - 1
+        if step <= end_of_ramp:
+            return (step + 1) & step == 0
+        return (step - end_of_ramp) % self.interval == 0
 
 
 def averaged_gram(

@@ -167,6 +167,17 @@ def test_refresh_schedule():
     assert fixed.refreshes(3, 0), "the first factor is always built"
 
 
+@pytest.mark.parametrize("interval", [1, 2, 3, 4, 5, 8, 20, 33])
+def test_the_ramp_in_closed_form_is_the_doubling_schedule(interval):
+    """Gaps 1, 2, 4, … capped at ``interval``, as a loop over the steps builds them."""
+    expected, refresh, gap = set(), 0, 1
+    while refresh < 2000:
+        expected.add(refresh)
+        refresh, gap = refresh + gap, min(2 * gap, interval)
+    averaging = CurvatureAveraging(interval=interval)
+    assert {t for t in range(2000) if averaging.refreshes(t, 1)} == expected
+
+
 def test_groups_with_differing_shared_settings_are_refused():
     case = build_case(MLP_CE)
     first, second = (list(layer.parameters()) for layer in case.model[::2])
