@@ -64,8 +64,12 @@ class DampedNewton(Optimizer):
     (K-FAC's norm constraint, ``κ = kl_clip``), the momentum ``μ`` and the decoupled
     weight decay ``wd``. With ``averaging``, the directions are those of
     ``Ḡ_t = β Ḡ_{t−1} + (1 − β) V Vᵀ`` (rank ``r``, bias-corrected by ``1 − β^t``),
-    refreshed every ``interval`` steps; the steps in between use a plain backward
-    pass.
+    refreshed at steps 0, 1, 3, 7, … and then every ``interval`` steps (20). The
+    steps in between keep the last refresh's basis ``B``, damping and ``ρ`` and take
+    the same step with the new mean gradient, ``s = Bᵀ(b ⊙ Bḡ) − ḡ/ρ``
+    (:mod:`dampednewton.math.frozen_basis`), after a backward pass without
+    BackPACK's hooks; their trust region and length are guarded by the refresh's,
+    and a loss above ``1 + loss_tolerance`` times the refresh's refreshes at once.
 
     ``step(closure)`` runs the closure (``zero_grad``, forward, ``backward``) in a
     BackPACK context: model and loss function must be extended with
