@@ -10,7 +10,8 @@
    basis after a plain backward pass; it ends the step there.
 4. :mod:`.step_pass`: otherwise the closure runs once in a BackPACK pass
    (:mod:`.closure`: under the one-backward check), with the diagnostics monitor's
-   extensions.
+   extensions; each group goes into it as a :mod:`.step_block` (typed options,
+   averaged factor, frozen coefficients).
 5. :mod:`.group_step`: each group's direction from its reduced GGN block (ViViT's
    step, the Newton fraction, the complement), :mod:`.averaged_step` along the
    averaged curvature; both give a :mod:`.group_result`.

@@ -13,27 +13,18 @@ import torch
 from torch import Tensor
 
 from dampednewton._step.group_result import AveragedFactor, GroupStep
-from dampednewton.averaging import (
-    CurvatureAveraging,
-    bias_corrected,
-)
+from dampednewton._step.step_block import StepBlock
+from dampednewton.averaging import bias_corrected
 from dampednewton.math.frozen_basis import freeze
-from dampednewton.math.gram_space import (
-    newton_coefficients,
-)
+from dampednewton.math.gram_space import newton_coefficients
 from dampednewton.math.precision import computation_dtype, upcast
 from dampednewton.policies.complement import (
-    as_complement,
     complement_coefficients,
     complement_rayleigh_quotient,
     orthogonal_energy,
 )
-from dampednewton.policies.criteria import (
-    as_criterion,
-    selected_indices,
-    top_k_start,
-)
-from dampednewton.policies.damping import as_damping
+from dampednewton.policies.criteria import selected_indices, top_k_start
+from dampednewton.policies.damping import Damping
 from dampednewton.policies.damping_values import (
     checked_damping_shape,
     trusts_its_values,
@@ -58,7 +49,7 @@ def empty_factor(params: Sequence[Tensor], like: Tensor) -> AveragedFactor:
 
 
 def averaged_step(
-    group: dict,
+    group: StepBlock,
     factor: AveragedFactor,
     batch_products: Tensor | None = None,
     mean_products: Tensor | None = None,
@@ -73,8 +64,7 @@ def averaged_step(
     curvature ``sᵀVVᵀs`` of the batch's GGN along the step as well.
 
     Args:
-        group: A group with ``params``, ``criterion``, ``damping``,
-            ``newton_fraction``, ``complement`` and ``averaging``.
+        group: The group (its options have ``averaging``).
         factor: The averaged factor (``updates >= 1``).
         batch_products: ``VᵀB`` ``[C·N, r]`` of this batch's square root, if any.
         mean_products: ``Vᵀḡ`` ``[C·N]`` (with ``batch_products``).
@@ -82,9 +72,10 @@ def averaged_step(
     Returns:
         The group's step, carrying ``factor``.
     """
-    averaging: CurvatureAveraging = group["averaging"]
-    all_evals = bias_corrected(factor.weights, averaging.decay, factor.updates)
-    criterion = as_criterion(group["criterion"])
+    options = group.options
+    assert options.averaging is not None  # only averaged groups have a factor
+    all_evals = bias_corrected(factor.weights, options.averaging.decay, factor.updates)
+    criterion = options.criterion
     start = top_k_start(criterion, all_evals.numel())
     chosen: int | Tensor = (
         selected_indices(criterion, all_evals) if start is None else start
@@ -96,7 +87,7 @@ def averaged_step(
     # positive: they get a zero coefficient.
     positive = weights > 0
     norms = weights.sqrt().where(positive, 1.0)
-    gradients = group_gradients(group["params"])
+    gradients = group_gradients(group.params)
     projections = (
         sum(
             (c.flatten(1) @ g.flatten().to(c))
@@ -105,16 +96,16 @@ def averaged_step(
         / norms
     )
     damping, valid = checked_policy_damping(
-        group["damping"],
+        options.damping,
         evals,
         evals.new_zeros(0, evals.numel()),
         projections[None],
         evals[None],
     )
-    coefficients = group["newton_fraction"] * newton_coefficients(
+    coefficients = options.newton_fraction * newton_coefficients(
         projections, evals, damping
     ).where(positive, 0.0)
-    policy = as_complement(group["complement"])
+    policy = options.complement
     energy = orthogonal_energy(squared_norm(gradients), projections)
     measured = None
     if policy is not None and batch_products is not None and mean_products is not None:
@@ -154,7 +145,7 @@ def averaged_step(
             all_evals,
             _spread(damping, chosen, all_evals.numel(), torch.inf),
             _spread(positive, chosen, all_evals.numel(), False),
-            group["newton_fraction"],
+            options.newton_fraction,
             rho,
             _excess(slope, batch_curvature),
         ),
@@ -199,7 +190,7 @@ def _spread(values: Tensor, chosen: int | Tensor, size: int, fill: Any) -> Tenso
 
 
 def checked_policy_damping(
-    damping: Any, evals: Tensor, gram_evecs: Tensor, gammas: Tensor, lambdas: Tensor
+    policy: Damping, evals: Tensor, gram_evecs: Tensor, gammas: Tensor, lambdas: Tensor
 ) -> tuple[Tensor, Tensor | None]:
     """The policy's damping ``[K]`` and, unless valid by construction, its check.
 
@@ -207,7 +198,6 @@ def checked_policy_damping(
     tensor read with the step's other checks (see
     :mod:`dampednewton._step.step_status`).
     """
-    policy = as_damping(damping)
     values = checked_damping_shape(
         policy(evals, gram_evecs, gammas, lambdas), evals.numel()
     ).to(evals)

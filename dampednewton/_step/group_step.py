@@ -27,6 +27,7 @@ from dampednewton._step.averaged_step import (
     squared_norm,
 )
 from dampednewton._step.group_result import AveragedFactor, GroupStep
+from dampednewton._step.step_block import block_of
 from dampednewton.averaging import (
     CurvatureAveraging,
     averaged_gram,
@@ -49,13 +50,9 @@ from dampednewton.math.gram_space import (
     newton_coefficients,
 )
 from dampednewton.policies.complement import (
-    as_complement,
     complement_coefficients,
     complement_rayleigh_quotient,
     orthogonal_energy,
-)
-from dampednewton.policies.criteria import (
-    as_criterion,
 )
 
 
@@ -64,15 +61,13 @@ class StepFinisher:
 
     The optimizer's :class:`~dampednewton.computations.engine.GGNEngine` calls it
     after the backward pass (the complement and averaging read the full ``.grad``).
-    Blocks are groups with, besides ``params``, ``criterion`` and ``damping``:
-    ``newton_fraction`` (the fraction ``φ`` of the Newton coefficients),
-    ``complement`` (policy or ``None``), ``averaging`` (:class:`CurvatureAveraging`
-    or ``None``) and ``factor`` (the group's :class:`AveragedFactor` so far, or
-    ``None``). A block whose GGN is not finite gives a step flagged in
-    :attr:`GroupStep.curvature_finite` (read with the step's other checks, see
-    :mod:`dampednewton._step.step_status`); one whose eigensolver fails gives ``None``
-    and is recorded in :attr:`eigensolver_succeeded`. Either way the closure
-    returns its loss and the optimizer refuses the step with a clear message.
+    Each block's group carries its :class:`~dampednewton._step.step_block.StepBlock`
+    (the group's options and averaged factor so far). A block whose GGN is not
+    finite gives a step flagged in :attr:`GroupStep.curvature_finite` (read with the
+    step's other checks, see :mod:`dampednewton._step.step_status`); one whose
+    eigensolver fails gives ``None`` and is recorded in
+    :attr:`eigensolver_succeeded`. Either way the closure returns its loss and the
+    optimizer refuses the step with a clear message.
 
     Attributes:
         per_sample_gradients: Whether blocks reduce per-sample gradients (else the
@@ -109,9 +104,10 @@ class StepFinisher:
             The step.
         """
         try:
-            if block.group["averaging"] is None:
+            averaging = block_of(block).options.averaging
+            if averaging is None:
                 return self._newton_step(block)
-            return self._averaged_step(block)
+            return self._averaged_step(block, averaging)
         except (FloatingPointError, torch.linalg.LinAlgError):
             # A non-finite Gram matrix, or the eigensolver failed on a hopeless one.
             self.eigensolver_succeeded = False
@@ -126,21 +122,19 @@ class StepFinisher:
         matrix that is not finite is replaced by zeros (no NaN reaches the
         eigensolver) and flagged in :attr:`GroupStep.curvature_finite`.
         """
-        group = block.group
+        options = block_of(block).options
         gram = block.reduced_gram
         finite = finite_flag(gram.diagonal())
-        directions = diagonalize(
-            gram.where(finite, 0.0), as_criterion(group["criterion"])
-        )
+        directions = diagonalize(gram.where(finite, 0.0), options.criterion)
         evals, gram_evecs = directions.evals, directions.gram_evecs
         positive, lengths = directions.positive, directions.lengths
         products = slope_products(block, self.per_sample_gradients)
         gammas, lambdas = slopes_and_curvatures(block, directions, products)
         damping, valid = checked_policy_damping(
-            group["damping"], evals, gram_evecs, gammas, lambdas
+            options.damping, evals, gram_evecs, gammas, lambdas
         )
         gamma_mean, lambda_mean = gammas.mean(0), lambdas.mean(0)
-        coefficients = group["newton_fraction"] * newton_coefficients(
+        coefficients = options.newton_fraction * newton_coefficients(
             gamma_mean, lambda_mean, damping
         ).where(positive, 0.0)
         details: dict[str, Any] = {
@@ -153,14 +147,14 @@ class StepFinisher:
             "curvature_finite": finite,
             "damping_valid": valid,
         }
-        policy = as_complement(group["complement"])
+        policy = options.complement
         rho = None
         if policy is not None:
             mean_products = self._mean_gradient_products(block, products)
             # ũ_kᵀ Vᵀḡ = ‖V ũ_k‖ ḡᵀe_k, for the directions the step keeps.
             in_directions = (mean_products @ gram_evecs).where(positive, 0.0)
             projections = in_directions.squeeze(0) * inverse_lengths(lengths)
-            gradients = group_gradients(group["params"])
+            gradients = group_gradients(block.group["params"])
             energy = orthogonal_energy(squared_norm(gradients), projections)
             # Vᵀg_⊥ = (I − ŨŨᵀ) Vᵀḡ: the batch GGN's curvature in the complement.
             residual = mean_products - in_directions @ gram_evecs.T
@@ -199,30 +193,29 @@ class StepFinisher:
             return products.mean(0, keepdim=True)
         return mean_gradient_products(block, mean_gradient_of)
 
-    def _averaged_step(self, block: Block) -> GroupStep:
+    def _averaged_step(self, block: Block, averaging: CurvatureAveraging) -> GroupStep:
         """Average this batch's GGN into the group's factor, then step along it.
 
         A Gram matrix that is not finite is replaced by zeros and flagged in
         :attr:`GroupStep.curvature_finite`, as in :meth:`_newton_step`.
         """
-        group = block.group
-        averaging: CurvatureAveraging = group["averaging"]
+        group = block_of(block)
         gram = block.reduced_gram
         finite = finite_flag(gram.diagonal())
         gram = gram.where(finite, 0.0)
-        previous = group["factor"] or empty_factor(group["params"], gram)
+        previous = group.factor or empty_factor(group.params, gram)
         rank = previous.weights.numel()
         cross = gram.new_zeros(rank, gram.shape[0])
         basis_gram = gram.new_zeros(rank, rank)
-        for param, basis in zip(group["params"], previous.basis, strict=True):
+        for param, param_basis in zip(group.params, previous.basis, strict=True):
             if id(param) in block.factors and rank:
-                cross += block.factors[id(param)].vector_products(basis)
-                columns = basis.flatten(1).to(basis_gram)
+                cross += block.factors[id(param)].vector_products(param_basis)
+                columns = param_basis.flatten(1).to(basis_gram)
                 basis_gram += columns @ columns.T
         small = averaged_gram(
             basis_gram, cross.where(finite, 0.0), gram, averaging.decay
         )
-        rank_kept = averaging.rank_for(as_criterion(group["criterion"]))
+        rank_kept = averaging.rank_for(group.options.criterion)
         weights, mixing = leading_eigenpairs(small, rank_kept)
         of_basis, of_batch = split_mixing(mixing, rank, averaging.decay)
         mapped = to_parameter_space(block, of_batch)

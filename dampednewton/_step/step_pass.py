@@ -18,13 +18,13 @@ import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
-from dampednewton._step.amortized import frozen_group_step, stored_frozen, trust_bound
+from dampednewton._step.amortized import frozen_group_step, trust_bound
 from dampednewton._step.averaged_step import averaged_step
 from dampednewton._step.closure import run_closure
-from dampednewton._step.group_result import AveragedFactor, GroupStep
+from dampednewton._step.group_result import GroupStep
 from dampednewton._step.group_step import StepFinisher
 from dampednewton._step.options import GroupOptions, SharedOptions
-from dampednewton._step.records import stored_factor
+from dampednewton._step.step_block import STEP_BLOCK, StepBlock, step_block
 from dampednewton.backpack.extensions import (
     ExactSqrtGGN,
     IndividualGradients,
@@ -118,12 +118,7 @@ class StepPass:
         per_sample_gradients = shared.subsampling_grad is not None or any(
             needs_sample_statistics(option.damping) for option in options
         )
-        refreshing = [
-            refresh
-            or block["averaging"] is None
-            or block["averaging"].refreshes(step, _updates(block["factor"]))
-            for block in blocks
-        ]
+        refreshing = [refresh or block.refreshes(step) for block in blocks]
         engine: StepEngine | None = None
         finisher: StepFinisher | None = None
         extensions: list[BackpropExtension] = []
@@ -135,7 +130,7 @@ class StepPass:
             hooks = [
                 engine.hook(
                     [
-                        b
+                        b.engine_group()
                         for b, refresh in zip(blocks, refreshing, strict=True)
                         if refresh
                     ]
@@ -145,7 +140,7 @@ class StepPass:
             extensions, hooks = with_monitor(
                 extensions, hooks, monitor, step, shared.subsampling_grad
             )
-        params = [p for block in blocks for p in block["params"]]
+        params = [p for block in blocks for p in block.params]
         deferred = DeferredChecks()
         for extension in extensions:
             if isinstance(
@@ -181,10 +176,8 @@ class StepPass:
             engine.reduce_kept()  # the micro-batches of gradient accumulation
         with torch.no_grad():
             results = [
-                _result(engine, block) if refresh else _reused(block, index, state)
-                for index, (block, refresh) in enumerate(
-                    zip(blocks, refreshing, strict=True)
-                )
+                _result(engine, block) if refresh else _reused(block)
+                for block, refresh in zip(blocks, refreshing, strict=True)
             ]
         solved = finisher is None or finisher.eigensolver_succeeded
         return PassResult(loss, results, solved, deferred)
@@ -230,7 +223,7 @@ class StepPass:
             engine = GGNEngine(
                 settings,
                 finisher,
-                required_group_keys=("criterion", "damping"),
+                required_group_keys=(STEP_BLOCK,),
                 keeps_factors=True,
                 needs_gradients=per_sample_gradients,
                 defers_finish=True,  # the finisher reads the complete .grad
@@ -288,51 +281,18 @@ def with_monitor(
     return list(merged.values()), [monitor.module_hook(step), *hooks]
 
 
-def step_block(
-    group: dict[str, Any], options: GroupOptions, state: Mapping, index: int
-) -> dict[str, Any]:
-    """A group as the step engine sees it, with its averaged factor.
-
-    Args:
-        group: The param group.
-        options: Its validated options.
-        state: The optimizer's state (``state['groups'][index]`` holds the
-            group's statistics once it stepped).
-        index: The group's index.
-
-    Returns:
-        The block: ``params``, the policies, ``newton_fraction``, ``averaging``
-        and ``factor``.
-    """
-    stats = state.get("groups")
-    factor = None
-    if options.averaging is not None and stats:
-        factor = stored_factor(state, stats[index], group)
-    return {
-        "params": group["params"],
-        "criterion": options.criterion,
-        "damping": options.damping,
-        "newton_fraction": options.newton_fraction,
-        "complement": options.complement,
-        "averaging": options.averaging,
-        "factor": factor,
-        "lr": options.lr,
-        "kl_clip": options.kl_clip,
-    }
-
-
-def _result(engine: StepEngine | None, block: dict) -> GroupStep | None:
+def _result(engine: StepEngine | None, block: StepBlock) -> GroupStep | None:
     """A group's step from the engine (``None`` without trainable parameters).
 
     Raises:
         RuntimeError: When no curvature reached the group's parameters.
     """
-    if not any(p.requires_grad for p in block["params"]):
+    if not any(p.requires_grad for p in block.params):
         return None
     if engine is None:
         raise RuntimeError("A refreshed group's step needs the engine.")
     try:
-        return engine.result(block)
+        return engine.result(block.engine_group())
     except KeyError as error:
         raise RuntimeError(
             "No curvature information reached the parameters of a group. Extend "
@@ -346,15 +306,11 @@ def _result(engine: StepEngine | None, block: dict) -> GroupStep | None:
         ) from error
 
 
-def _reused(block: dict[str, Any], index: int, state: Mapping) -> GroupStep:
+def _reused(block: StepBlock) -> GroupStep:
     """A group's step along its averaged factor between refreshes."""
-    frozen = stored_frozen(state["groups"][index])
-    if frozen is None:  # a factor from a state saved before frozen coefficients
-        return averaged_step(block, block["factor"])
-    basis = torch.cat([b.flatten(1) for b in block["factor"].basis], dim=1)
-    bound = trust_bound(block["lr"], block["kl_clip"])
-    return frozen_group_step(block["params"], basis, frozen, bound)
-
-
-def _updates(factor: AveragedFactor | None) -> int:
-    return 0 if factor is None else factor.updates
+    assert block.factor is not None  # a group without one refreshes
+    if block.frozen is None:  # a factor from a state saved before frozen coefficients
+        return averaged_step(block, block.factor)
+    basis = torch.cat([b.flatten(1) for b in block.factor.basis], dim=1)
+    bound = trust_bound(block.options.lr, block.options.kl_clip)
+    return frozen_group_step(block.params, basis, block.frozen, bound)

@@ -3,7 +3,10 @@
 import torch
 from backpack import extend
 
+from dampednewton import DampedNewton
 from dampednewton._step.group_step import StepFinisher
+from dampednewton._step.options import GroupOptions
+from dampednewton._step.step_block import STEP_BLOCK, StepBlock
 from dampednewton.backpack.passes import backward_pass
 from dampednewton.computations import DirectionalDampedNewtonComputation
 from dampednewton.computations.engine import GGNEngine, GGNSettings
@@ -21,6 +24,20 @@ def _problem():
     inputs = torch.randn(6, 5, generator=generator, dtype=torch.float64)
     targets = torch.randint(3, (6,), generator=generator)
     return model, loss_fn, inputs, targets
+
+
+def _plain_block(params):
+    """A block with ViViT's step only: ``k = 3``, ``δ = 0.5``, ``φ = 1``."""
+    optimizer = DampedNewton(
+        params,
+        damping=0.5,
+        criterion=3,
+        complement=None,
+        newton_fraction=1.0,
+        averaging=None,
+    )
+    group = optimizer.param_groups[0]
+    return StepBlock(tuple(group["params"]), GroupOptions.from_group(group))
 
 
 def _run(model, loss_fn, inputs, targets, extensions, hook):
@@ -47,18 +64,12 @@ def test_finisher_without_complement_or_averaging_gives_exactly_vivit_step():
     engine = GGNEngine(
         GGNSettings(),
         finisher,
-        required_group_keys=("criterion", "damping"),
+        required_group_keys=(STEP_BLOCK,),
         keeps_factors=True,
         needs_gradients=True,
         defers_finish=True,
     )
-    block = {
-        **group,
-        "newton_fraction": 1.0,
-        "complement": None,
-        "averaging": None,
-        "factor": None,
-    }
+    block = _plain_block(group["params"]).engine_group()
     _run(model, loss_fn, inputs, targets, engine.extensions(), engine.hook([block]))
     actual = engine.result(block)
 
@@ -86,15 +97,7 @@ def test_finisher_flags_a_non_finite_curvature_without_reading_it():
         needs_gradients=True,
         defers_finish=True,
     )
-    block = {
-        "params": list(model.parameters()),
-        "criterion": 3,
-        "damping": 0.5,
-        "newton_fraction": 1.0,
-        "complement": None,
-        "averaging": None,
-        "factor": None,
-    }
+    block = _plain_block(list(model.parameters())).engine_group()
     bad_inputs = inputs.clone()
     bad_inputs[0, 0] = torch.inf
     _run(model, loss_fn, bad_inputs, targets, engine.extensions(), engine.hook([block]))
