@@ -114,7 +114,7 @@ def record_step_lengths(
     """
     for group, result, scale in zip(stats, results, scales, strict=True):
         if result is not None and result.factor is not None and FROZEN in group:
-            squares = sum(part.square().sum() for part in result.step)
+            squares = sum(part.square().sum() for part in result.direction)
             length = torch.as_tensor(scale) * torch.as_tensor(squares).sqrt()
             group[FROZEN]["step_length"] = length.to(group[FROZEN]["weights"])
 
@@ -137,7 +137,7 @@ def frozen_group_step(
     kept = frozen.kept
     slopes = result.projections / frozen.weights.where(kept, 1.0).sqrt()
     return GroupStep(
-        step=tuple(
+        direction=tuple(
             piece.view_as(p)
             for piece, p in zip(
                 result.direction.split([p.numel() for p in params]), params, strict=True

@@ -122,14 +122,14 @@ def averaged_step(
     batch_curvature = None
     if rho is None:
         weights = coefficients / norms
-        step = tuple(torch.tensordot(weights.to(c), c, dims=1) for c in columns)
+        direction = tuple(torch.tensordot(weights.to(c), c, dims=1) for c in columns)
         if batch_products is not None:
             chosen_products = _entries(batch_products.T, chosen).T
             batch_curvature = (chosen_products @ weights).square().sum()
     else:
         rho = rho.to(evals)
         weights = complement_coefficients(coefficients, projections, rho) / norms
-        step = tuple(
+        direction = tuple(
             torch.tensordot(weights.to(c), c, dims=1) - g / rho
             for c, g in zip(columns, gradients, strict=True)
         )
@@ -139,7 +139,7 @@ def averaged_step(
             mapped = chosen_products @ weights - mean_products / rho
             batch_curvature = mapped.square().sum()
     return GroupStep(
-        step=step,
+        direction=direction,
         frozen=freeze(
             factor.weights,
             all_evals,

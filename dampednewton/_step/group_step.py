@@ -164,7 +164,7 @@ class StepFinisher:
         if rho is None:
             beta = gram_space_step(coefficients, gram_evecs, lengths)
             return GroupStep(
-                step=tuple(to_parameter_space(block, beta)),
+                direction=tuple(to_parameter_space(block, beta)),
                 slope=torch.sum(gamma_mean * coefficients),
                 curvature=(curvature := torch.sum(lambda_mean * coefficients**2)),
                 batch_curvature=curvature,
@@ -176,7 +176,9 @@ class StepFinisher:
         )
         mapped = to_parameter_space(block, beta)
         return GroupStep(
-            step=tuple(m - g / rho for m, g in zip(mapped, gradients, strict=True)),
+            direction=tuple(
+                m - g / rho for m, g in zip(mapped, gradients, strict=True)
+            ),
             slope=torch.sum(projections * coefficients) - energy / rho,
             curvature=(
                 curvature := torch.sum(lambda_mean * coefficients**2)

@@ -123,7 +123,7 @@ def read_status(
     """
     reads = _Reads()
     loss_slot = reads.add(finite_flag(loss.detach()))
-    steps = [s for r in results if r is not None for s in r.step]
+    steps = [s for r in results if r is not None for s in r.direction]
     step_slot = reads.add(finite_flag(*steps) if steps else None)
     group_slots = [
         None if result is None else _group_slots(reads, result, threshold)

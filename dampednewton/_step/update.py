@@ -83,7 +83,7 @@ def apply_steps(
                 option.lr, step.slope, step.batch_curvature, option.kl_clip
             )
             scales.append(scale)
-            for param, direction in zip(group, step.step, strict=True):
+            for param, direction in zip(group, step.direction, strict=True):
                 if param.requires_grad:
                     update_parameter(param, direction * scale, state[param], option)
     return scales

@@ -80,7 +80,7 @@ def test_finisher_without_complement_or_averaging_gives_exactly_vivit_step():
     for name in ("evals", "gamma_mean", "lambda_mean", "damping", "coefficients"):
         mine = getattr(actual, name)[first:]
         assert torch.equal(mine, getattr(expected, name)), name
-    for mine, theirs in zip(actual.step, expected.step, strict=True):
+    for mine, theirs in zip(actual.direction, expected.step, strict=True):
         assert torch.equal(mine, theirs)
     torch.testing.assert_close(
         actual.slope, torch.sum(expected.gamma_mean * expected.coefficients)
