@@ -1,7 +1,7 @@
 """One optimizer step from start to end: the lean frozen step or the full one.
 
 :class:`Pipeline` holds what :class:`~dampednewton.DampedNewton` keeps between steps
-(the step pass, the frozen bases, the validated options, the recorder, the seeded
+(the step pass with its frozen bases, the validated options, the recorder, the seeded
 generator, the communicator) and runs a step on the optimizer's param groups and
 state, in the order of :mod:`dampednewton._step`.
 """
@@ -19,7 +19,6 @@ from torch import Generator, Tensor
 
 from dampednewton._step.adaptation import adapt, distinct_adaptive
 from dampednewton._step.amortized import (
-    FrozenBases,
     gradient_vector,
     record_step_lengths,
     stored_frozen,
@@ -91,14 +90,12 @@ class Pipeline:
         self.communicator = communicator
         self.seeded = seeded
         self.step_pass = StepPass()
-        self.bases = FrozenBases()
         self.validated = ValidatedGroups()
         self.recorder = StepRecorder()
 
     def clear(self) -> None:
         """Forget what depends on the state (after loading a state dict)."""
         self.step_pass.clear()
-        self.bases.clear()
 
     def step(
         self,
@@ -166,7 +163,7 @@ class Pipeline:
         store_factors(state, stats, groups, results)
         if any(result is not None and result.factor for result in results):
             record_step_lengths(stats, results, scales)
-            self.bases.clear()
+            self.step_pass.bases.clear()
             state[GLOBAL].update({REFRESH_DUE: False, REFRESH_LOSS: loss.detach()})
         state[GLOBAL]["step"] += 1
         small = [
@@ -235,7 +232,7 @@ class Pipeline:
         with torch.no_grad():
             steps, frozens = [], []
             for index, group in enumerate(groups):
-                basis = self.bases.get(index, state, group["params"])
+                basis = self.step_pass.bases.get(index, state, group["params"])
                 frozen = stored_frozen(state[GROUPS][index])
                 assert frozen is not None  # checked by _between_refreshes
                 gradient = gradient_vector(group["params"], basis)

@@ -18,7 +18,7 @@ import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
-from dampednewton._step.amortized import frozen_group_step, trust_bound
+from dampednewton._step.amortized import FrozenBases, frozen_group_step, trust_bound
 from dampednewton._step.averaged_step import averaged_step
 from dampednewton._step.closure import run_closure
 from dampednewton._step.group_result import GroupStep
@@ -67,10 +67,12 @@ class StepPass:
         """Start without an engine."""
         self._cached: tuple[tuple, StepEngine, StepFinisher, list] | None = None
         self.extended_modules = ExtendedModules()
+        self.bases = FrozenBases()
 
     def clear(self) -> None:
-        """Forget the engine (after loading a state)."""
+        """Forget the engine and the frozen bases (after loading a state)."""
         self._cached = None
+        self.bases.clear()
 
     def run(
         self,
@@ -176,8 +178,12 @@ class StepPass:
             engine.reduce_kept()  # the micro-batches of gradient accumulation
         with torch.no_grad():
             results = [
-                _result(engine, block) if refresh else _reused(block)
-                for block, refresh in zip(blocks, refreshing, strict=True)
+                _result(engine, block)
+                if refresh
+                else _reused(block, self.bases.get(index, state, block.params))
+                for index, (block, refresh) in enumerate(
+                    zip(blocks, refreshing, strict=True)
+                )
             ]
         solved = finisher is None or finisher.eigensolver_succeeded
         return PassResult(loss, results, solved, deferred)
@@ -306,11 +312,13 @@ def _result(engine: StepEngine | None, block: StepBlock) -> GroupStep | None:
         ) from error
 
 
-def _reused(block: StepBlock) -> GroupStep:
-    """A group's step along its averaged factor between refreshes."""
+def _reused(block: StepBlock, basis: Tensor) -> GroupStep:
+    """A group's step along its averaged factor between refreshes.
+
+    ``basis`` is the factor as one ``[r, D]`` matrix, built once per refresh.
+    """
     assert block.factor is not None  # a group without one refreshes
     if block.frozen is None:  # a factor from a state saved before frozen coefficients
         return averaged_step(block, block.factor)
-    basis = torch.cat([b.flatten(1) for b in block.factor.basis], dim=1)
     bound = trust_bound(block.options.lr, block.options.kl_clip)
     return frozen_group_step(block.params, basis, block.frozen, bound)
