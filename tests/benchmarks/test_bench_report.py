@@ -4,28 +4,12 @@ from __future__ import annotations
 
 from benchmarks.report.aggregate import group_settings, tune
 from benchmarks.report.report import problem_table
-from benchmarks.sweep.result import RunResult
+from tests.benchmarks.made_results import made_result
 
 
 def result(optimizer, seed, steps, lr):
     """A trained run on problem ``p``: accuracy targets 0.5 and 0.9, 10 ms a step."""
-    return RunResult.from_json(
-        {
-            "problem": "p",
-            "optimizer": optimizer,
-            "seed": seed,
-            "status": "ok",
-            "hyperparameters": {"lr": lr},
-            "maximize": True,
-            "metric": "accuracy",
-            "targets": [0.5, 0.9],
-            "final": {"test_metric": 0.9, "test_loss": 0.3, "train_loss": 0.2},
-            "best": {"test_metric": 0.9},
-            "steps_to_target": steps,
-            "time_to_target": [None if s is None else s / 100 for s in steps],
-            "step_time": {"median": 0.01},
-        }
-    )
+    return made_result(optimizer, seed, steps, lr=lr)
 
 
 def test_table_gives_every_optimizer_its_grids_fastest_run_to_each_target():

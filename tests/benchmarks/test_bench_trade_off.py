@@ -4,26 +4,13 @@ from __future__ import annotations
 
 from benchmarks.report.aggregate import group_settings, tune
 from benchmarks.report.trade_off import trade_off
-from benchmarks.sweep.result import RunResult
+from tests.benchmarks.made_results import made_result
 
 
 def result(optimizer, seed, final, steps, seconds, step_time, lr=1.0):
     """A trained run on problem ``p`` with targets 0.5 and 0.9 (accuracy)."""
-    return RunResult.from_json(
-        {
-            "problem": "p",
-            "optimizer": optimizer,
-            "seed": seed,
-            "status": "ok",
-            "hyperparameters": {"lr": lr},
-            "maximize": True,
-            "metric": "accuracy",
-            "targets": [0.5, 0.9],
-            "final": {"test_metric": final},
-            "steps_to_target": steps,
-            "time_to_target": seconds,
-            "step_time": {"median": step_time},
-        }
+    return made_result(
+        optimizer, seed, steps, seconds=seconds, final=final, step_time=step_time, lr=lr
     )
 
 
