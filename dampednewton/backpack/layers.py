@@ -35,7 +35,6 @@ from backpack.extensions.firstorder.batch_grad.linear import BatchGradLinear
 from backpack.extensions.module_extension import ModuleExtension
 from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
 from backpack.extensions.secondorder.sqrt_ggn.linear import SqrtGGNLinear
-from backpack.utils.conv import unfold_input
 from backpack.utils.subsampling import subsample
 from torch import Tensor
 from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module
@@ -43,6 +42,7 @@ from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module
 from dampednewton.backpack.buffers import LinearBuffers, SharedLinearBuffers
 from dampednewton.backpack.private import default_param_function
 from dampednewton.backpack.savefields import SQRT_GGNS, module_input
+from dampednewton.math.patches import conv_patches
 
 
 def _shared_buffers(module, ext, g_out, backproped, *, layout) -> SharedLinearBuffers:
@@ -55,7 +55,13 @@ def _shared_buffers(module, ext, g_out, backproped, *, layout) -> SharedLinearBu
     inputs = (
         module_input(module).flatten(start_dim=1, end_dim=-2)
         if isinstance(module, Linear)
-        else unfold_input(module, module_input(module)).transpose(1, 2)
+        else conv_patches(
+            module_input(module),
+            module.kernel_size,
+            stride=module.stride,
+            padding=module.padding,
+            dilation=module.dilation,
+        )
     )  # [N, P, d_in]
     return SharedLinearBuffers(
         layout(backproped),
