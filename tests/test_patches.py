@@ -31,7 +31,12 @@ def patches_by_loop(inputs, conv):
     outputs = [
         (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
         for size, pad, dilation, kernel, stride in zip(
-            inputs.shape[2:], conv.padding, conv.dilation, conv.kernel_size, conv.stride
+            inputs.shape[2:],
+            conv.padding,
+            conv.dilation,
+            conv.kernel_size,
+            conv.stride,
+            strict=True,
         )
     ]
     rows = []
