@@ -58,8 +58,8 @@ def conv_patches(
     ):
         windows = windows.unfold(2 + dim, (size - 1) * spread + 1, step)
     if any(spread > 1 for spread in dilation):
-        taps = (slice(None, None, spread) for spread in dilation)
-        windows = windows[(..., *taps)]
+        taps = [slice(None)] * (2 + dims) + [slice(None, None, d) for d in dilation]
+        windows = windows[tuple(taps)]
     # windows: [N, C_in, O_1, …, O_d, K_1, …, K_d]
     order = [0, *range(2, 2 + dims), 1, *range(2 + dims, 2 + 2 * dims)]
     positions = windows.shape[2 : 2 + dims].numel()
