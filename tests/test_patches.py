@@ -116,3 +116,10 @@ def test_mismatched_arguments_are_refused():
         conv_patches(
             torch.zeros(1, 1, 5), (3, 3), stride=(1,), padding=(0,), dilation=(1,)
         )
+
+
+def test_memory_layout_does_not_matter(case):
+    conv, inputs = case
+    strided = inputs.transpose(0, -1).contiguous().transpose(0, -1)  # other strides
+    assert not strided.is_contiguous()
+    assert torch.equal(patches_of(conv, strided), patches_of(conv, inputs))
