@@ -88,27 +88,28 @@ def test_patches_times_the_weight_are_the_convolution(case):
     torch.testing.assert_close(output, expected, rtol=1e-12, atol=1e-12)
 
 
-TWO_DIMENSIONAL = [name for name in CONVOLUTIONS if name.startswith("conv2d")]
+ONE_DIMENSIONAL = [name for name in CONVOLUTIONS if name.startswith("conv1d")]
 
 
-@pytest.mark.parametrize("name", TWO_DIMENSIONAL, ids=TWO_DIMENSIONAL)
-def test_two_dimensional_patches_equal_torch_unfold(name):
+@pytest.mark.parametrize("name", ONE_DIMENSIONAL, ids=ONE_DIMENSIONAL)
+def test_views_equal_torch_unfold_on_a_flat_image(name):
+    """1-D patches by views equal 2-D ones by torch's im2col on ``[N, C, 1, L]``."""
     conv = CONVOLUTIONS[name].double()
     inputs = torch.randn(
         3,
         conv.in_channels,
-        *SPATIAL[2],
+        *SPATIAL[1],
         generator=torch.Generator().manual_seed(1),
         dtype=torch.float64,
     )
-    unfolded = nn.functional.unfold(
-        inputs,
-        conv.kernel_size,
-        dilation=conv.dilation,
-        padding=conv.padding,
-        stride=conv.stride,
+    flat_image = conv_patches(
+        inputs.unsqueeze(2),
+        (1, *conv.kernel_size),
+        stride=(1, *conv.stride),
+        padding=(0, *conv.padding),
+        dilation=(1, *conv.dilation),
     )
-    assert torch.equal(patches_of(conv, inputs), unfolded.transpose(1, 2))
+    assert torch.equal(patches_of(conv, inputs), flat_image)
 
 
 def test_mismatched_arguments_are_refused():
