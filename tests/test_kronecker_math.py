@@ -1,0 +1,178 @@
+"""The Kronecker-factored step's pure math against dense float64 references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dampednewton.math.kronecker import (
+    FactorEigen,
+    damping_pi,
+    factor_eigen,
+    input_factor,
+    kronecker_direction,
+    output_factor,
+)
+from tests.assertions import assert_close
+
+DTYPE = torch.float64
+
+
+def psd(dim: int, seed: int, decay: float = 0.7) -> torch.Tensor:
+    """A PSD matrix with the spectrum ``decay**k`` (a clear gap between neighbours)."""
+    generator = torch.Generator().manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=DTYPE)).Q
+    return (basis * decay ** torch.arange(dim, dtype=DTYPE)) @ basis.T
+
+
+def test_input_factor_is_the_mean_of_outer_products_with_a_one_appended():
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(5, 3, 4, generator=generator, dtype=DTYPE)
+    expected = torch.zeros(5, 5, dtype=DTYPE)
+    for sample in inputs:
+        for position in sample:
+            augmented = torch.cat([position, torch.ones(1, dtype=DTYPE)])
+            expected += torch.outer(augmented, augmented)
+    assert_close(input_factor(inputs, bias=True, num_samples=5), expected / 5)
+    assert_close(
+        input_factor(inputs, bias=False, num_samples=5), expected[:4, :4] / 5
+    )
+    flat = inputs[:, 0]  # [N, d_in] inputs of a layer without positions
+    assert_close(
+        input_factor(flat, bias=False, num_samples=5), flat.T @ flat / 5, name="flat"
+    )
+
+
+def test_output_factor_sums_columns_and_averages_positions():
+    generator = torch.Generator().manual_seed(1)
+    backproped = torch.randn(2, 5, 3, 4, generator=generator, dtype=DTYPE)
+    expected = sum(
+        torch.outer(backproped[c, n, p], backproped[c, n, p])
+        for c in range(2)
+        for n in range(5)
+        for p in range(3)
+    )
+    assert_close(output_factor(backproped), expected / 3)
+    assert_close(output_factor(backproped, scale=4.0), 4 * expected / 3)
+    assert_close(output_factor(backproped[:, :, 0]), sum(
+        torch.outer(backproped[c, n, 0], backproped[c, n, 0])
+        for c in range(2)
+        for n in range(5)
+    ), name="without positions")
+
+
+def test_a_small_factor_is_decomposed_exactly():
+    factor = psd(6, seed=2)
+    eigen = factor_eigen(factor, rank=6)
+    assert not eigen.truncated
+    reconstructed = (eigen.vectors * eigen.values) @ eigen.vectors.T
+    assert_close(reconstructed, factor, atol=1e-12)
+    assert eigen.residual == 0
+    assert_close(eigen.mean, torch.trace(factor) / 6)
+
+
+def test_a_large_factor_keeps_its_leading_eigenpairs_and_the_mean_of_the_rest():
+    factor = psd(30, seed=3, decay=0.5)
+    exact_values, exact_vectors = torch.linalg.eigh(factor)
+    eigen = factor_eigen(factor, rank=4)
+    assert eigen.truncated and eigen.vectors.shape == (30, 4)
+    # A gap of 2 between neighbours: four subspace iterations reach about 2**-8 of
+    # the next eigenvalue; refreshes from the previous basis converge further.
+    for _ in range(40):
+        eigen = factor_eigen(factor, rank=4, previous=eigen.vectors)
+    assert_close(eigen.values, exact_values[-4:], atol=1e-12, name="kept values")
+    overlap = exact_vectors[:, -4:].T @ eigen.vectors
+    assert_close(overlap.abs(), torch.eye(4, dtype=DTYPE), atol=1e-9, name="vectors")
+    rest = (torch.trace(factor) - exact_values[-4:].sum()) / 26
+    assert_close(eigen.residual, rest, atol=1e-12, name="residual")
+
+
+def test_the_first_subspace_iterations_already_find_a_well_separated_top():
+    factor = psd(40, seed=4, decay=0.2)
+    eigen = factor_eigen(factor, rank=3)
+    exact = torch.linalg.eigvalsh(factor)[-3:]
+    assert_close(eigen.values, exact, rtol=1e-4, name="first refresh")
+
+
+def complete(vectors: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of the whole space whose first columns are ``vectors``."""
+    dim, rank = vectors.shape
+    generator = torch.Generator().manual_seed(dim)
+    rest = torch.randn(dim, dim - rank, generator=generator, dtype=DTYPE)
+    rest = rest - vectors @ (vectors.T @ rest)
+    return torch.cat([vectors, torch.linalg.qr(rest).Q], dim=1)
+
+
+def full_spectrum_matrix(eigen: FactorEigen, shift: torch.Tensor) -> torch.Tensor:
+    """``Σ (value + shift) w wᵀ`` over kept and residual directions, dense."""
+    basis = complete(eigen.vectors)
+    dim, rank = eigen.vectors.shape
+    values = torch.cat([eigen.values, eigen.residual.expand(dim - rank)])
+    return (basis * (values + shift)) @ basis.T
+
+
+def truncated_eigen(dim: int, rank: int, seed: int) -> FactorEigen:
+    factor = psd(dim, seed, decay=0.6)
+    eigen = factor_eigen(factor, rank)
+    for _ in range(30):  # converged, so that the kept values are eigenvalues
+        eigen = factor_eigen(factor, rank, previous=eigen.vectors)
+    return eigen
+
+
+@pytest.mark.parametrize("damping", [0.0, 1e-3, 0.3])
+@pytest.mark.parametrize(
+    "out_rank, in_rank",
+    [(5, 7), (3, 7), (5, 2), (2, 3)],
+    ids=["full", "output-truncated", "input-truncated", "both-truncated"],
+)
+def test_direction_inverts_the_damped_kronecker_product(out_rank, in_rank, damping):
+    output = truncated_eigen(5, out_rank, seed=5)
+    inputs = truncated_eigen(7, in_rank, seed=6)
+    generator = torch.Generator().manual_seed(7)
+    gradient = torch.randn(5, 7, generator=generator, dtype=DTYPE)
+    step = kronecker_direction(gradient, output, inputs, damping)
+
+    pi = damping_pi(output, inputs)
+    root = math.sqrt(damping)
+    damped = torch.kron(
+        full_spectrum_matrix(output, root / pi), full_spectrum_matrix(inputs, root * pi)
+    )
+    undamped = torch.kron(
+        full_spectrum_matrix(output, torch.zeros(())),
+        full_spectrum_matrix(inputs, torch.zeros(())),
+    )
+    flat_gradient = gradient.flatten()
+    expected = -torch.linalg.solve(damped, flat_gradient)
+    assert_close(step.direction.flatten(), expected, rtol=1e-9, atol=1e-11)
+    assert_close(step.slope, flat_gradient @ expected, rtol=1e-9, name="slope")
+    assert_close(
+        step.curvature, expected @ undamped @ expected, rtol=1e-9, name="curvature"
+    )
+
+
+@pytest.mark.parametrize("damping", [1e-4, 0.1])
+def test_full_rank_direction_is_kfac_with_factored_tikhonov_damping(damping):
+    output_matrix, input_matrix = psd(4, seed=8), psd(6, seed=9)
+    gradient = torch.randn(4, 6, generator=torch.Generator().manual_seed(10)).double()
+    step = kronecker_direction(
+        gradient, factor_eigen(output_matrix, 4), factor_eigen(input_matrix, 6), damping
+    )
+    pi = math.sqrt((torch.trace(input_matrix) / 6) / (torch.trace(output_matrix) / 4))
+    root = math.sqrt(damping)
+    expected = -torch.linalg.solve(
+        output_matrix + root / pi * torch.eye(4, dtype=DTYPE),
+        gradient,
+    ) @ torch.linalg.inv(input_matrix + root * pi * torch.eye(6, dtype=DTYPE))
+    assert_close(step.direction, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_pi_is_one_for_an_empty_factor():
+    empty = FactorEigen(
+        torch.zeros(2, dtype=DTYPE),
+        torch.eye(2, dtype=DTYPE),
+        torch.zeros((), dtype=DTYPE),
+        torch.zeros((), dtype=DTYPE),
+    )
+    assert damping_pi(empty, empty) == 1
