@@ -8,7 +8,8 @@ from dampednewton.computations import (
     EigvalshComputation,
     NewtonStep,
 )
-from dampednewton.optimizer import DampedNewton
+from dampednewton.optimizer import DampedNewton, basis_defaults
+from dampednewton.policies.basis import GramBasis, KroneckerBasis
 from dampednewton.policies.complement import (
     ConstantCurvature,
     MeasuredCurvature,
@@ -34,6 +35,8 @@ __all__ = [
     "EighComputation",
     "EigvalshComputation",
     "GSNRDamping",
+    "GramBasis",
+    "KroneckerBasis",
     "LevenbergMarquardt",
     "MeasuredCurvature",
     "NewtonStep",
@@ -42,4 +45,5 @@ __all__ = [
     "RelativeThreshold",
     "SmallestCurvature",
     "TopK",
+    "basis_defaults",
 ]

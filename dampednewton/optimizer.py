@@ -29,14 +29,54 @@ from dampednewton._step.records import empty_group_stats
 from dampednewton._step.seeding import SeededGenerator
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.diagnostics import DiagnosticsMonitor
+from dampednewton.policies.basis import Basis, KroneckerBasis, as_basis
 from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature
 from dampednewton.policies.criteria import Criterion
 from dampednewton.policies.damping import Damping, LevenbergMarquardt
 
 DEFAULT_DAMPING = 0.1
-"""Initial ``δ`` of the default Levenberg-Marquardt damping."""
+"""Initial ``δ`` of the Gram basis' default Levenberg-Marquardt damping."""
 DEFAULT_DAMPING_INTERVAL = 5
-"""Steps between adaptations of the default Levenberg-Marquardt damping (K-FAC's T₃)."""
+"""Steps between adaptations of that damping (K-FAC's T₃)."""
+
+
+class _BasisDefault:
+    """The marker of an option whose default depends on the basis."""
+
+    def __repr__(self) -> str:
+        return "<the basis' default>"
+
+
+BASIS_DEFAULT: Any = _BasisDefault()
+"""Default of ``damping``, ``newton_fraction``, ``averaging`` and ``kl_clip``: the
+value of :func:`basis_defaults` for the constructor's ``basis``."""
+
+
+def basis_defaults(basis: Basis) -> dict[str, Any]:
+    """The options tuned for a basis (by time to target; see docs/benchmarks.md).
+
+    Args:
+        basis: :class:`KroneckerBasis` or :class:`GramBasis`.
+
+    Returns:
+        ``damping``, ``newton_fraction``, ``averaging`` and ``kl_clip`` (a new
+        damping policy object on every call).
+    """
+    if isinstance(as_basis(basis), KroneckerBasis):
+        return {
+            "damping": 1e-3,
+            "newton_fraction": 1.0,
+            "averaging": CurvatureAveraging(decay=0.95, interval=10),
+            "kl_clip": 0.01,
+        }
+    return {
+        "damping": LevenbergMarquardt(
+            value=DEFAULT_DAMPING, interval=DEFAULT_DAMPING_INTERVAL
+        ),
+        "newton_fraction": 0.3,
+        "averaging": CurvatureAveraging(),
+        "kl_clip": 1.0,
+    }
 
 
 class DampedNewton(Optimizer):
@@ -150,10 +190,11 @@ class DampedNewton(Optimizer):
         damping: float | Damping | None = None,
         criterion: int | Criterion = 20,
         *,
+        basis: Basis = KroneckerBasis(),  # noqa: B008
         complement: float | ComplementPolicy | None = SmallestCurvature(),  # noqa: B008
-        newton_fraction: float = 0.3,
-        averaging: CurvatureAveraging | None = CurvatureAveraging(),  # noqa: B008
-        kl_clip: float | None = 1.0,
+        newton_fraction: float = BASIS_DEFAULT,
+        averaging: CurvatureAveraging | None = BASIS_DEFAULT,
+        kl_clip: float | None = BASIS_DEFAULT,
         momentum: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
@@ -172,12 +213,18 @@ class DampedNewton(Optimizer):
             ValueError: For invalid hyperparameters.
             TypeError: For hyperparameters of the wrong type.
         """
+        tuned = basis_defaults(basis)
         if damping is None:
-            damping = LevenbergMarquardt(
-                value=DEFAULT_DAMPING, interval=DEFAULT_DAMPING_INTERVAL
-            )
+            damping = tuned["damping"]
+        if newton_fraction is BASIS_DEFAULT:
+            newton_fraction = tuned["newton_fraction"]
+        if averaging is BASIS_DEFAULT:
+            averaging = tuned["averaging"]
+        if kl_clip is BASIS_DEFAULT:
+            kl_clip = tuned["kl_clip"]
         defaults = {
             "lr": lr,
+            "basis": basis,
             "damping": damping,
             "criterion": criterion,
             "complement": complement,

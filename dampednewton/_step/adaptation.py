@@ -17,8 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import Tensor
 
-from dampednewton._step.group_result import GroupStep
-from dampednewton._step.quadratic_model import predicted_change
+from dampednewton._step.quadratic_model import StepModel, predicted_change
 from dampednewton.backpack.backward import quiet_backward_hook_warning
 from dampednewton.policies.damping import AdaptiveDamping, Damping
 
@@ -42,7 +41,7 @@ def adapt(
     policies: Sequence[AdaptiveDamping],
     closure: Callable[[], Tensor],
     loss: Tensor,
-    steps: Iterable[tuple[Tensor | float, GroupStep | None]],
+    steps: Iterable[tuple[Tensor | float, StepModel | None]],
     mean_over_ranks: Callable[[float], float] | None = None,
 ) -> float:
     """Update every policy once with the reduction ratio of the step taken.

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.distributed import Communicator, resolve_process_group
+from dampednewton.policies.basis import Basis, KroneckerBasis, as_basis
 from dampednewton.policies.checks import (
     check_integer,
     check_number,
@@ -29,7 +30,9 @@ from dampednewton.policies.complement import ComplementPolicy, as_complement
 from dampednewton.policies.criteria import Criterion, as_criterion
 from dampednewton.policies.damping import (
     AdaptiveDamping,
+    ConstantDamping,
     Damping,
+    LevenbergMarquardt,
     as_damping,
     needs_sample_statistics,
 )
@@ -101,6 +104,7 @@ class SharedOptions:
     mc_samples: int
     subsampling_ggn: list[int] | None
     subsampling_grad: list[int] | None
+    kronecker: bool = False
 
     @classmethod
     def from_group(cls, group: Mapping[str, Any]) -> SharedOptions:
@@ -120,6 +124,7 @@ class SharedOptions:
             subsampling_grad=check_subsampling(
                 group["subsampling_grad"], "subsampling_grad"
             ),
+            kronecker=isinstance(as_basis(group["basis"]), KroneckerBasis),
         )
 
     @classmethod
@@ -133,11 +138,19 @@ class SharedOptions:
             The first group's shared options.
 
         Raises:
-            ValueError: If a group's shared option differs from the first group's.
+            ValueError: If a group's shared option differs from the first group's,
+                or the groups mix bases.
         """
         first = cls.from_group(groups[0])
         for group in groups[1:]:
             other = cls.from_group(group)
+            if other.kronecker != first.kronecker:
+                raise ValueError(
+                    "All parameter groups need the same kind of basis (one backward "
+                    f"pass serves all): {groups[0]['basis']!r} vs {group['basis']!r}. "
+                    "Use KroneckerBasis() in every group, or GramBasis() in every "
+                    "group."
+                )
             for key in SHARED_SETTINGS:
                 if getattr(other, key) != getattr(first, key):
                     raise ValueError(
@@ -154,6 +167,7 @@ class GroupOptions:
 
     Attributes:
         lr: Learning rate ``>= 0``.
+        basis: The directions' basis (:mod:`dampednewton.policies.basis`).
         damping: The damping policy (a number became :class:`ConstantDamping`).
         criterion: The criterion (an int ``k`` became :class:`TopK`).
         complement: The complement's curvature policy, or ``None``.
@@ -169,6 +183,7 @@ class GroupOptions:
     """
 
     lr: float
+    basis: Basis
     damping: Damping
     criterion: Criterion
     complement: ComplementPolicy | None
@@ -200,7 +215,10 @@ class GroupOptions:
         lr = check_number("lr", lr.item() if isinstance(lr, Tensor) else lr)
         if not math.isfinite(lr) or lr < 0:
             raise ValueError(f"Invalid learning rate {group['lr']!r}: must be >= 0.")
+        basis = as_basis(group["basis"])
         damping = as_damping(group["damping"])
+        if isinstance(basis, KroneckerBasis):
+            check_kronecker_damping(damping)
         criterion = as_criterion(group["criterion"])
         shared = SharedOptions.from_group(group)
         warn_small_eigvals = check_warn_small_eigvals(group["warn_small_eigvals"])
@@ -221,6 +239,7 @@ class GroupOptions:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}.")
         return cls(
             lr=lr,
+            basis=basis,
             damping=damping,
             criterion=criterion,
             complement=complement,
@@ -238,6 +257,27 @@ class GroupOptions:
     def adaptive_damping(self) -> AdaptiveDamping | None:
         """The damping policy if it adapts after each step, else ``None``."""
         return self.damping if isinstance(self.damping, AdaptiveDamping) else None
+
+
+def check_kronecker_damping(damping: Damping) -> None:
+    """Refuse dampings the Kronecker basis cannot apply.
+
+    The Kronecker basis damps every direction of a layer with K-FAC's factored
+    Tikhonov rule from one number ``δ``: a constant or Levenberg-Marquardt's.
+
+    Args:
+        damping: The group's damping policy.
+
+    Raises:
+        ValueError: For any other policy.
+    """
+    if not isinstance(damping, ConstantDamping | LevenbergMarquardt):
+        raise ValueError(
+            "The Kronecker basis damps each layer's directions from one number δ "
+            "(K-FAC's factored Tikhonov damping): use a number, ConstantDamping or "
+            f"LevenbergMarquardt, got {type(damping).__name__}. Policies that set a "
+            "damping per GGN eigen-direction need basis=GramBasis()."
+        )
 
 
 def check_known_keys(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:

@@ -32,9 +32,12 @@ from dampednewton._step.guard import (
     nonfinite_problem,
     refuse,
 )
-from dampednewton._step.options import GroupOptions, ValidatedGroups
+from dampednewton._step.kronecker import KroneckerSteps, damping_value
+from dampednewton._step.options import GroupOptions, SharedOptions, ValidatedGroups
 from dampednewton._step.records import (
     FROZEN,
+    REFRESH_DUE,
+    REFRESH_LOSS,
     StepRecorder,
     empty_group_stats,
     store_factors,
@@ -50,10 +53,6 @@ from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_hos
 
 GLOBAL = "global"
 GROUPS = "groups"
-REFRESH_DUE = "refresh_due"
-"""Global state: the next step refreshes every averaged group (the loss rose)."""
-REFRESH_LOSS = "refresh_loss"
-"""Global state: the mini-batch loss of the last refresh."""
 
 State = dict[Any, Any]
 Groups = list[dict[str, Any]]
@@ -90,12 +89,14 @@ class Pipeline:
         self.communicator = communicator
         self.seeded = seeded
         self.step_pass = StepPass()
+        self.kronecker = KroneckerSteps()
         self.validated = ValidatedGroups()
         self.recorder = StepRecorder()
 
     def clear(self) -> None:
         """Forget what depends on the state (after loading a state dict)."""
         self.step_pass.clear()
+        self.kronecker.clear()
 
     def step(
         self,
@@ -110,6 +111,8 @@ class Pipeline:
         active = (
             monitor if monitor is not None and monitor.is_active(step_index) else None
         )
+        if shared.kronecker:
+            return self._kronecker_step(closure, groups, options, shared, state, active)
         if active is None and self._between_refreshes(options, state, step_index):
             return self._frozen_step(closure, groups, options, state)
         generator = self.mc_generator(groups, state)
@@ -178,6 +181,60 @@ class Pipeline:
                 closure,
                 loss,
                 zip(multiples, results, strict=True),
+                mean_over_ranks=None
+                if self.communicator is None
+                else self.communicator.mean,
+            )
+        return loss
+
+    def _kronecker_step(
+        self,
+        closure: Callable[[], Tensor],
+        groups: Groups,
+        options: Sequence[GroupOptions],
+        shared: SharedOptions,
+        state: State,
+        monitor: DiagnosticsMonitor | None,
+    ) -> Tensor:
+        """A step of Kronecker-basis groups (:mod:`._step.kronecker`)."""
+        step_index = state[GLOBAL]["step"]
+        stats = group_stats(state, groups)
+        generator = self.mc_generator(groups, state)
+        skipped = state[GLOBAL]["skipped_steps"]
+        loss, steps, scales, record = self.kronecker.run(
+            closure,
+            groups,
+            options,
+            shared,
+            state,
+            stats,
+            step=step_index,
+            generator=generator,
+            monitor=monitor,
+            communicator=self.communicator,
+            nonfinite=self.nonfinite,
+            modules=self.step_pass.extended_modules,
+            global_state=state[GLOBAL],
+        )
+        if state[GLOBAL]["skipped_steps"] > skipped:
+            return loss
+        state[GLOBAL]["step"] += 1
+        for index, (option, scale) in enumerate(zip(options, scales, strict=True)):
+            stats[index].update(trust_region_scale=scale, damping=damping_value(option))
+        if record is not None:
+            for index, group in enumerate(stats):
+                record[f"newton/damping/group{index}"] = group["damping"]
+                record[f"newton/trust_region_scale/group{index}"] = group[
+                    "trust_region_scale"
+                ]
+        adaptive = distinct_adaptive(option.damping for option in options)
+        if adaptive:
+            multiples = [o.lr * scale for o, scale in zip(options, scales, strict=True)]
+            state[GLOBAL]["reduction_ratio"] = adapt(
+                adaptive,
+                closure,
+                loss,
+                zip(multiples, steps, strict=True),
                 mean_over_ranks=None
                 if self.communicator is None
                 else self.communicator.mean,

@@ -13,8 +13,22 @@ bound also applies to this batch's GGN curvature ``sᵀĜs`` where it is known.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor
+
+
+class StepModel(Protocol):
+    """A step's quadratic model: its slope ``ḡᵀs`` and curvature ``sᵀGs``."""
+
+    @property
+    def slope(self) -> Tensor:
+        """``ḡᵀs`` (0-dim)."""
+
+    @property
+    def curvature(self) -> Tensor:
+        """``sᵀGs`` (0-dim)."""
 
 
 def predicted_change(scale: Tensor | float, slope: Tensor, curvature: Tensor) -> Tensor:

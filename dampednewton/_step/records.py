@@ -18,6 +18,10 @@ from torch import Tensor
 from dampednewton._step.group_result import AveragedFactor, GroupStep
 from dampednewton._step.guard import STACKLEVEL_OF_CALLER
 
+REFRESH_DUE = "refresh_due"
+"""Global state: the next step refreshes every averaged group (the loss rose)."""
+REFRESH_LOSS = "refresh_loss"
+"""Global state: the mini-batch loss of the last refresh."""
 BASIS = "curvature_basis"
 FROZEN = "frozen_basis"
 """A group's frozen step coefficients (:mod:`dampednewton.math.frozen_basis`)."""

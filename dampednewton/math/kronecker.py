@@ -239,9 +239,10 @@ def kronecker_direction(
         projected_out = u.T @ gradient  # T [r_out, d_in]
         row_squares = (projected_out.square().sum(1) - squares.sum(1)).clamp_min(0)
         slope = slope + (rows * row_squares).sum()
-        curvature = curvature + (
-            rows.square() * output.values * inputs.residual * row_squares
-        ).sum()
+        curvature = (
+            curvature
+            + (rows.square() * output.values * inputs.residual * row_squares).sum()
+        )
         core = core - rows[:, None]
         direction = u @ ((rows - both)[:, None] * projected_out)
     if output.truncated:
@@ -249,9 +250,12 @@ def kronecker_direction(
         columns = 1 / ((output.residual + root / pi) * in_damped)
         column_squares = (projected_in.square().sum(0) - squares.sum(0)).clamp_min(0)
         slope = slope + (columns * column_squares).sum()
-        curvature = curvature + (
-            columns.square() * output.residual * inputs.values * column_squares
-        ).sum()
+        curvature = (
+            curvature
+            + (
+                columns.square() * output.residual * inputs.values * column_squares
+            ).sum()
+        )
         core = core - columns[None, :]
         term = (projected_in * (columns - both)) @ v.T
         direction = term if direction is None else direction + term
@@ -265,6 +269,7 @@ def kronecker_direction(
         slope = slope + both * rest
         curvature = curvature + both.square() * both_curvature * rest
         core = core + both
+        assert direction is not None  # both sides truncated: both blocks above ran
         direction = direction + both * gradient
     main = u @ (gamma * core) @ v.T
     direction = main if direction is None else direction + main

@@ -1,15 +1,17 @@
-"""Per-group policies: which directions (criteria), how much damping, the complement.
+"""Per-group policies: the basis, which directions (criteria), damping, the complement.
 
 Each policy kind has one module with its protocol, its built-in rules (picklable
 dataclasses) and the shorthand conversion (``as_criterion``, ``as_damping``,
 ``as_complement``):
 
+* :mod:`~dampednewton.policies.basis`: :class:`KroneckerBasis`, :class:`GramBasis`;
 * :mod:`~dampednewton.policies.criteria`: :class:`Criterion` (``evals -> indices``);
 * :mod:`~dampednewton.policies.damping`: :class:`Damping`, :class:`AdaptiveDamping`
   and the base :class:`MeanStatisticsDamping`;
 * :mod:`~dampednewton.policies.complement`: :class:`ComplementPolicy` (``ρ``).
 """
 
+from dampednewton.policies.basis import Basis, GramBasis, KroneckerBasis
 from dampednewton.policies.complement import (
     ComplementPolicy,
     ConstantCurvature,
@@ -35,6 +37,7 @@ from dampednewton.policies.damping import (
 
 __all__ = [
     "AdaptiveDamping",
+    "Basis",
     "ComplementPolicy",
     "ConstantCurvature",
     "ConstantDamping",
@@ -42,6 +45,8 @@ __all__ = [
     "Damping",
     "EigenvalueThreshold",
     "GSNRDamping",
+    "GramBasis",
+    "KroneckerBasis",
     "LevenbergMarquardt",
     "MeanStatisticsDamping",
     "MeasuredCurvature",

@@ -1,0 +1,163 @@
+"""A layer's Kronecker factors from BackPACK's structured square-root buffers.
+
+During a refresh pass the structured square-root extensions
+(:mod:`~dampednewton.backpack.layers`) leave on each ``nn.Linear`` and
+``nn.Conv1d/2d/3d`` weight its inputs (unfolded for convolutions) and the GGN's
+square root back-propagated to its output. :class:`FactorCollector` is the pass's
+hook: per layer it turns them into the input factor ``A`` and the output factor
+``S`` of :mod:`dampednewton.math.kronecker` and frees nothing (the pass frees the
+buffers after every hook ran).
+
+A closure may back-propagate several micro-batches (gradient accumulation): each
+micro-batch's factors enter with the weight of its loss (the gradient that reached
+the loss module, ``N_m/N`` or ``1/M``), normalized by the weights' sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.modules.loss import _Loss
+
+from dampednewton.backpack.buffers import LinearBuffers, SharedLinearBuffers
+from dampednewton.backpack.savefields import module_input
+from dampednewton.math.kronecker import input_factor, output_factor
+from dampednewton.math.precision import upcast
+
+UNSUPPORTED_LAYER = (
+    "The Kronecker basis (DampedNewton's default) covers nn.Linear and "
+    "nn.Conv1d/2d/3d layers (groups=1, zero padding given by numbers); the "
+    "parameter {name} of {module} is none of these. Use basis=GramBasis() (the "
+    "group's leading GGN eigenvectors from the Gram matrix, any layer BackPACK "
+    "supports) for the whole optimizer."
+)
+
+
+@dataclass
+class LayerFactors:
+    """A layer's parameters and its factors' weighted sums over a pass's micro-batches.
+
+    Attributes:
+        weight: The layer's weight, ``None`` where it is not collected.
+        bias: Its bias, ``None`` where it is not collected (or absent).
+        inputs: ``Σ_m w_m A_m`` ``[d_in (+1), d_in (+1)]``.
+        outputs: ``Σ_m w_m S_m`` ``[d_out, d_out]``.
+        total: ``Σ_m w_m`` (0-dim).
+    """
+
+    weight: Tensor | None
+    bias: Tensor | None
+    inputs: Tensor
+    outputs: Tensor
+    total: Tensor
+
+    def mean(self) -> tuple[Tensor, Tensor]:
+        """``(A, S)`` of the pass: the micro-batches' weighted means."""
+        return self.inputs / self.total, self.outputs / self.total
+
+
+class FactorCollector:
+    """The refresh pass's hook: every collected layer's factors.
+
+    Args:
+        savefield: Where the square-root extension stores its buffers.
+        params: The parameters whose layers are collected.
+        extension: The square-root extension (it records each micro-batch's loss
+            weight at the loss module).
+    """
+
+    def __init__(self, savefield: str, params: Sequence[Tensor], extension: object):
+        """Start with no layer."""
+        self.savefield = savefield
+        self.params = {id(p) for p in params}
+        self.extension = extension
+        self.layers: dict[int, LayerFactors] = {}
+        self._loss_weight: Tensor | None = None
+        self._batch_size = 0
+
+    def hook(self, module: Module) -> None:
+        """Collect the factors of ``module`` (BackPACK's ``extension_hook``).
+
+        Raises:
+            NotImplementedError: For a parameter of the optimizer in a layer the
+                Kronecker basis does not cover.
+        """
+        if isinstance(module, _Loss):
+            self._loss_weight = getattr(self.extension, "loss_weight", None)
+            self._batch_size = module_input(module).shape[0]
+            return
+        weight = _collected(getattr(module, "weight", None), self.params)
+        bias = _collected(getattr(module, "bias", None), self.params)
+        first = weight if weight is not None else bias
+        for param in module.parameters(recurse=False):
+            if id(param) in self.params and param is not weight and param is not bias:
+                raise NotImplementedError(_unsupported(param, module))
+        if first is None:
+            return
+        buffers = getattr(first, self.savefield, None)
+        if not isinstance(buffers, LinearBuffers | SharedLinearBuffers) or (
+            weight is not None and buffers.inputs is None
+        ):
+            raise NotImplementedError(_unsupported(first, module))
+        inputs, outputs = layer_factors(
+            buffers, bias is not None, weight is None, self._batch_size
+        )
+        scale = self._scale(inputs)
+        layer = self.layers.get(id(first))
+        if layer is None:
+            self.layers[id(first)] = LayerFactors(
+                weight, bias, inputs * scale, outputs * scale, scale
+            )
+        else:
+            layer.inputs += inputs * scale
+            layer.outputs += outputs * scale
+            layer.total = layer.total + scale
+
+    def _scale(self, like: Tensor) -> Tensor:
+        """The current micro-batch's loss weight (``1`` where none is known)."""
+        if self._loss_weight is None:
+            return like.new_ones(())
+        return self._loss_weight.detach().to(like).reshape(())
+
+
+def _collected(param: object, params: set[int]) -> Tensor | None:
+    return param if isinstance(param, Tensor) and id(param) in params else None
+
+
+def _unsupported(param: Tensor, module: Module) -> str:
+    return UNSUPPORTED_LAYER.format(
+        name=f"of shape {tuple(param.shape)}", module=module
+    )
+
+
+def layer_factors(
+    buffers: LinearBuffers | SharedLinearBuffers,
+    bias: bool,
+    bias_only: bool,
+    batch_size: int,
+) -> tuple[Tensor, Tensor]:
+    """``(A, S)`` of one micro-batch from a layer's buffers.
+
+    Args:
+        buffers: The weight's buffers (or, for ``bias_only``, the bias's).
+        bias: Whether the layer's bias is collected with it (``x̃`` ends with 1).
+        bias_only: The buffers are a bias's whose weight is not collected: ``A`` is
+            ``[[1]]`` and ``S`` the bias's own GGN block.
+        batch_size: ``N`` of the micro-batch (BackPACK's square roots carry
+            ``1/√N``; a sub-sample of ``N'`` samples is rescaled to its own mean).
+
+    Returns:
+        The input and output factors.
+    """
+    backproped = upcast(buffers.backproped)
+    num_samples = backproped.shape[1]
+    scale = batch_size / num_samples if batch_size else 1.0
+    outputs = output_factor(backproped, scale)
+    if bias_only:
+        ones = backproped.new_zeros(num_samples, 1, 0)
+        return input_factor(ones, True, num_samples), outputs
+    assert buffers.inputs is not None
+    return input_factor(upcast(buffers.inputs), bias, num_samples), outputs
