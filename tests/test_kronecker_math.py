@@ -13,6 +13,7 @@ from dampednewton.math.kronecker import (
     factor_eigen,
     input_factor,
     kronecker_direction,
+    layer_coefficients,
     output_factor,
 )
 from tests.assertions import assert_close
@@ -132,7 +133,9 @@ def test_direction_inverts_the_damped_kronecker_product(out_rank, in_rank, dampi
     inputs = truncated_eigen(7, in_rank, seed=6)
     generator = torch.Generator().manual_seed(7)
     gradient = torch.randn(5, 7, generator=generator, dtype=DTYPE)
-    step = kronecker_direction(gradient, output, inputs, damping)
+    step = kronecker_direction(
+        gradient, output, inputs, layer_coefficients(output, inputs, damping)
+    )
 
     pi = damping_pi(output, inputs)
     root = math.sqrt(damping)
@@ -156,8 +159,9 @@ def test_direction_inverts_the_damped_kronecker_product(out_rank, in_rank, dampi
 def test_full_rank_direction_is_kfac_with_factored_tikhonov_damping(damping):
     output_matrix, input_matrix = psd(4, seed=8), psd(6, seed=9)
     gradient = torch.randn(4, 6, generator=torch.Generator().manual_seed(10)).double()
+    output, inputs = factor_eigen(output_matrix, 4), factor_eigen(input_matrix, 6)
     step = kronecker_direction(
-        gradient, factor_eigen(output_matrix, 4), factor_eigen(input_matrix, 6), damping
+        gradient, output, inputs, layer_coefficients(output, inputs, damping)
     )
     pi = math.sqrt((torch.trace(input_matrix) / 6) / (torch.trace(output_matrix) / 4))
     root = math.sqrt(damping)
@@ -176,3 +180,16 @@ def test_pi_is_one_for_an_empty_factor():
         torch.zeros((), dtype=DTYPE),
     )
     assert damping_pi(empty, empty) == 1
+
+
+def test_the_curvature_is_left_out_when_not_asked_for():
+    output, inputs = truncated_eigen(5, 3, seed=11), truncated_eigen(7, 2, seed=12)
+    gradient = torch.randn(5, 7, generator=torch.Generator().manual_seed(13)).double()
+    coefficients = layer_coefficients(output, inputs, 0.01)
+    full = kronecker_direction(gradient, output, inputs, coefficients)
+    lean = kronecker_direction(
+        gradient, output, inputs, coefficients, with_curvature=False
+    )
+    assert lean.curvature is None
+    assert torch.equal(lean.direction, full.direction)
+    assert torch.equal(lean.slope, full.slope)

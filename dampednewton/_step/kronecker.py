@@ -29,7 +29,12 @@ import torch
 from torch import Generator, Tensor
 
 from dampednewton._step.closure import run_closure
-from dampednewton._step.guard import STACKLEVEL_OF_CALLER, GeneratorSnapshot, refuse
+from dampednewton._step.guard import (
+    STACKLEVEL_OF_CALLER,
+    GeneratorSnapshot,
+    check_loss_type,
+    refuse,
+)
 from dampednewton._step.kronecker_state import (
     INPUT_EIGEN,
     INPUT_FACTOR,
@@ -42,14 +47,14 @@ from dampednewton._step.kronecker_state import (
     stored_bases,
 )
 from dampednewton._step.options import GroupOptions, SharedOptions
-from dampednewton._step.records import REFRESH_DUE, REFRESH_LOSS
+from dampednewton._step.records import GLOBAL, REFRESH_DUE, REFRESH_LOSS
 from dampednewton._step.step_pass import with_monitor
 from dampednewton._step.update import update_parameter
 from dampednewton.backpack.extensions import ExactSqrtGGN, MonteCarloSqrtGGN
 from dampednewton.backpack.hooks import ExtendedModules
 from dampednewton.backpack.kronecker_factors import FactorCollector, LayerFactors
 from dampednewton.backpack.layers import use_structured_sqrt_ggn
-from dampednewton.backpack.loss_checks import DeferredChecks
+from dampednewton.backpack.loss_checks import DeferredChecks, ignored_targets_error
 from dampednewton.backpack.savefields import sqrt_ggn_savefield
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
@@ -73,33 +78,40 @@ class KroneckerGroupStep:
     curvature: Tensor
 
 
-def group_step(bases: Sequence[LayerBasis], damping: float) -> KroneckerGroupStep:
+def group_step(
+    bases: Sequence[LayerBasis], damping: float, with_curvature: bool
+) -> KroneckerGroupStep:
     """A group's step along its layers' Kronecker eigenbases.
 
     Args:
         bases: The group's layers with their eigenpairs.
         damping: ``δ``.
+        with_curvature: Also sum the layers' curvatures (adaptive damping reads
+            them); otherwise the curvature is NaN.
 
     Returns:
         The directions of every parameter and the group's quadratic model.
     """
     directions: list[tuple[Tensor, Tensor]] = []
-    slope: Tensor | float = 0.0
-    curvature: Tensor | float = 0.0
+    slopes, curvatures = [], []
     for basis in bases:
         layer = kronecker_direction(
             basis.gradient(basis.output.vectors),
             basis.output,
             basis.inputs,
-            damping,
+            basis.coefficients(damping),
+            with_curvature,
         )
         directions += basis.split(layer.direction)
-        slope = slope + layer.slope
-        curvature = curvature + layer.curvature
-    like = bases[0].output.values
-    return KroneckerGroupStep(
-        directions, torch.as_tensor(slope).to(like), torch.as_tensor(curvature).to(like)
-    )
+        slopes.append(layer.slope)
+        if layer.curvature is not None:
+            curvatures.append(layer.curvature)
+    slope = slopes[0] if len(slopes) == 1 else torch.stack(slopes).sum()
+    if not with_curvature:
+        curvature = slope.new_full((), math.nan)
+    else:
+        curvature = torch.stack(curvatures).sum()
+    return KroneckerGroupStep(directions, slope, curvature)
 
 
 def damping_value(options: GroupOptions) -> float:
@@ -115,24 +127,8 @@ class KroneckerSteps:
         self._bases: dict[int, list[LayerBasis]] = {}
 
     def clear(self) -> None:
-        """Forget the cached bases (after a refresh or loading a state)."""
+        """Forget the cached bases (after loading a state)."""
         self._bases.clear()
-
-    def refreshing(
-        self,
-        options: Sequence[GroupOptions],
-        stats: Sequence[dict[str, Any]],
-        step: int,
-        due: bool,
-    ) -> list[bool]:
-        """Which groups refresh their factors this step."""
-        return [
-            due
-            or option.averaging is None
-            or LAYERS not in group
-            or option.averaging.refreshes(step, group.get(UPDATES, 0))
-            for option, group in zip(options, stats, strict=True)
-        ]
 
     def run(
         self,
@@ -149,17 +145,23 @@ class KroneckerSteps:
         communicator: Communicator | None,
         nonfinite: str,
         modules: ExtendedModules,
-        global_state: dict[str, Any],
-    ) -> tuple[Tensor, list[KroneckerGroupStep | None], list[float], dict | None]:
+        with_curvature: bool,
+    ) -> KroneckerPass:
         """Run the closure and move every group; see the module docstring.
 
         Returns:
-            The loss, every group's step (``None`` for a refused step), the
-            trust-region scales and the monitor's record (if any).
+            What the step did (a refused step leaves parameters, state and
+            generator untouched).
         """
-        refreshing = self.refreshing(
-            options, stats, step, bool(global_state.get(REFRESH_DUE, False))
-        )
+        global_state = state[GLOBAL]
+        due = bool(global_state.get(REFRESH_DUE, False))
+        refreshing = [
+            due
+            or option.averaging is None
+            or LAYERS not in group
+            or option.averaging.refreshes(step, group.get(UPDATES, 0))
+            for option, group in zip(options, stats, strict=True)
+        ]
         params = [p for group in groups for p in group["params"]]
         extensions: list = []
         hooks: list = []
@@ -186,80 +188,70 @@ class KroneckerSteps:
             extensions, hooks = [sqrt_ggn], [collector.hook]
         if monitor is not None:
             extensions, hooks = with_monitor(extensions, hooks, monitor, step, None)
-        with GeneratorSnapshot(generator) as snapshot:
+        with GeneratorSnapshot(generator if collector is not None else None) as saved:
             loss = run_closure(
-                closure,
-                params,
-                extensions,
-                hooks,
-                modules,
-                accumulation=monitor is None,
+                closure, params, extensions, hooks, modules, monitor is None
             )
-            if not isinstance(loss, Tensor):
-                raise TypeError(
-                    "The closure must return the loss tensor, got "
-                    f"{type(loss).__name__}."
-                )
+            check_loss_type(loss)
             if communicator is not None:
                 loss = communicator.mean_loss_of_pass(loss, None)
-            factors = {} if collector is None else collector.layers
-            if communicator is not None and factors:
-                _mean_over_ranks(factors, communicator)
+            fresh: dict[int, list[Refreshed]] = {}
             problem = None
-            fresh: dict[int, list[tuple[LayerBasis, Tensor, Tensor]]] = {}
-            if factors and not _all_finite(factors):
-                problem = "the curvature (the layers' Kronecker factors) is not finite"
-            else:
-                for index, refresh in enumerate(refreshing):
-                    if refresh:
-                        fresh[index] = self._refreshed(
-                            groups[index],
-                            options[index],
-                            stats[index],
-                            state,
-                            factors,
-                        )
-            steps: list[KroneckerGroupStep | None] = []
-            for index, group in enumerate(groups):
-                bases = (
-                    [entry[0] for entry in fresh[index]]
-                    if index in fresh
-                    else self._bases_of(index, group, stats[index], state)
-                )
-                steps.append(
-                    None
-                    if problem is not None or not bases
-                    else group_step(bases, damping_value(options[index]))
-                )
+            if collector is not None:
+                if communicator is not None:
+                    _mean_over_ranks(collector.layers, communicator)
+                if not _all_finite(collector.layers):
+                    problem = (
+                        "the curvature (the layers' Kronecker factors) is not finite"
+                    )
+                else:
+                    for index, refresh in enumerate(refreshing):
+                        if refresh:
+                            fresh[index] = _refreshed(
+                                groups[index],
+                                options[index],
+                                stats[index],
+                                state,
+                                collector.layers,
+                            )
+            steps: list[KroneckerGroupStep | None] = [None] * len(groups)
+            if problem is None:
+                for index, group in enumerate(groups):
+                    bases = (
+                        [refreshed.basis for refreshed in fresh[index]]
+                        if index in fresh
+                        else self._bases_of(index, group, stats[index], state)
+                    )
+                    if bases:
+                        damping = damping_value(options[index])
+                        steps[index] = group_step(bases, damping, with_curvature)
             values = _read(loss, steps, deferred)
             if problem is None:
-                problem = _problem(values, loss, deferred)
+                problem = _problem(values, deferred)
             if communicator is not None:
                 refused = communicator.any_refuses(problem is not None)
                 if refused and problem is None:
                     problem = "another rank refused the step"
             if problem is not None:
-                snapshot.restore()
-                refuse(problem, nonfinite, stacklevel=STACKLEVEL_OF_CALLER + 1)
+                saved.restore()
+                refuse(problem, nonfinite, stacklevel=STACKLEVEL_OF_CALLER + 2)
                 global_state["skipped_steps"] += 1
-                return loss, [None] * len(groups), [1.0] * len(groups), None
-            record = None
-            if monitor is not None:
-                record = monitor.finish(step, params, loss)
-        self._commit(fresh, groups, stats, state)
+                count = len(groups)
+                return KroneckerPass(loss, [None] * count, [1.0] * count, None, False)
+            record = None if monitor is None else monitor.finish(step, params, loss)
+        for index, layers in fresh.items():
+            self._bases[index] = _commit(layers, groups[index], stats[index], state)
         if fresh:
             global_state.update({REFRESH_DUE: False, REFRESH_LOSS: loss.detach()})
+        elif _loss_rose(options, global_state, values["loss"]):
+            global_state[REFRESH_DUE] = True
         scales = []
-        for index, (option, group_result) in enumerate(
-            zip(options, steps, strict=True)
-        ):
-            slope = values["slopes"][index]
+        for option, result, slope in zip(options, steps, values["slopes"], strict=True):
             scale = _trust_scale(option, slope)
             scales.append(scale)
-            if group_result is not None:
-                _apply(group_result, option, state, scale)
-        self._check_loss_rise(options, global_state, values["loss"], fresh)
-        return loss, steps, scales, record
+            if result is not None:
+                _apply(result, option, state, scale)
+        return KroneckerPass(loss, steps, scales, record, True)
 
     def _bases_of(
         self, index: int, group: dict[str, Any], stats: dict[str, Any], state: Any
@@ -271,106 +263,134 @@ class KroneckerSteps:
                 self._bases[index] = bases
         return bases
 
-    def _refreshed(
-        self,
-        group: dict[str, Any],
-        option: GroupOptions,
-        stats: dict[str, Any],
-        state: Any,
-        factors: dict[int, LayerFactors],
-    ) -> list[tuple[LayerBasis, Tensor, Tensor]]:
-        """The group's layers with their updated (uncommitted) averages and bases."""
-        basis_policy = option.basis
-        assert isinstance(basis_policy, KroneckerBasis)
-        decay = 0.0 if option.averaging is None else option.averaging.decay
-        updates = stats.get(UPDATES, 0) + 1
-        correction = 1 - decay**updates
-        layers = []
-        for param in group["params"]:
-            layer = factors.get(id(param))
-            if layer is None:
-                continue
-            first_state = state[param]
-            inputs, outputs = layer.mean()
-            if decay > 0 and INPUT_FACTOR in first_state:
-                inputs = decay * first_state[INPUT_FACTOR] + (1 - decay) * inputs
-                outputs = decay * first_state[OUTPUT_FACTOR] + (1 - decay) * outputs
-            else:
-                inputs, outputs = (1 - decay) * inputs, (1 - decay) * outputs
-            previous_in = first_state.get(INPUT_EIGEN, {}).get("vectors")
-            previous_out = first_state.get(OUTPUT_EIGEN, {}).get("vectors")
-            rank = basis_policy.rank
-            basis = LayerBasis(
-                layer.weight,
-                layer.bias,
-                factor_eigen(outputs / correction, rank, previous_out),
-                factor_eigen(inputs / correction, rank, previous_in),
-            )
-            layers.append((basis, inputs, outputs))
-        missing = [
-            p
-            for p in group["params"]
-            if p.requires_grad
-            and not any(p is b.weight or p is b.bias for b, _, _ in layers)
-        ]
-        if missing:
+
+@dataclass(frozen=True)
+class KroneckerPass:
+    """What a Kronecker step did.
+
+    Attributes:
+        loss: The closure's loss (under data parallelism: the ranks' mean).
+        steps: Every group's step (``None``: the group has nothing to move).
+        scales: Every group's trust-region scale ``ν``.
+        record: The diagnostics monitor's record of the step, if it was active.
+        accepted: Whether the step was taken (``False``: refused).
+    """
+
+    loss: Tensor
+    steps: list[KroneckerGroupStep | None]
+    scales: list[float]
+    record: dict | None
+    accepted: bool
+
+
+@dataclass(frozen=True)
+class Refreshed:
+    """A layer's new (uncommitted) averages and the basis decomposed from them."""
+
+    basis: LayerBasis
+    inputs: Tensor
+    outputs: Tensor
+
+
+def _refreshed(
+    group: dict[str, Any],
+    option: GroupOptions,
+    stats: dict[str, Any],
+    state: Any,
+    factors: dict[int, LayerFactors],
+) -> list[Refreshed]:
+    """The group's layers with their updated averages and bases.
+
+    Raises:
+        RuntimeError: For a trainable parameter that no curvature reached.
+    """
+    basis_policy = option.basis
+    assert isinstance(basis_policy, KroneckerBasis)
+    decay = 0.0 if option.averaging is None else option.averaging.decay
+    correction = 1 - decay ** (stats.get(UPDATES, 0) + 1)
+    layers = []
+    covered: set[int] = set()
+    for param in group["params"]:
+        layer = factors.get(id(param))
+        if layer is None:
+            continue
+        covered.update(id(p) for p in (layer.weight, layer.bias) if p is not None)
+        stored = state[param]
+        inputs, outputs = layer.mean()
+        if decay > 0 and INPUT_FACTOR in stored:
+            inputs = decay * stored[INPUT_FACTOR] + (1 - decay) * inputs
+            outputs = decay * stored[OUTPUT_FACTOR] + (1 - decay) * outputs
+        else:
+            inputs, outputs = (1 - decay) * inputs, (1 - decay) * outputs
+        rank = basis_policy.rank
+        basis = LayerBasis(
+            layer.weight,
+            layer.bias,
+            factor_eigen(
+                outputs / correction,
+                rank,
+                stored.get(OUTPUT_EIGEN, {}).get("vectors"),
+            ),
+            factor_eigen(
+                inputs / correction, rank, stored.get(INPUT_EIGEN, {}).get("vectors")
+            ),
+        )
+        layers.append(Refreshed(basis, inputs, outputs))
+    for param in group["params"]:
+        if param.requires_grad and id(param) not in covered:
             raise RuntimeError(
                 "No curvature reached a parameter of shape "
-                f"{tuple(missing[0].shape)}: extend model and loss function with "
-                "BackPACK (`model = backpack.extend(model)`, `loss_fn = "
-                "backpack.extend(loss_fn)`), call `loss.backward()` in the closure "
-                "and use every parameter in the forward pass."
+                f"{tuple(param.shape)}: extend model and loss function with BackPACK "
+                "(`model = backpack.extend(model)`, `loss_fn = backpack.extend("
+                "loss_fn)`), call `loss.backward()` in the closure and use every "
+                "parameter in the forward pass."
             )
-        return layers
+    return layers
 
-    def _commit(
-        self,
-        fresh: dict[int, list[tuple[LayerBasis, Tensor, Tensor]]],
-        groups: Sequence[dict[str, Any]],
-        stats: list[dict[str, Any]],
-        state: Any,
-    ) -> None:
-        for index, layers in fresh.items():
-            params = groups[index]["params"]
-            position = {id(p): i for i, p in enumerate(params)}
-            pairs = []
-            for basis, inputs, outputs in layers:
-                state[basis.first].update(
-                    {
-                        INPUT_FACTOR: inputs,
-                        OUTPUT_FACTOR: outputs,
-                        INPUT_EIGEN: eigen_entries(basis.inputs),
-                        OUTPUT_EIGEN: eigen_entries(basis.output),
-                    }
-                )
-                pairs.append(
-                    (
-                        None if basis.weight is None else position[id(basis.weight)],
-                        None if basis.bias is None else position[id(basis.bias)],
-                    )
-                )
-            stats[index][LAYERS] = tuple(pairs)
-            stats[index][UPDATES] = stats[index].get(UPDATES, 0) + 1
-            self._bases[index] = [basis for basis, _, _ in layers]
 
-    def _check_loss_rise(
-        self,
-        options: Sequence[GroupOptions],
-        global_state: dict[str, Any],
-        loss: float,
-        fresh: dict,
-    ) -> None:
-        tolerances = [
-            option.averaging.loss_tolerance
-            for option in options
-            if option.averaging is not None
-            and option.averaging.loss_tolerance is not None
-        ]
-        reference = global_state.get(REFRESH_LOSS)
-        if fresh or not tolerances or reference is None:
-            return
-        if loss > (1 + min(tolerances)) * float(reference):
-            global_state[REFRESH_DUE] = True
+def _commit(
+    layers: Sequence[Refreshed],
+    group: dict[str, Any],
+    stats: dict[str, Any],
+    state: Any,
+) -> list[LayerBasis]:
+    """Store a group's refreshed layers; return their bases."""
+    position = {id(p): i for i, p in enumerate(group["params"])}
+    pairs = []
+    for layer in layers:
+        basis = layer.basis
+        state[basis.first].update(
+            {
+                INPUT_FACTOR: layer.inputs,
+                OUTPUT_FACTOR: layer.outputs,
+                INPUT_EIGEN: eigen_entries(basis.inputs),
+                OUTPUT_EIGEN: eigen_entries(basis.output),
+            }
+        )
+        pairs.append(
+            (
+                None if basis.weight is None else position[id(basis.weight)],
+                None if basis.bias is None else position[id(basis.bias)],
+            )
+        )
+    stats[LAYERS] = tuple(pairs)
+    stats[UPDATES] = stats.get(UPDATES, 0) + 1
+    return [layer.basis for layer in layers]
+
+
+def _loss_rose(
+    options: Sequence[GroupOptions], global_state: dict[str, Any], loss: float
+) -> bool:
+    """Whether the loss exceeds ``1 + loss_tolerance`` times the last refresh's."""
+    tolerances = [
+        option.averaging.loss_tolerance
+        for option in options
+        if option.averaging is not None and option.averaging.loss_tolerance is not None
+    ]
+    reference = global_state.get(REFRESH_LOSS)
+    if not tolerances or reference is None:
+        return False
+    return loss > (1 + min(tolerances)) * float(reference)
 
 
 def _mean_over_ranks(
@@ -408,11 +428,14 @@ def _all_finite(factors: dict[int, LayerFactors]) -> bool:
 def _read(
     loss: Tensor, steps: Sequence[KroneckerGroupStep | None], deferred: DeferredChecks
 ) -> dict[str, Any]:
-    """The loss, the groups' slopes and the deferred checks in one host read."""
-    tensors = [loss.detach().reshape(())]
-    for result in steps:
-        tensors.append(loss.new_zeros(()) if result is None else result.slope)
-        tensors.append(loss.new_zeros(()) if result is None else result.curvature)
+    """The loss, the groups' slopes and the deferred checks in one host read.
+
+    A non-finite gradient, factor or direction makes a slope non-finite.
+    """
+    tensors = [loss.detach()]
+    tensors += [
+        loss.new_zeros(()) if result is None else result.slope for result in steps
+    ]
     extra = [deferred.ignored_targets, deferred.model_output_finite]
     tensors += [t for t in extra if t is not None]
     device = loss.device
@@ -420,24 +443,24 @@ def _read(
         [t.detach().reshape(()).to(device=device, dtype=torch.float64) for t in tensors]
     ).tolist()
     count = len(steps)
-    rest = values[1 + 2 * count :]
+    rest = values[1 + count :]
     ignored = rest.pop(0) if deferred.ignored_targets is not None else 0.0
     output_finite = rest.pop(0) if deferred.model_output_finite is not None else 1.0
     return {
         "loss": values[0],
-        "slopes": values[1 : 1 + 2 * count : 2],
-        "curvatures": values[2 : 2 + 2 * count : 2],
+        "slopes": values[1 : 1 + count],
         "ignored": int(ignored),
         "output_finite": bool(output_finite),
     }
 
 
-def _problem(
-    values: dict[str, Any], loss: Tensor, deferred: DeferredChecks
-) -> str | None:
-    if values["ignored"]:
-        from dampednewton.backpack.loss_checks import ignored_targets_error
+def _problem(values: dict[str, Any], deferred: DeferredChecks) -> str | None:
+    """What is not finite about a step (``None``: nothing).
 
+    Raises:
+        ValueError: For cross-entropy targets equal to ``ignore_index``.
+    """
+    if values["ignored"]:
         raise ignored_targets_error(
             values["ignored"], deferred.num_targets, deferred.ignore_index
         )
@@ -448,7 +471,7 @@ def _problem(
             "the model output is not finite, so the loss Hessian cannot be sampled "
             "(Monte-Carlo GGN)"
         )
-    if not all(math.isfinite(v) for v in values["slopes"] + values["curvatures"]):
+    if not all(math.isfinite(v) for v in values["slopes"]):
         return "the damped Newton step is not finite"
     return None
 

@@ -10,13 +10,17 @@ indices and the number of refreshes. Everything is tensors, numbers and tuples, 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dampednewton.math.kronecker import FactorEigen
+from dampednewton.math.kronecker import (
+    FactorEigen,
+    LayerCoefficients,
+    layer_coefficients,
+)
 
 LAYERS = "kronecker_layers"
 """Group statistics: each layer as ``(weight index, bias index)`` (``None``: absent)."""
@@ -40,7 +44,7 @@ def eigen_entries(eigen: FactorEigen) -> dict[str, Tensor]:
     return {field.name: getattr(eigen, field.name) for field in fields(eigen)}
 
 
-@dataclass(frozen=True)
+@dataclass
 class LayerBasis:
     """A layer's parameters and the eigenpairs its steps use until the next refresh.
 
@@ -55,6 +59,16 @@ class LayerBasis:
     bias: Tensor | None
     output: FactorEigen
     inputs: FactorEigen
+    _coefficients: tuple[float, LayerCoefficients] | None = field(
+        default=None, repr=False
+    )
+
+    def coefficients(self, damping: float) -> LayerCoefficients:
+        """The step's coefficients for ``δ = damping`` (kept while ``δ`` holds)."""
+        if self._coefficients is None or self._coefficients[0] != damping:
+            coefficients = layer_coefficients(self.output, self.inputs, damping)
+            self._coefficients = (damping, coefficients)
+        return self._coefficients[1]
 
     @property
     def first(self) -> Tensor:

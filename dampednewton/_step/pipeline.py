@@ -36,6 +36,8 @@ from dampednewton._step.kronecker import KroneckerSteps, damping_value
 from dampednewton._step.options import GroupOptions, SharedOptions, ValidatedGroups
 from dampednewton._step.records import (
     FROZEN,
+    GLOBAL,
+    GROUPS,
     REFRESH_DUE,
     REFRESH_LOSS,
     StepRecorder,
@@ -50,9 +52,6 @@ from dampednewton.backpack.extensions import modified_loss_warning
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
 from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_host
-
-GLOBAL = "global"
-GROUPS = "groups"
 
 State = dict[Any, Any]
 Groups = list[dict[str, Any]]
@@ -199,9 +198,8 @@ class Pipeline:
         """A step of Kronecker-basis groups (:mod:`._step.kronecker`)."""
         step_index = state[GLOBAL]["step"]
         stats = group_stats(state, groups)
-        generator = self.mc_generator(groups, state)
-        skipped = state[GLOBAL]["skipped_steps"]
-        loss, steps, scales, record = self.kronecker.run(
+        adaptive = distinct_adaptive(option.damping for option in options)
+        taken = self.kronecker.run(
             closure,
             groups,
             options,
@@ -209,37 +207,37 @@ class Pipeline:
             state,
             stats,
             step=step_index,
-            generator=generator,
+            generator=self.mc_generator(groups, state),
             monitor=monitor,
             communicator=self.communicator,
             nonfinite=self.nonfinite,
             modules=self.step_pass.extended_modules,
-            global_state=state[GLOBAL],
+            with_curvature=any(policy.ratio_needed() for policy in adaptive),
         )
-        if state[GLOBAL]["skipped_steps"] > skipped:
-            return loss
+        if not taken.accepted:
+            return taken.loss
         state[GLOBAL]["step"] += 1
-        for index, (option, scale) in enumerate(zip(options, scales, strict=True)):
+        for index, (option, scale) in enumerate(
+            zip(options, taken.scales, strict=True)
+        ):
             stats[index].update(trust_region_scale=scale, damping=damping_value(option))
-        if record is not None:
-            for index, group in enumerate(stats):
-                record[f"newton/damping/group{index}"] = group["damping"]
-                record[f"newton/trust_region_scale/group{index}"] = group[
-                    "trust_region_scale"
-                ]
-        adaptive = distinct_adaptive(option.damping for option in options)
+            if taken.record is not None:
+                taken.record[f"newton/damping/group{index}"] = damping_value(option)
+                taken.record[f"newton/trust_region_scale/group{index}"] = scale
         if adaptive:
-            multiples = [o.lr * scale for o, scale in zip(options, scales, strict=True)]
+            multiples = [
+                o.lr * scale for o, scale in zip(options, taken.scales, strict=True)
+            ]
             state[GLOBAL]["reduction_ratio"] = adapt(
                 adaptive,
                 closure,
-                loss,
-                zip(multiples, steps, strict=True),
+                taken.loss,
+                zip(multiples, taken.steps, strict=True),
                 mean_over_ranks=None
                 if self.communicator is None
                 else self.communicator.mean,
             )
-        return loss
+        return taken.loss
 
     def mc_generator(self, groups: Groups, state: State) -> Generator | None:
         """The Monte-Carlo generator, ``None`` for the exact GGN."""

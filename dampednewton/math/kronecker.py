@@ -176,22 +176,109 @@ def damping_pi(output: FactorEigen, inputs: FactorEigen) -> Tensor:
 
 
 @dataclass(frozen=True)
+class LayerCoefficients:
+    """What a layer's step needs of its eigenvalues and damping (fixed per refresh).
+
+    With ``c = 1/(λ + δ)`` of each block of directions (kept or residual side on
+    each factor; see :func:`kronecker_direction`), stored negated where the step
+    uses them with a minus sign:
+
+    Attributes:
+        slopes: ``−c_kk`` ``[r_out, r_in]``: ``ḡᵀs = Σ Γ² ⊙ slopes + …``.
+        curvatures: ``λ_kk c_kk²`` ``[r_out, r_in]``: ``sᵀ(S ⊗ A)s = Σ Γ² ⊙
+            curvatures + …``.
+        core: ``−(c_kk − c_k⊥ − c_⊥k + c_⊥⊥)`` ``[r_out, r_in]``.
+        rows: ``c_k⊥`` ``[r_out]`` (``None``: ``A`` keeps its whole space).
+        columns: ``c_⊥k`` ``[r_in]`` (``None``: ``S`` keeps its whole space).
+        both: ``c_⊥⊥`` (0-dim; ``None`` unless both factors are truncated).
+        row_curvatures: ``λ_k⊥ c_k⊥²`` (``None`` with ``rows``).
+        column_curvatures: ``λ_⊥k c_⊥k²`` (``None`` with ``columns``).
+        both_curvature: ``λ_⊥⊥ c_⊥⊥²`` (``None`` with ``both``).
+    """
+
+    slopes: Tensor
+    curvatures: Tensor
+    core: Tensor
+    rows: Tensor | None = None
+    columns: Tensor | None = None
+    both: Tensor | None = None
+    row_curvatures: Tensor | None = None
+    column_curvatures: Tensor | None = None
+    both_curvature: Tensor | None = None
+
+
+def layer_coefficients(
+    output: FactorEigen, inputs: FactorEigen, damping: float
+) -> LayerCoefficients:
+    """The blocks' ``c = 1/(λ + δ)`` with K-FAC's factored damping.
+
+    ``λ_ij + δ_ij = (τ_i + √δ/π)(σ_j + π√δ)``, a residual side using its residual
+    eigenvalue.
+
+    Args:
+        output: Eigenpairs of ``S``.
+        inputs: Eigenpairs of ``A``.
+        damping: ``δ ≥ 0``.
+
+    Returns:
+        The coefficients.
+    """
+    pi = damping_pi(output, inputs)
+    root = math.sqrt(damping)
+    out_damped = output.values + root / pi  # τ_i + √δ/π
+    in_damped = inputs.values + root * pi  # σ_j + π√δ
+    kept = 1 / (out_damped[:, None] * in_damped[None, :])
+    curvatures = kept.square() * output.values[:, None] * inputs.values
+    core = kept
+    rows = columns = both = None
+    row_curvatures = column_curvatures = both_curvature = None
+    if inputs.truncated:
+        rows = 1 / (out_damped * (inputs.residual + root * pi))
+        row_curvatures = rows.square() * output.values * inputs.residual
+        core = core - rows[:, None]
+    if output.truncated:
+        columns = 1 / ((output.residual + root / pi) * in_damped)
+        column_curvatures = columns.square() * output.residual * inputs.values
+        core = core - columns[None, :]
+    if inputs.truncated and output.truncated:
+        both = 1 / ((output.residual + root / pi) * (inputs.residual + root * pi))
+        both_curvature = both.square() * output.residual * inputs.residual
+        core = core + both
+    return LayerCoefficients(
+        slopes=-kept,
+        curvatures=curvatures,
+        core=-core,
+        rows=rows,
+        columns=columns,
+        both=both,
+        row_curvatures=row_curvatures,
+        column_curvatures=column_curvatures,
+        both_curvature=both_curvature,
+    )
+
+
+@dataclass(frozen=True)
 class KroneckerStep:
     """A layer's step and its quadratic model.
 
     Attributes:
         direction: ``s`` ``[d_out, d_in (+1)]``.
         slope: ``ḡᵀs = −Σ γ²/(λ + δ)`` (0-dim).
-        curvature: ``sᵀ(S ⊗ A)s = Σ λ γ²/(λ + δ)²`` (0-dim).
+        curvature: ``sᵀ(S ⊗ A)s = Σ λ γ²/(λ + δ)²`` (0-dim; ``None`` when not
+            asked for).
     """
 
     direction: Tensor
     slope: Tensor
-    curvature: Tensor
+    curvature: Tensor | None
 
 
 def kronecker_direction(
-    gradient: Tensor, output: FactorEigen, inputs: FactorEigen, damping: float
+    gradient: Tensor,
+    output: FactorEigen,
+    inputs: FactorEigen,
+    coefficients: LayerCoefficients,
+    with_curvature: bool = True,
 ) -> KroneckerStep:
     """The damped Newton step ``s_ij = −γ_ij/(λ_ij + δ_ij)`` along ``u_i ⊗ v_j``.
 
@@ -202,75 +289,58 @@ def kronecker_direction(
     ``s = −[U (Γ ⊙ (C_kk − c_k⊥ − c_⊥k + c_⊥⊥)) Vᵀ + U diag(c_k⊥ − c_⊥⊥) T
     + R diag(c_⊥k − c_⊥⊥) Vᵀ + c_⊥⊥ Ḡ]``
 
-    with ``c = 1/(λ + δ)`` of each block (a residual side's ``τ`` or ``σ`` is its
-    residual eigenvalue); blocks of a side without residual vanish.
+    with ``c = 1/(λ + δ)`` of each block (:func:`layer_coefficients`); blocks of a
+    side without residual vanish. A layer whose factors keep their whole spaces
+    costs four matrix products.
 
     Args:
         gradient: ``Ḡ`` ``[d_out, d_in (+1)]``.
         output: Eigenpairs of ``S``.
         inputs: Eigenpairs of ``A``.
-        damping: ``δ ≥ 0``.
+        coefficients: :func:`layer_coefficients` of the eigenpairs and ``δ``.
+        with_curvature: Also compute ``sᵀ(S ⊗ A)s`` (for adaptive damping).
 
     Returns:
         The step and its model.
     """
-    pi = damping_pi(output, inputs)
-    root = math.sqrt(damping)
-    out_damped = output.values + root / pi  # τ_i + √δ/π
-    in_damped = inputs.values + root * pi  # σ_j + π√δ
-    u, v = output.vectors, inputs.vectors
+    u, v, c = output.vectors, inputs.vectors, coefficients
     projected_in = gradient @ v  # R [d_out, r_in]
     gamma = u.T @ projected_in  # Γ [r_out, r_in]
-    kept = 1 / (out_damped[:, None] * in_damped[None, :])
     squares = gamma.square()
-    slope = (squares * kept).sum()
-    curvature = (squares * kept.square() * output.values[:, None] * inputs.values).sum()
-    core = kept
-    direction: Tensor | None = None
-    if output.truncated and inputs.truncated:
-        both = 1 / ((output.residual + root / pi) * (inputs.residual + root * pi))
-        both_curvature = output.residual * inputs.residual
-    else:
-        both = gradient.new_zeros(())
-        both_curvature = gradient.new_zeros(())
-    if inputs.truncated:
-        # Kept output side, residual input side: c_k⊥ per row.
-        rows = 1 / (out_damped * (inputs.residual + root * pi))
+    slope = torch.dot(squares.flatten(), c.slopes.flatten())
+    curvature = (
+        torch.dot(squares.flatten(), c.curvatures.flatten()) if with_curvature else None
+    )
+    main = u @ (gamma * c.core) @ v.T
+    if c.rows is None and c.columns is None:
+        return KroneckerStep(main, slope, curvature)
+    direction = main
+    both = gradient.new_zeros(()) if c.both is None else c.both
+    if c.rows is not None:
         projected_out = u.T @ gradient  # T [r_out, d_in]
         row_squares = (projected_out.square().sum(1) - squares.sum(1)).clamp_min(0)
-        slope = slope + (rows * row_squares).sum()
-        curvature = (
-            curvature
-            + (rows.square() * output.values * inputs.residual * row_squares).sum()
-        )
-        core = core - rows[:, None]
-        direction = u @ ((rows - both)[:, None] * projected_out)
-    if output.truncated:
-        # Residual output side, kept input side: c_⊥k per column.
-        columns = 1 / ((output.residual + root / pi) * in_damped)
+        slope = slope - torch.dot(c.rows, row_squares)
+        if curvature is not None:
+            assert c.row_curvatures is not None
+            curvature = curvature + torch.dot(c.row_curvatures, row_squares)
+        direction = direction - u @ ((c.rows - both)[:, None] * projected_out)
+    if c.columns is not None:
         column_squares = (projected_in.square().sum(0) - squares.sum(0)).clamp_min(0)
-        slope = slope + (columns * column_squares).sum()
-        curvature = (
-            curvature
-            + (
-                columns.square() * output.residual * inputs.values * column_squares
-            ).sum()
-        )
-        core = core - columns[None, :]
-        term = (projected_in * (columns - both)) @ v.T
-        direction = term if direction is None else direction + term
-    if output.truncated and inputs.truncated:
+        slope = slope - torch.dot(c.columns, column_squares)
+        if curvature is not None:
+            assert c.column_curvatures is not None
+            curvature = curvature + torch.dot(c.column_curvatures, column_squares)
+        direction = direction - (projected_in * (c.columns - both)) @ v.T
+    if c.both is not None and c.rows is not None:
         rest = (
             gradient.square().sum()
             - projected_out.square().sum()
             - projected_in.square().sum()
             + squares.sum()
         ).clamp_min(0)
-        slope = slope + both * rest
-        curvature = curvature + both.square() * both_curvature * rest
-        core = core + both
-        assert direction is not None  # both sides truncated: both blocks above ran
-        direction = direction + both * gradient
-    main = u @ (gamma * core) @ v.T
-    direction = main if direction is None else direction + main
-    return KroneckerStep(direction=-direction, slope=-slope, curvature=curvature)
+        slope = slope - c.both * rest
+        if curvature is not None:
+            assert c.both_curvature is not None
+            curvature = curvature + c.both_curvature * rest
+        direction = direction - c.both * gradient
+    return KroneckerStep(direction, slope, curvature)
