@@ -15,6 +15,7 @@ from dampednewton._step.checkpoint import (
     check_state_dict,
     mark_unpicklable,
     unwrap_settings,
+    with_basis,
 )
 from dampednewton._step.closure import CLOSURE_PATTERN
 from dampednewton._step.options import (
@@ -347,6 +348,7 @@ class DampedNewton(Optimizer):
         Args:
             state_dict: State as returned by :meth:`state_dict`.
         """
+        state_dict = with_basis(state_dict)
         check_state_dict(state_dict, self.param_groups)
         state_dict = dict(state_dict)
         extra = state_dict.pop("dampednewton", None)

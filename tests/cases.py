@@ -7,8 +7,9 @@ eigendecomposition are instant. Parameters and data are drawn from a local
 (modules are created on the meta device, so torch's default initialization does not
 run). All modules are supported by BackPACK's ``SqrtGGNExact`` and ``BatchGrad``.
 
-Each problem is tagged with the suites that use it; ``PROBLEMS`` and
-``DIAGNOSTICS_PROBLEMS`` are the tagged selections of ``CASES``.
+Each problem is tagged with the suites that use it; ``PROBLEMS``,
+``DIAGNOSTICS_PROBLEMS`` and ``KRONECKER_PROBLEMS`` are the tagged selections of
+``CASES``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ SIMPLE_SPECTRUM = "simple-spectrum"
 """Tag: the non-zero GGN eigenvalues are simple, so eigenvectors are unique up to
 sign (cross-entropy GGNs also have zero eigenvalues, rank ≤ N·(C−1)). The optimizer,
 computation and reference tests run on these."""
+KRONECKER = "kronecker"
+"""Tag: every parameter belongs to an ``nn.Linear`` or ``nn.Conv1d/2d`` layer, so the
+Kronecker basis covers the model; its optimizer tests run on these."""
 DIAGNOSTICS = "diagnostics"
 """Tag: a batch of N ≥ 6 (the debiased GSNR needs N ≥ 4); the diagnostics tests run
 on these."""
@@ -178,6 +182,18 @@ def _cnn_few_positions(generator: torch.Generator) -> nn.Module:
     return initialize(model, generator)
 
 
+def _cnn1d(generator: torch.Generator) -> nn.Module:
+    # [N, 2, 9] -> strided, padded conv [N, 3, 5] -> flatten [N, 15] -> Linear.
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Conv1d(2, 3, kernel_size=3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(15, NUM_CLASSES),
+        )
+    return initialize(model, generator)
+
+
 def _linear_2_to_3(generator: torch.Generator) -> nn.Module:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(2, NUM_CLASSES))
@@ -235,7 +251,7 @@ def _bce_with_logits() -> nn.Module:
     return nn.BCEWithLogitsLoss(reduction="mean")
 
 
-_STEP = frozenset({SIMPLE_SPECTRUM})
+_STEP = frozenset({SIMPLE_SPECTRUM, KRONECKER})
 _DIAGNOSTICS = frozenset({DIAGNOSTICS})
 
 CASES: list[Problem] = [
@@ -312,7 +328,23 @@ CASES: list[Problem] = [
     # eigenvalue is C-fold and eigenvectors are only defined up to rotation. Use it
     # for quantities that are invariant to that, such as the step along all non-zero
     # directions.
-    Problem("linear-mse", _linear_5_to_3, _mse, Regression((4, 5)), seed=5),
+    Problem(
+        "linear-mse",
+        _linear_5_to_3,
+        _mse,
+        Regression((4, 5)),
+        seed=5,
+        tags=frozenset({KRONECKER}),
+    ),
+    # N=5, C=3, D=60: [N, 2, 9] -> strided, padded Conv1d (the MNIST-1D CNN's kind).
+    Problem(
+        "cnn1d-ce",
+        _cnn1d,
+        _cross_entropy,
+        Classification((5, 2, 9)),
+        seed=8,
+        tags=frozenset({KRONECKER}),
+    ),
     # Diagnostics: N ≥ 6, ReLU or sigmoid MLPs and a small CNN.
     Problem(
         "mlp-relu-ce-n8",
@@ -379,6 +411,7 @@ def case_by_id(problem_id: str) -> Problem:
 
 PROBLEMS = tagged(SIMPLE_SPECTRUM)
 DIAGNOSTICS_PROBLEMS = tagged(DIAGNOSTICS)
+KRONECKER_PROBLEMS = tagged(KRONECKER)
 LINEAR_MSE = case_by_id("linear-mse")
 
 

@@ -37,9 +37,7 @@ def test_input_factor_is_the_mean_of_outer_products_with_a_one_appended():
             augmented = torch.cat([position, torch.ones(1, dtype=DTYPE)])
             expected += torch.outer(augmented, augmented)
     assert_close(input_factor(inputs, bias=True, num_samples=5), expected / 5)
-    assert_close(
-        input_factor(inputs, bias=False, num_samples=5), expected[:4, :4] / 5
-    )
+    assert_close(input_factor(inputs, bias=False, num_samples=5), expected[:4, :4] / 5)
     flat = inputs[:, 0]  # [N, d_in] inputs of a layer without positions
     assert_close(
         input_factor(flat, bias=False, num_samples=5), flat.T @ flat / 5, name="flat"
@@ -57,11 +55,15 @@ def test_output_factor_sums_columns_and_averages_positions():
     )
     assert_close(output_factor(backproped), expected / 3)
     assert_close(output_factor(backproped, scale=4.0), 4 * expected / 3)
-    assert_close(output_factor(backproped[:, :, 0]), sum(
-        torch.outer(backproped[c, n, 0], backproped[c, n, 0])
-        for c in range(2)
-        for n in range(5)
-    ), name="without positions")
+    assert_close(
+        output_factor(backproped[:, :, 0]),
+        sum(
+            torch.outer(backproped[c, n, 0], backproped[c, n, 0])
+            for c in range(2)
+            for n in range(5)
+        ),
+        name="without positions",
+    )
 
 
 def test_a_small_factor_is_decomposed_exactly():

@@ -19,7 +19,7 @@ from backpack.extensions import BatchGrad
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from dampednewton import DampedNewton
+from dampednewton import DampedNewton, GramBasis
 from dampednewton.diagnostics import DiagnosticsMonitor
 from tests import reference
 from tests.assertions import assert_close, assert_close_up_to_sign
@@ -73,14 +73,15 @@ def make_groups(model: nn.Module, structure: str, **keys) -> list[dict]:
 
 
 VIVIT_STEP = {
+    "basis": GramBasis(),
     "complement": None,
     "newton_fraction": 1.0,
     "averaging": None,
     "kl_clip": None,
 }
-"""ViViT's step from this batch's GGN, unclipped and whole: the package's defaults
+"""ViViT's step from this batch's GGN, unclipped and whole: the Gram basis' defaults
 switch on the complement, curvature averaging, a trust region and take a fraction of
-the Newton step."""
+the Newton step (and the package's default basis is the Kronecker one)."""
 EXACT_VIVIT_STEP = {**VIVIT_STEP, "mc_samples": 0}
 """ViViT's step from this batch's exact GGN (the default is Monte-Carlo)."""
 

@@ -24,8 +24,10 @@ from typing import Any
 
 from torch import Tensor
 
+from dampednewton._step.kronecker_state import STATE_KEYS as KRONECKER_STATE_KEYS
 from dampednewton._step.records import BASIS
 from dampednewton._step.update import MOMENTUM
+from dampednewton.policies.basis import GramBasis
 
 PICKLABLE_ALTERNATIVES = {
     "criterion": "TopK(k), EigenvalueThreshold(v) or RelativeThreshold(f)",
@@ -93,6 +95,36 @@ def mark_unpicklable(groups: list[dict[str, Any]]) -> None:
                 group[key] = UnpicklableSetting(value, index, key, str(error))
 
 
+def with_basis(state_dict: Any) -> Any:
+    """A state dict whose groups name their basis (a copy where one is added).
+
+    State dicts saved before the Kronecker basis existed have no ``'basis'`` in their
+    groups: they stepped along the Gram basis, which they keep.
+
+    Args:
+        state_dict: What was passed to ``DampedNewton.load_state_dict``.
+
+    Returns:
+        The state dict, with ``'basis': GramBasis()`` in groups that had none.
+    """
+    if not isinstance(state_dict, Mapping):
+        return state_dict
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, list) or not all(
+        isinstance(group, Mapping) and "criterion" in group for group in groups
+    ):
+        return state_dict
+    if all("basis" in group for group in groups):
+        return state_dict
+    return {
+        **state_dict,
+        "param_groups": [
+            {"basis": GramBasis(), **group} if "basis" not in group else group
+            for group in groups
+        ],
+    }
+
+
 def unwrap_settings(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """State-dict groups with every :class:`UnpicklableSetting` replaced by its value.
 
@@ -111,8 +143,9 @@ def unwrap_settings(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-#: Per-parameter state entries DampedNewton writes (averaged basis, momentum buffer).
-PARAMETER_STATE_KEYS = frozenset({BASIS, MOMENTUM})
+#: Per-parameter state entries DampedNewton writes (averaged basis, momentum buffer,
+#: a Kronecker layer's factors and eigenpairs).
+PARAMETER_STATE_KEYS = frozenset({BASIS, MOMENTUM}) | KRONECKER_STATE_KEYS
 #: Its entries of the state that are not per parameter (optimizer.GLOBAL, GROUPS).
 GLOBAL_KEY, GROUPS_KEY = "global", "groups"
 SAVE_HINT = (

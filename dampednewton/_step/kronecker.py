@@ -327,12 +327,10 @@ def _refreshed(
             layer.weight,
             layer.bias,
             factor_eigen(
-                outputs / correction,
-                rank,
-                stored.get(OUTPUT_EIGEN, {}).get("vectors"),
+                outputs / correction, rank, stored.get(f"{OUTPUT_EIGEN}_vectors")
             ),
             factor_eigen(
-                inputs / correction, rank, stored.get(INPUT_EIGEN, {}).get("vectors")
+                inputs / correction, rank, stored.get(f"{INPUT_EIGEN}_vectors")
             ),
         )
         layers.append(Refreshed(basis, inputs, outputs))
@@ -363,8 +361,8 @@ def _commit(
             {
                 INPUT_FACTOR: layer.inputs,
                 OUTPUT_FACTOR: layer.outputs,
-                INPUT_EIGEN: eigen_entries(basis.inputs),
-                OUTPUT_EIGEN: eigen_entries(basis.output),
+                **eigen_entries(INPUT_EIGEN, basis.inputs),
+                **eigen_entries(OUTPUT_EIGEN, basis.output),
             }
         )
         pairs.append(

@@ -26,22 +26,50 @@ LAYERS = "kronecker_layers"
 """Group statistics: each layer as ``(weight index, bias index)`` (``None``: absent)."""
 INPUT_FACTOR = "kronecker_input_factor"
 OUTPUT_FACTOR = "kronecker_output_factor"
-INPUT_EIGEN = "kronecker_input_eigen"
-OUTPUT_EIGEN = "kronecker_output_eigen"
+INPUT_EIGEN = "kronecker_input"
+OUTPUT_EIGEN = "kronecker_output"
+"""Prefixes of a factor's eigenpairs: ``<prefix>_values``, ``_vectors``, ``_residual``,
+``_mean`` (the fields of :class:`~dampednewton.math.kronecker.FactorEigen`)."""
+EIGEN_FIELDS = tuple(f.name for f in fields(FactorEigen))
+STATE_KEYS = frozenset(
+    {INPUT_FACTOR, OUTPUT_FACTOR}
+    | {
+        f"{prefix}_{name}"
+        for prefix in (INPUT_EIGEN, OUTPUT_EIGEN)
+        for name in EIGEN_FIELDS
+    }
+)
+"""Every per-parameter entry the Kronecker basis writes."""
 UPDATES = "curvature_updates"
 """Group statistics: refreshes so far (the averages' ``t``)."""
 
 
-def eigen_entries(eigen: FactorEigen) -> dict[str, Tensor]:
-    """A factor's eigenpairs as a dict of tensors (for the state).
+def eigen_entries(prefix: str, eigen: FactorEigen) -> dict[str, Tensor]:
+    """A factor's eigenpairs as state entries.
 
     Args:
+        prefix: :data:`INPUT_EIGEN` or :data:`OUTPUT_EIGEN`.
         eigen: The eigenpairs.
 
     Returns:
-        ``{field: tensor}``.
+        ``{<prefix>_<field>: tensor}``.
     """
-    return {field.name: getattr(eigen, field.name) for field in fields(eigen)}
+    return {f"{prefix}_{name}": getattr(eigen, name) for name in EIGEN_FIELDS}
+
+
+def stored_eigen(entry: Mapping[str, Any], prefix: str) -> FactorEigen | None:
+    """A factor's eigenpairs from a parameter's state (``None``: not stored).
+
+    Args:
+        entry: The parameter's state.
+        prefix: :data:`INPUT_EIGEN` or :data:`OUTPUT_EIGEN`.
+
+    Returns:
+        The eigenpairs, or ``None``.
+    """
+    if f"{prefix}_values" not in entry:
+        return None
+    return FactorEigen(**{name: entry[f"{prefix}_{name}"] for name in EIGEN_FIELDS})
 
 
 @dataclass
@@ -140,13 +168,9 @@ def stored_bases(
         weight = None if weight_index is None else params[weight_index]
         bias = None if bias_index is None else params[bias_index]
         first = weight if weight is not None else bias
-        entry = state[first]
-        bases.append(
-            LayerBasis(
-                weight,
-                bias,
-                FactorEigen(**entry[OUTPUT_EIGEN]),
-                FactorEigen(**entry[INPUT_EIGEN]),
-            )
-        )
+        output = stored_eigen(state[first], OUTPUT_EIGEN)
+        inputs = stored_eigen(state[first], INPUT_EIGEN)
+        if output is None or inputs is None:
+            return None
+        bases.append(LayerBasis(weight, bias, output, inputs))
     return bases

@@ -59,7 +59,7 @@ def input_factor(inputs: Tensor, bias: bool, num_samples: int) -> Tensor:
     Returns:
         ``A`` ``[d_in (+1), d_in (+1)]``.
     """
-    rows = inputs.reshape(-1, inputs.shape[-1])
+    rows = inputs.flatten(end_dim=-2)
     factor = rows.T @ rows
     if bias:
         sums = rows.sum(0)

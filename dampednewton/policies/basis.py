@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 DEFAULT_KRONECKER_RANK = 128
 """Eigenvectors kept per Kronecker factor (larger factors share one residual value)."""
 
@@ -80,3 +82,7 @@ def as_basis(basis: Any) -> Basis:
         "basis must be KroneckerBasis() (per layer, the default) or GramBasis() "
         f"(the group's leading GGN eigenvectors, ViViT's route), got {basis!r}."
     )
+
+
+# Loadable with torch.load(weights_only=True), as every policy of the param groups.
+torch.serialization.add_safe_globals([KroneckerBasis, GramBasis])
