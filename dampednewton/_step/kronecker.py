@@ -21,6 +21,7 @@ the new factors are committed only with an accepted step.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +51,11 @@ from dampednewton._step.options import GroupOptions, SharedOptions
 from dampednewton._step.records import GLOBAL, REFRESH_DUE, REFRESH_LOSS
 from dampednewton._step.step_pass import with_monitor
 from dampednewton._step.update import update_parameter
-from dampednewton.backpack.extensions import ExactSqrtGGN, MonteCarloSqrtGGN
+from dampednewton.backpack.extensions import (
+    ExactSqrtGGN,
+    MonteCarloSqrtGGN,
+    modified_loss_warning,
+)
 from dampednewton.backpack.hooks import ExtendedModules
 from dampednewton.backpack.kronecker_factors import FactorCollector, LayerFactors
 from dampednewton.backpack.layers import use_structured_sqrt_ggn
@@ -61,6 +66,13 @@ from dampednewton.distributed import Communicator
 from dampednewton.math.kronecker import factor_eigen, kronecker_direction
 from dampednewton.math.precision import computation_dtype
 from dampednewton.policies.basis import KroneckerBasis
+
+
+COMPILE_HINT = (
+    "A torch.compile'd model can skip BackPACK's hooks (TorchDynamo reuses graphs "
+    "compiled for a plain model of the same class and does not guard on hooks), and "
+    "gains nothing from compilation here: step with the uncompiled model."
+)
 
 
 @dataclass(frozen=True)
@@ -183,7 +195,10 @@ class KroneckerSteps:
                 if p.requires_grad
             ]
             collector = FactorCollector(
-                sqrt_ggn_savefield(shared.mc_samples), collected, sqrt_ggn
+                sqrt_ggn_savefield(shared.mc_samples),
+                collected,
+                sqrt_ggn,
+                subsampled=shared.subsampling_ggn is not None,
             )
             extensions, hooks = [sqrt_ggn], [collector.hook]
         if monitor is not None:
@@ -196,38 +211,32 @@ class KroneckerSteps:
             if communicator is not None:
                 loss = communicator.mean_loss_of_pass(loss, None)
             fresh: dict[int, list[Refreshed]] = {}
-            problem = None
+            factors_finite = None
             if collector is not None:
                 if communicator is not None:
                     _mean_over_ranks(collector.layers, communicator)
-                if not _all_finite(collector.layers):
-                    problem = (
-                        "the curvature (the layers' Kronecker factors) is not finite"
-                    )
-                else:
-                    for index, refresh in enumerate(refreshing):
-                        if refresh:
-                            fresh[index] = _refreshed(
-                                groups[index],
-                                options[index],
-                                stats[index],
-                                state,
-                                collector.layers,
-                            )
+                factors_finite = _finite_or_zeroed(collector.layers)
+                for index, refresh in enumerate(refreshing):
+                    if refresh:
+                        fresh[index] = _refreshed(
+                            groups[index],
+                            options[index],
+                            stats[index],
+                            state,
+                            collector.layers,
+                        )
             steps: list[KroneckerGroupStep | None] = [None] * len(groups)
-            if problem is None:
-                for index, group in enumerate(groups):
-                    bases = (
-                        [refreshed.basis for refreshed in fresh[index]]
-                        if index in fresh
-                        else self._bases_of(index, group, stats[index], state)
-                    )
-                    if bases:
-                        damping = damping_value(options[index])
-                        steps[index] = group_step(bases, damping, with_curvature)
-            values = _read(loss, steps, deferred)
-            if problem is None:
-                problem = _problem(values, deferred)
+            for index, group in enumerate(groups):
+                bases = (
+                    [refreshed.basis for refreshed in fresh[index]]
+                    if index in fresh
+                    else self._bases_of(index, group, stats[index], state)
+                )
+                if bases:
+                    damping = damping_value(options[index])
+                    steps[index] = group_step(bases, damping, with_curvature)
+            values = _read(loss, steps, deferred, factors_finite)
+            problem = _problem(values, deferred)
             if communicator is not None:
                 refused = communicator.any_refuses(problem is not None)
                 if refused and problem is None:
@@ -239,10 +248,15 @@ class KroneckerSteps:
                 count = len(groups)
                 return KroneckerPass(loss, [None] * count, [1.0] * count, None, False)
             record = None if monitor is None else monitor.finish(step, params, loss)
+        if not values["loss_unscaled"]:
+            warnings.warn(
+                modified_loss_warning(deferred.loss_name, len(deferred.loss_weights)),
+                stacklevel=STACKLEVEL_OF_CALLER + 1,
+            )
         for index, layers in fresh.items():
             self._bases[index] = _commit(layers, groups[index], stats[index], state)
         if fresh:
-            global_state.update({REFRESH_DUE: False, REFRESH_LOSS: loss.detach()})
+            global_state.update({REFRESH_DUE: False, REFRESH_LOSS: values["loss"]})
         elif _loss_rose(options, global_state, values["loss"]):
             global_state[REFRESH_DUE] = True
         scales = []
@@ -252,6 +266,18 @@ class KroneckerSteps:
             if result is not None:
                 _apply(result, option, state, scale)
         return KroneckerPass(loss, steps, scales, record, True)
+
+    def largest_curvatures(self, index: int) -> Any:
+        """Group ``index``'s largest curvature ``τ_max σ_max`` per layer (NumPy).
+
+        Reads the device: for diagnostics records only.
+        """
+        bases = self._bases.get(index) or []
+        values = [
+            (basis.output.values.max() * basis.inputs.values.max()).double()
+            for basis in bases
+        ]
+        return torch.stack(values).cpu().numpy() if values else torch.zeros(0).numpy()
 
     def _bases_of(
         self, index: int, group: dict[str, Any], stats: dict[str, Any], state: Any
@@ -341,7 +367,7 @@ def _refreshed(
                 f"{tuple(param.shape)}: extend model and loss function with BackPACK "
                 "(`model = backpack.extend(model)`, `loss_fn = backpack.extend("
                 "loss_fn)`), call `loss.backward()` in the closure and use every "
-                "parameter in the forward pass."
+                "parameter in the forward pass. " + COMPILE_HINT
             )
     return layers
 
@@ -388,7 +414,7 @@ def _loss_rose(
     reference = global_state.get(REFRESH_LOSS)
     if not tolerances or reference is None:
         return False
-    return loss > (1 + min(tolerances)) * float(reference)
+    return loss > (1 + min(tolerances)) * reference
 
 
 def _mean_over_ranks(
@@ -412,29 +438,45 @@ def _mean_over_ranks(
         layer.total = total
 
 
-def _all_finite(factors: dict[int, LayerFactors]) -> bool:
-    """Whether every factor is finite (one host read)."""
-    sums = torch.stack(
-        [
-            (layer.inputs.sum() + layer.outputs.sum()).to(torch.float64)
-            for layer in factors.values()
-        ]
-    )
-    return bool(torch.isfinite(sums).all())
+def _finite_or_zeroed(factors: dict[int, LayerFactors]) -> Tensor | None:
+    """Whether every factor is finite (0-dim, not read); zero them where not.
+
+    A non-finite factor would make the eigensolver fail: the step is refused on the
+    flag instead, with the step's one host read. ``None`` without factors.
+    """
+    if not factors:
+        return None
+    flags = [
+        torch.isfinite(layer.inputs.sum() + layer.outputs.sum())
+        for layer in factors.values()
+    ]
+    finite = torch.stack(flags).all()
+    for layer in factors.values():
+        layer.inputs = layer.inputs.where(finite, 0.0)
+        layer.outputs = layer.outputs.where(finite, 0.0)
+    return finite
 
 
 def _read(
-    loss: Tensor, steps: Sequence[KroneckerGroupStep | None], deferred: DeferredChecks
+    loss: Tensor,
+    steps: Sequence[KroneckerGroupStep | None],
+    deferred: DeferredChecks,
+    factors_finite: Tensor | None,
 ) -> dict[str, Any]:
-    """The loss, the groups' slopes and the deferred checks in one host read.
+    """The loss, the groups' slopes and the checks in one host read.
 
-    A non-finite gradient, factor or direction makes a slope non-finite.
+    A non-finite gradient or direction makes a slope non-finite.
     """
     tensors = [loss.detach()]
     tensors += [
         loss.new_zeros(()) if result is None else result.slope for result in steps
     ]
-    extra = [deferred.ignored_targets, deferred.model_output_finite]
+    extra = [
+        deferred.ignored_targets,
+        deferred.model_output_finite,
+        deferred.loss_unscaled,
+        factors_finite,
+    ]
     tensors += [t for t in extra if t is not None]
     device = loss.device
     values = torch.stack(
@@ -444,11 +486,15 @@ def _read(
     rest = values[1 + count :]
     ignored = rest.pop(0) if deferred.ignored_targets is not None else 0.0
     output_finite = rest.pop(0) if deferred.model_output_finite is not None else 1.0
+    unscaled = rest.pop(0) if deferred.loss_unscaled is not None else 1.0
+    finite = rest.pop(0) if factors_finite is not None else 1.0
     return {
         "loss": values[0],
         "slopes": values[1 : 1 + count],
         "ignored": int(ignored),
         "output_finite": bool(output_finite),
+        "loss_unscaled": bool(unscaled),
+        "factors_finite": bool(finite),
     }
 
 
@@ -469,6 +515,8 @@ def _problem(values: dict[str, Any], deferred: DeferredChecks) -> str | None:
             "the model output is not finite, so the loss Hessian cannot be sampled "
             "(Monte-Carlo GGN)"
         )
+    if not values["factors_finite"]:
+        return "the curvature (the layers' Kronecker factors) is not finite"
     if not all(math.isfinite(v) for v in values["slopes"]):
         return "the damped Newton step is not finite"
     return None

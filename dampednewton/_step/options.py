@@ -142,6 +142,13 @@ class SharedOptions:
                 or the groups mix bases.
         """
         first = cls.from_group(groups[0])
+        if first.kronecker and first.subsampling_grad is not None:
+            raise ValueError(
+                "subsampling_grad selects the samples of the Gram basis' directional "
+                "gradients; the Kronecker basis steps with the mean gradient of the "
+                "whole batch. Leave subsampling_grad=None (subsampling_ggn selects "
+                "the samples of the Kronecker factors)."
+            )
         for group in groups[1:]:
             other = cls.from_group(group)
             if other.kronecker != first.kronecker:

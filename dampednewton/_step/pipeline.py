@@ -222,8 +222,15 @@ class Pipeline:
         ):
             stats[index].update(trust_region_scale=scale, damping=damping_value(option))
             if taken.record is not None:
-                taken.record[f"newton/damping/group{index}"] = damping_value(option)
-                taken.record[f"newton/trust_region_scale/group{index}"] = scale
+                taken.record.update(
+                    {
+                        f"newton/damping/group{index}": damping_value(option),
+                        f"newton/trust_region_scale/group{index}": scale,
+                        f"newton/layer_curvatures/group{index}": (
+                            self.kronecker.largest_curvatures(index)
+                        ),
+                    }
+                )
         if adaptive:
             multiples = [
                 o.lr * scale for o, scale in zip(options, taken.scales, strict=True)

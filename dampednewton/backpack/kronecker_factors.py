@@ -67,16 +67,25 @@ class FactorCollector:
         params: The parameters whose layers are collected.
         extension: The square-root extension (it records each micro-batch's loss
             weight at the loss module).
+        subsampled: Whether the square roots cover a sub-sample of each pass.
     """
 
-    def __init__(self, savefield: str, params: Sequence[Tensor], extension: object):
+    def __init__(
+        self,
+        savefield: str,
+        params: Sequence[Tensor],
+        extension: object,
+        subsampled: bool = False,
+    ):
         """Start with no layer."""
         self.savefield = savefield
         self.params = {id(p) for p in params}
         self.extension = extension
+        self.subsampled = subsampled
         self.layers: dict[int, LayerFactors] = {}
         self._loss_weight: Tensor | None = None
         self._batch_size = 0
+        self._passes = 0
 
     def hook(self, module: Module) -> None:
         """Collect the factors of ``module`` (BackPACK's ``extension_hook``).
@@ -84,8 +93,17 @@ class FactorCollector:
         Raises:
             NotImplementedError: For a parameter of the optimizer in a layer the
                 Kronecker basis does not cover.
+            ValueError: For several micro-batches with a sub-sample.
         """
         if isinstance(module, _Loss):
+            self._passes += 1
+            if self._passes > 1 and self.subsampled:
+                raise ValueError(
+                    "The closure back-propagated several micro-batches (gradient "
+                    "accumulation), but subsampling_ggn selects samples of one "
+                    "backward pass. Use subsampling_ggn=None with gradient "
+                    "accumulation."
+                )
             self._loss_weight = getattr(self.extension, "loss_weight", None)
             self._batch_size = module_input(module).shape[0]
             return

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dampednewton.math.linalg import symmetric_eigh
+from dampednewton.math.linalg import power_of_two_scale
 
 POWER_ITERATIONS_FROM_SCRATCH = 4
 """Subspace iterations for a truncated factor's first eigenbasis (later: one, from
@@ -118,11 +118,13 @@ def factor_eigen(
 ) -> FactorEigen:
     """The leading ``rank`` eigenpairs of a PSD factor and its residual eigenvalue.
 
-    A factor of dimension ``≤ rank`` is decomposed exactly (``eigh``). A larger one
-    takes one subspace iteration from the previous eigenvectors (or
+    A factor of dimension ``≤ rank`` is decomposed exactly. A larger one takes one
+    subspace iteration from the previous eigenvectors (or
     :data:`POWER_ITERATIONS_FROM_SCRATCH` from a fixed start) and a Rayleigh-Ritz
     step: the averaged factor moves little between refreshes, as in SOAP's and
-    Shampoo's eigenbasis updates.
+    Shampoo's eigenbasis updates. The symmetric eigenproblems (at most
+    ``rank × rank``) are solved in float64, which needs no check of the result (no
+    host read); a non-finite factor must not reach them (``eigh`` fails on it).
 
     Args:
         factor: Symmetric PSD ``[d, d]``.
@@ -135,7 +137,7 @@ def factor_eigen(
     dim = factor.shape[0]
     mean = torch.diagonal(factor).sum() / dim
     if dim <= rank:
-        values, vectors = symmetric_eigh(factor)
+        values, vectors = _eigh64(factor)
         return FactorEigen(values.clamp_min(0), vectors, factor.new_zeros(()), mean)
     if previous is None or previous.shape != (dim, rank):
         start = _fixed_start(dim, rank, factor)
@@ -146,10 +148,17 @@ def factor_eigen(
     for _ in range(iterations):
         subspace = torch.linalg.qr(factor @ subspace).Q
     projected = subspace.T @ factor @ subspace
-    values, rotation = symmetric_eigh((projected + projected.T) / 2)
+    values, rotation = _eigh64((projected + projected.T) / 2)
     values = values.clamp_min(0)
     residual = ((mean * dim - values.sum()) / (dim - rank)).clamp_min(0)
     return FactorEigen(values, subspace @ rotation, residual, mean)
+
+
+def _eigh64(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """``eigh`` in float64 (scaled by a power of two), cast to the input's dtype."""
+    scale = power_of_two_scale(matrix)
+    values, vectors = torch.linalg.eigh((matrix / scale).to(torch.float64))
+    return (values.to(matrix.dtype) * scale, vectors.to(matrix.dtype))
 
 
 def _fixed_start(dim: int, rank: int, like: Tensor) -> Tensor:

@@ -65,7 +65,7 @@ def _robust(matrix: Tensor, solve) -> tuple[Tensor, ...]:
         except torch.linalg.LinAlgError:
             pass
     matrix64 = matrix.to(torch.float64)
-    scale = _power_of_two_scale(matrix64)
+    scale = power_of_two_scale(matrix64)
     normalized = matrix64 / scale
     identity = torch.eye(matrix.shape[0], dtype=torch.float64, device=matrix.device)
     for shift in RETRY_SHIFTS:
@@ -82,7 +82,7 @@ def _robust(matrix: Tensor, solve) -> tuple[Tensor, ...]:
     )
 
 
-def _power_of_two_scale(matrix: Tensor) -> Tensor:
+def power_of_two_scale(matrix: Tensor) -> Tensor:
     """The power of two nearest the largest entry's magnitude (1 for 0 or inf).
 
     Dividing by it is exact and brings the entries to unit magnitude; it stays a

@@ -19,7 +19,7 @@ from backpack import extend
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dampednewton import DampedNewton
+from dampednewton import DampedNewton, GramBasis
 from dampednewton.diagnostics import (
     GSNR,
     CurvatureTrace,
@@ -107,7 +107,13 @@ def monitored(job: MonitorJob, world_size: int, rank: int | None) -> dict[str, A
     loss_fn = extend(nn.CrossEntropyLoss())
     optimizer: torch.optim.Optimizer
     if job.in_optimizer:
-        settings = {"lr": 0.5, "damping": 0.1, "criterion": 5, "mc_samples": 0}
+        settings = {
+            "basis": GramBasis(),
+            "lr": 0.5,
+            "damping": 0.1,
+            "criterion": 5,
+            "mc_samples": 0,
+        }
         optimizer = DampedNewton(
             model.parameters(),
             **{**settings, **job.options},

@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dampednewton import CurvatureAveraging, KroneckerBasis
 from tests.distributed.workers import Job, assert_matches_reference, spawn
+
+KRONECKER = {
+    "basis": KroneckerBasis(),
+    "averaging": CurvatureAveraging(decay=0.9, interval=2, ramp=False),
+}
+"""The Kronecker basis, refreshed every other step (the steps between included)."""
 
 # Each test spawns processes that import torch and BackPACK: 5-25 s.
 pytestmark = [
@@ -29,24 +36,41 @@ pytestmark = [
                 options={"averaging": None, "complement": None, "momentum": 0.0},
             ),
         ),
+        (2, Job(model="mlp", steps=4, options=KRONECKER)),
+        (
+            3,
+            Job(model="cnn", steps=3, options={**KRONECKER, "damping": "lm"}, ddp=True),
+        ),
+        (2, Job(model="cnn", steps=3, options={**KRONECKER, "mc_samples": 1})),
     ],
-    ids=["mlp-2", "cnn-3", "mlp-lm-ddp-2", "cnn-vivit-2"],
+    ids=[
+        "mlp-2",
+        "cnn-3",
+        "mlp-lm-ddp-2",
+        "cnn-vivit-2",
+        "mlp-kronecker-2",
+        "cnn-kronecker-lm-ddp-3",
+        "cnn-kronecker-mc-2",
+    ],
 )
 def test_step_equals_single_process_on_concatenated_batch(world_size, job, tmp_path):
     assert_matches_reference(spawn(job, world_size, tmp_path), job, world_size)
 
 
+@pytest.mark.parametrize("basis", ["gram", "kronecker"])
 @pytest.mark.parametrize("mc_samples", [0, 1])
-def test_replicas_bit_identical_over_20_steps(mc_samples, tmp_path):
-    job = Job(model="mlp", steps=20, options={"mc_samples": mc_samples})
+def test_replicas_bit_identical_over_20_steps(mc_samples, basis, tmp_path):
+    options = {"mc_samples": mc_samples, **(KRONECKER if basis == "kronecker" else {})}
+    job = Job(model="mlp", steps=20, options=options)
     first, second = spawn(job, 2, tmp_path)
     for mine, other in zip(first["history"], second["history"], strict=True):
         assert torch.equal(mine, other)
     assert not torch.equal(first["history"][0], first["history"][-1])
 
 
-def test_nan_loss_on_one_rank_every_rank_refuses(tmp_path):
-    job = Job(steps=3, nan_rank=1, nan_step=1, options={"nonfinite": "skip"})
+@pytest.mark.parametrize("options", [{}, KRONECKER], ids=["gram", "kronecker"])
+def test_nan_loss_on_one_rank_every_rank_refuses(options, tmp_path):
+    job = Job(steps=3, nan_rank=1, nan_step=1, options={"nonfinite": "skip", **options})
     ranks = spawn(job, 2, tmp_path)
     for rank in ranks:
         assert rank["skipped"] == [0, 1, 1]
@@ -68,9 +92,14 @@ def test_monte_carlo_nan_output_on_one_rank_every_rank_refuses(tmp_path):
     assert torch.equal(ranks[0]["history"][1], ranks[1]["history"][1])
 
 
+@pytest.mark.parametrize("options", [{}, KRONECKER], ids=["gram", "kronecker"])
 @pytest.mark.parametrize("mc_samples", [0, 1])
-def test_state_dict_saved_on_rank_0_resumes_identically(mc_samples, tmp_path):
-    job = Job(steps=5, resume_at=2, options={"mc_samples": mc_samples, "damping": "lm"})
+def test_state_dict_saved_on_rank_0_resumes_identically(mc_samples, options, tmp_path):
+    job = Job(
+        steps=5,
+        resume_at=2,
+        options={"mc_samples": mc_samples, "damping": "lm", **options},
+    )
     for rank in spawn(job, 2, tmp_path):
         for continued, resumed in zip(
             rank["history"][2:], rank["resumed"], strict=True

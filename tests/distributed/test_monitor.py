@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from dampednewton import NoiseAwareDamping
+from dampednewton import KroneckerBasis, NoiseAwareDamping
 from tests.distributed.monitor_workers import MonitorJob, monitored, run_rank
 from tests.distributed.spawning import spawn_ranks
 
@@ -49,12 +49,22 @@ def _assert_records_match(records, expected, *, exact: bool) -> None:
                 options={"damping": NoiseAwareDamping(), "averaging": None},
             ),
         ),
+        (
+            2,
+            MonitorJob(
+                model="cnn",
+                ddp=True,
+                in_optimizer=True,
+                options={"basis": KroneckerBasis(), "averaging": None},
+            ),
+        ),
     ],
     ids=[
         "standalone-ddp-2",
         "standalone-by-hand-2",
         "optimizer-ddp-2",
         "cnn-by-hand-noise-aware-3",
+        "cnn-kronecker-ddp-2",
     ],
 )
 def test_records_equal_single_process_on_concatenated_batch(world_size, job, tmp_path):

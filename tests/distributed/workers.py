@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import dampednewton.backpack.global_batch
-from dampednewton import DampedNewton, LevenbergMarquardt, NoiseAwareDamping
+from dampednewton import DampedNewton, GramBasis, LevenbergMarquardt, NoiseAwareDamping
 from dampednewton._step.seeding import SeededGenerator
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 from dampednewton.math.traffic import Route
@@ -92,6 +92,7 @@ def global_batch(name: str, world_size: int, step: int) -> tuple[Tensor, Tensor]
 def make_optimizer(model: nn.Module, options: dict[str, Any]) -> DampedNewton:
     """The optimizer of every rank and of the reference."""
     settings: dict[str, Any] = {
+        "basis": GramBasis(),  # the suite's own jobs; KroneckerBasis() as an option
         "lr": 0.5,
         "damping": 0.1,
         "criterion": 5,

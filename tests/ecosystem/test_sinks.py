@@ -149,7 +149,7 @@ def test_split_record_accounts_for_every_entry():
     assert set(split.histograms_2d) == {
         key for key in record if key.startswith("grad_param_hist/counts")
     }
-    assert "newton/evals/group0" in split.arrays
+    assert "newton/layer_curvatures/group0" in split.arrays  # the Kronecker basis
     for key in split.histograms_2d:
         margins = record[key.replace("/counts", "/margins")]
         expected = sum(

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from dampednewton import CurvatureAveraging, DampedNewton, LevenbergMarquardt
+from dampednewton import CurvatureAveraging, DampedNewton, GramBasis, LevenbergMarquardt
 from dampednewton.diagnostics import GSNR, DiagnosticsMonitor
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 from tests.cases import case_by_id
@@ -36,6 +36,7 @@ UNEVEN = [(2, 4), (1, 2, 3)]
 def _optimizer(case: Case, mc_samples: int, **options) -> DampedNewton:
     """Every default (averaging, complement, trust region) and adapted damping."""
     settings = {
+        "basis": GramBasis(),
         "damping": LevenbergMarquardt(0.1, interval=1),
         "criterion": 5,
         "momentum": 0.5,

@@ -8,7 +8,12 @@ from typing import Any
 
 import pytest
 
-from dampednewton import CurvatureAveraging, DampedNewton, NoiseAwareDamping
+from dampednewton import (
+    CurvatureAveraging,
+    DampedNewton,
+    GramBasis,
+    NoiseAwareDamping,
+)
 from tests.cases import PROBLEMS
 from tests.utils import (
     VIVIT_STEP,
@@ -86,10 +91,28 @@ CONSTRUCTION_CASES = [
     ),
     BadConstruction(
         "averaging-with-sample-statistics",
-        {"averaging": CurvatureAveraging(), "damping": NoiseAwareDamping()},
+        {
+            "basis": GramBasis(),
+            "averaging": CurvatureAveraging(),
+            "damping": NoiseAwareDamping(),
+        },
         ValueError,
         "mean slopes only",
     ),
+    BadConstruction(
+        "kronecker-with-per-direction-damping",
+        {"damping": NoiseAwareDamping()},
+        ValueError,
+        "one number δ",
+    ),
+    BadConstruction(
+        "kronecker-with-subsampled-gradients",
+        {},
+        ValueError,
+        "Leave subsampling_grad=None",
+        {"subsampling_grad": [0, 1]},
+    ),
+    BadConstruction("basis-string", {"basis": "kfac"}, TypeError, "basis must be"),
     BadConstruction(
         "averaging-string-in-group",
         {},

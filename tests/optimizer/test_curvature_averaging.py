@@ -13,6 +13,7 @@ from torch import Tensor
 from dampednewton import (
     CurvatureAveraging,
     DampedNewton,
+    GramBasis,
     MeasuredCurvature,
     SmallestCurvature,
 )
@@ -129,6 +130,7 @@ def test_averaged_curvature_matches_explicit_moving_average(
     )
     optimizer = DampedNewton(
         params,
+        basis=GramBasis(),
         complement=MeasuredCurvature() if measured else SmallestCurvature(),
         lr=lr,
         damping=damping,

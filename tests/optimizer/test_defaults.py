@@ -15,7 +15,14 @@ from torch import nn
 
 from benchmarks.problems.data import load_digits
 from benchmarks.problems.models import mlp
-from dampednewton import DampedNewton, LevenbergMarquardt
+from dampednewton import (
+    CurvatureAveraging,
+    DampedNewton,
+    GramBasis,
+    KroneckerBasis,
+    LevenbergMarquardt,
+    basis_defaults,
+)
 from tests.utils import VIVIT_STEP
 
 STEPS = 150
@@ -104,20 +111,34 @@ def test_without_the_safeguards_small_damping_blows_up(damping: float):
     assert accuracy < safeguarded_accuracy
 
 
-def test_default_damping_is_a_new_levenberg_marquardt_per_optimizer():
-    """``damping=None``: ``LevenbergMarquardt(0.1, interval=5)``, never shared."""
+def test_the_defaults_follow_the_basis():
+    """Each basis' tuned options; the Gram basis' LM damping is never shared."""
+    param = nn.Parameter(torch.zeros(2))
+    kronecker = DampedNewton([param]).param_groups[0]
+    assert kronecker["basis"] == KroneckerBasis()
+    assert (kronecker["damping"], kronecker["kl_clip"]) == (1e-3, 0.01)
+    assert kronecker["newton_fraction"] == 1.0
+    assert kronecker["averaging"] == CurvatureAveraging(decay=0.95, interval=10)
     first, second = (
-        DampedNewton([nn.Parameter(torch.zeros(2))]).param_groups[0]["damping"]
-        for _ in range(2)
+        DampedNewton([param], basis=GramBasis()).param_groups[0] for _ in range(2)
     )
-    assert first == LevenbergMarquardt(value=0.1, interval=5)
-    assert first is not second
+    assert first["damping"] == LevenbergMarquardt(value=0.1, interval=5)
+    assert first["damping"] is not second["damping"]
+    assert (first["kl_clip"], first["newton_fraction"]) == (1.0, 0.3)
+    assert first["averaging"] == CurvatureAveraging()
+    # What is given wins over the basis' default.
+    given = DampedNewton([param], basis=GramBasis(), kl_clip=None, damping=0.5)
+    assert (given.param_groups[0]["kl_clip"], given.param_groups[0]["damping"]) == (
+        None,
+        0.5,
+    )
+    assert basis_defaults(GramBasis())["kl_clip"] == 1.0
 
 
-def test_default_damping_adapts_every_fifth_refresh_with_a_second_closure_call():
+def test_gram_default_damping_adapts_every_fifth_refresh_with_a_second_closure_call():
     """Refreshes 5, 10, … evaluate the loss again: the closure runs twice on them.
 
-    With the default averaging the refreshes are steps 0, 1, 3, 7, 15, 31, 51, …:
+    With the Gram basis' averaging the refreshes are steps 0, 1, 3, 7, 15, 31, 51, …:
     the fifth is step 15, the tenth step 111; steps between refreshes never adapt.
     """
     torch_generator = torch.Generator().manual_seed(0)
@@ -125,7 +146,7 @@ def test_default_damping_adapts_every_fifth_refresh_with_a_second_closure_call()
     loss_fn = extend(nn.CrossEntropyLoss())
     inputs = torch.randn(8, 2, dtype=torch.float64, generator=torch_generator)
     labels = torch.arange(8) % 3
-    optimizer = DampedNewton(model.parameters(), seed=0)
+    optimizer = DampedNewton(model.parameters(), basis=GramBasis(), seed=0)
     calls = []
 
     def closure():

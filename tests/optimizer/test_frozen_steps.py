@@ -15,7 +15,7 @@ import pytest
 import torch
 from backpack import hook_run_extensions
 
-from dampednewton import CurvatureAveraging, DampedNewton
+from dampednewton import CurvatureAveraging, DampedNewton, GramBasis
 from dampednewton.diagnostics import GSNR, DiagnosticsMonitor, EveryKSteps
 from tests.cases import PROBLEMS
 from tests.utils import build_case, flat, make_closure
@@ -27,6 +27,7 @@ STEPS = 7
 
 def make_optimizer(params, **options) -> DampedNewton:
     settings = {
+        "basis": GramBasis(),
         "criterion": 3,
         "lr": 0.5,
         "damping": 0.3,

@@ -1,4 +1,4 @@
-"""A step with a top-k criterion and constant damping reads the device once.
+"""A step with constant damping reads the device once, on either basis.
 
 On a GPU every host read of a device value is a synchronization that stalls the
 launch queue. The step's checks and counts, BackPACK's check that the loss was not
@@ -17,24 +17,46 @@ from backpack import extend
 from torch import nn
 
 from benchmarks.micro.host_reads import HostReads
-from dampednewton import CurvatureAveraging, DampedNewton, LevenbergMarquardt
+from dampednewton import (
+    CurvatureAveraging,
+    DampedNewton,
+    GramBasis,
+    KroneckerBasis,
+    LevenbergMarquardt,
+)
 from dampednewton.math.cost import prefers_partial_eigensolver
 from dampednewton.math.linalg import top_eigh
 from tests.assertions import assert_close, assert_close_up_to_sign
 
+GRAM = GramBasis()
 CONFIGURATIONS = {
-    "vivit-mc1": {"mc_samples": 1, "complement": None, "averaging": None},
-    "vivit-exact": {"mc_samples": 0, "complement": None, "averaging": None},
-    "complement-exact": {"mc_samples": 0, "averaging": None},
-    "defaults-mc1": {"mc_samples": 1},
+    "vivit-mc1": {
+        "basis": GRAM,
+        "mc_samples": 1,
+        "complement": None,
+        "averaging": None,
+    },
+    "vivit-exact": {
+        "basis": GRAM,
+        "mc_samples": 0,
+        "complement": None,
+        "averaging": None,
+    },
+    "complement-exact": {"basis": GRAM, "mc_samples": 0, "averaging": None},
+    "gram-defaults-mc1": {"basis": GRAM, "mc_samples": 1},
     "frozen-steps-mc1": {
+        "basis": GRAM,
         "mc_samples": 1,
         "averaging": CurvatureAveraging(interval=20, ramp=False),
     },
     "averaging-every-step-exact": {
+        "basis": GRAM,
         "mc_samples": 0,
         "averaging": CurvatureAveraging(interval=1),
     },
+    "kronecker-defaults-mc1": {},
+    "kronecker-every-step-exact": {"mc_samples": 0, "averaging": None},
+    "kronecker-truncated-mc1": {"basis": KroneckerBasis(rank=4), "averaging": None},
 }
 
 
@@ -103,7 +125,9 @@ def test_the_partial_eigensolver_checks_once_unless_it_stops_early():
 def test_levenberg_marquardt_adds_one_read_on_its_adaptation_steps():
     # Levenberg-Marquardt adapts on refreshes: refresh every step here.
     every_step = CurvatureAveraging(interval=1)
-    optimizer, closure = _training("cpu", {"mc_samples": 1, "averaging": every_step})
+    optimizer, closure = _training(
+        "cpu", {"basis": GRAM, "mc_samples": 1, "averaging": every_step}
+    )
     optimizer.param_groups[0]["damping"] = LevenbergMarquardt(value=0.1, interval=5)
     _quiet_steps(optimizer, closure, 6)
     reads_per_step = []

@@ -10,13 +10,18 @@ import pytest
 import torch
 from torch import Tensor
 
-from dampednewton import DampedNewton, LevenbergMarquardt, SmallestCurvature
+from dampednewton import DampedNewton, GramBasis, LevenbergMarquardt, SmallestCurvature
 from tests import reference
 from tests.cases import PROBLEMS
 from tests.utils import Case, build_case, copy_parameters, flat, make_closure
 
 PROBLEM = {problem.id: problem for problem in PROBLEMS}
-BATCH_GGN = {"mc_samples": 0, "averaging": None, "kl_clip": None}
+BATCH_GGN = {
+    "basis": GramBasis(),
+    "mc_samples": 0,
+    "averaging": None,
+    "kl_clip": None,
+}
 """This batch's exact GGN, no trust region (the defaults average a Monte-Carlo GGN)."""
 
 

@@ -19,6 +19,7 @@ from dampednewton import (
     ConstantDamping,
     DampedNewton,
     EigenvalueThreshold,
+    GramBasis,
     MeasuredCurvature,
     RelativeThreshold,
     SmallestCurvature,
@@ -143,7 +144,12 @@ def test_step_matches_reference(
         for indices, setting in spec.groups
     ]
     optimizer = DampedNewton(
-        groups, warn_small_eigvals=0, mc_samples=0, averaging=None, kl_clip=None
+        groups,
+        basis=GramBasis(),
+        warn_small_eigvals=0,
+        mc_samples=0,
+        averaging=None,
+        kl_clip=None,
     )
     model64 = case.reference_model.to(torch.float64)
     X64 = case.X.to(torch.float64)
