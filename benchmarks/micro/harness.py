@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 
 from benchmarks.measure import Stopwatch
 from benchmarks.problems.models import cifar10_3c3d, mlp
-from dampednewton import DampedNewton, DirectionalDampedNewtonComputation
+from dampednewton import DampedNewton, DirectionalDampedNewtonComputation, GramBasis
 
 NUM_CLASSES = 10
 DIRECTIONS = 10
@@ -175,6 +175,7 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
     model, loss_fn = extend(model), extend(loss_fn)
     if kind in ("fast", "default"):
         vivit = {
+            "basis": GramBasis(),
             "damping": 1e-2,
             "criterion": DIRECTIONS,
             "mc_samples": mc_samples,

@@ -1,9 +1,9 @@
 """Where a step's time goes on its device: kernels, host reads, synchronizations.
 
 For each model, one warm step of SGD and of DampedNewton is counted: ViViT's step with
-top-10 directions and constant damping for each GGN (``fast:mc1``, ``fast:exact``), and
-the package's defaults (``default``: Monte-Carlo, complement, averaging, trust region,
-Levenberg-Marquardt damping adapted every 5 steps):
+top-10 directions and constant damping for each GGN (``fast:mc1``, ``fast:exact``, the
+Gram basis), and the package's defaults (``default``: the Kronecker basis of the
+Monte-Carlo GGN, averaged and refreshed on its schedule, trust region):
 
 * ``kernels``: CUDA kernels launched (``torch.profiler``); on the CPU, ATen operators
   that compute (views excluded), the proxy of launches;

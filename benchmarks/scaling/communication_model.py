@@ -11,6 +11,11 @@ Per step, each of ``R`` ranks with ``n`` local samples:
   pass (three float64 numbers per rank), the refusal flag and, on Levenberg-Marquardt
   damping's adaptation steps, the mean loss after the step (one all-reduced float64
   each). This grows with ``R`` without bound.
+* **The Kronecker basis' factors** (:func:`kronecker_bytes`): on a refresh, one ring
+  all-reduce of every layer's two factors (``(d_in + 1)² + d_out²`` numbers per layer,
+  :func:`kronecker_numbers`), the agreement and the refusal flag; between refreshes
+  the agreement and the flag only. Independent of the batch and of ``R``'s growth
+  beyond the ring's ``2 (R − 1)/R``.
 * **DDP's gradient all-reduce** (:func:`all_reduce_bytes`): a ring all-reduce of the
   ``P`` parameters' gradients receives ``2 (R − 1) / R · 4 P`` bytes in float32,
   bounded by ``8 P``; DampedNewton reuses it for the mean gradient.
@@ -211,6 +216,45 @@ def dampednewton_bytes(
     gathered = (world_size - 1) * (local_batch * bytes_per_sample + AGREEMENT_BYTES)
     reduced = REFUSAL_BYTES + (LOSS_AFTER_STEP_BYTES if reduction_ratio else 0)
     return gathered + all_reduce_bytes(world_size, reduced)
+
+
+def kronecker_numbers(model: nn.Module) -> int:
+    """Numbers of the Kronecker factors a refresh all-reduces for ``model``.
+
+    Per ``nn.Linear`` or convolution with weight ``[d_out, c_in, *k]``: the input
+    factor ``((c_in·Πk) + 1)²`` (``+ 1`` with a bias), the output factor ``d_out²``
+    and the micro-batch weight's sum.
+
+    Args:
+        model: The model (every parameter in such a layer).
+
+    Returns:
+        The count.
+    """
+    count = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Conv1d | nn.Conv2d | nn.Conv3d):
+            inputs = module.weight[0].numel() + (module.bias is not None)
+            count += inputs**2 + module.weight.shape[0] ** 2 + 1
+    return count
+
+
+def kronecker_bytes(
+    factor_bytes: float, world_size: int, *, refresh: bool = True
+) -> float:
+    """Bytes one rank receives per step of the Kronecker basis.
+
+    Args:
+        factor_bytes: The factors' bytes (:func:`kronecker_numbers` times the
+            element size).
+        world_size: ``R``.
+        refresh: A refresh step (factors all-reduced) or a step between refreshes.
+
+    Returns:
+        ``(R − 1)·agreement + 2 (R − 1)/R · (flag + factors)``; 0 for one rank.
+    """
+    reduced = REFUSAL_BYTES + (factor_bytes if refresh else 0.0)
+    return (world_size - 1) * AGREEMENT_BYTES + all_reduce_bytes(world_size, reduced)
 
 
 def all_reduce_bytes(world_size: int, num_bytes: float) -> float:

@@ -44,6 +44,8 @@ from benchmarks.scaling.communication_model import (
     ddp_buckets,
     gathered_layout,
     gram_growth,
+    kronecker_bytes,
+    kronecker_numbers,
 )
 from benchmarks.scaling.scaling_worker import (
     VARIANTS,
@@ -113,16 +115,19 @@ def measure(job: ScalingJob) -> dict[str, Measurement]:
 
 
 def predicted_bytes(job: ScalingJob, variant: str) -> float:
-    """The cost model's bytes per step of DampedNewton for the job.
+    """The cost model's bytes per (refresh) step of DampedNewton for the job.
 
     Args:
         job: The run.
-        variant: ``"mc1"`` or ``"exact"``.
+        variant: ``"mc1"``, ``"exact"`` (Gram basis) or ``"kronecker"``.
 
     Returns:
         Bytes one rank receives per step.
     """
     model = instantiate(job.model, generator=torch.Generator().manual_seed(0))
+    if variant == "kronecker":
+        factors = FLOAT32_BYTES * kronecker_numbers(model)
+        return kronecker_bytes(factors, job.world_size)
     local = job.global_batch // job.world_size
     columns = GGN_COLUMNS[variant] or int(job.y_train.max()) + 1
     layout = gathered_layout(model, job.x_train.shape[1:], columns, local)
@@ -148,7 +153,7 @@ def measured_table(
 
     Args:
         problem: The problem's name.
-        variant: ``"mc1"`` or ``"exact"``.
+        variant: ``"mc1"``, ``"exact"`` or ``"kronecker"``.
         runs: Job and measurements per world size.
 
     Returns:
@@ -297,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 problem, world_size, batch, args.warmup, args.steps, args.variants
             )
             runs[world_size] = (job, measure(job))
-        for variant in ("mc1", "exact"):
+        for variant in ("mc1", "exact", "kronecker"):
             if variant in args.variants:
                 print("\n".join(measured_table(problem, variant, runs)), flush=True)
 

@@ -51,8 +51,8 @@ def skip_reason(cfg: DictConfig) -> str | None:
     """Why the job is not to run, before its grid point is known.
 
     A damping rule other than ``constant`` (``conf/damping/``) on an optimizer that
-    takes none (``takes_damping_rules: false``): a sweep crossing optimizers with
-    damping rules skips those jobs.
+    takes none (``takes_damping_rules: false``) or not this one (a list of the rules
+    it takes): a sweep crossing optimizers with damping rules skips those jobs.
 
     Args:
         cfg: The job config.
@@ -60,10 +60,14 @@ def skip_reason(cfg: DictConfig) -> str | None:
     Returns:
         The reason, or ``None`` when the job is to run.
     """
-    if cfg.damping_rule != "constant" and not cfg.takes_damping_rules:
-        return (
-            f"damping={cfg.damping_rule} does not apply to "
-            f"{OmegaConf.select(cfg, 'optimizer._target_')}"
+    rule, takes = cfg.damping_rule, cfg.takes_damping_rules
+    if rule == "constant":
+        return None
+    if not takes or (not isinstance(takes, bool) and rule not in takes):
+        target = OmegaConf.select(cfg, "optimizer._target_")
+        basis = OmegaConf.select(cfg, "optimizer.basis._target_")
+        return f"damping={rule} does not apply to {target}" + (
+            f" with {basis}" if takes else ""
         )
     return None
 

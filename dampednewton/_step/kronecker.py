@@ -422,6 +422,8 @@ def _mean_over_ranks(
 ) -> None:
     """Average every layer's factor sums over the ranks in one all-reduce."""
     layers = list(factors.values())
+    if not layers:  # nothing reached the hook (not extended): refused after
+        return
     flat = torch.cat(
         [t.reshape(-1) for layer in layers for t in (layer.inputs, layer.outputs)]
         + [torch.stack([layer.total for layer in layers])]

@@ -22,6 +22,8 @@ from benchmarks.scaling.communication_model import (
     ddp_buckets,
     gathered_layout,
     gram_growth,
+    kronecker_bytes,
+    kronecker_numbers,
 )
 from benchmarks.scaling.scaling import extrapolation_table, measure, predicted_bytes
 from benchmarks.scaling.scaling_worker import ScalingJob
@@ -71,6 +73,19 @@ def test_bytes_per_step_follow_the_ring_formulas():
     assert ddp_buckets(DDP_BUCKET_BYTES // 4 + 1) == 2
 
 
+def test_kronecker_factors_by_hand():
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Conv1d(1, 3, 2, bias=False))
+    # Linear: (5 + 1)² + 7², Conv1d: (1·2)² + 3², one total each.
+    assert kronecker_numbers(model) == 36 + 49 + 1 + 4 + 9 + 1
+    assert kronecker_bytes(400.0, 1) == 0
+    assert kronecker_bytes(400.0, 4) == pytest.approx(
+        3 * AGREEMENT_BYTES + 1.5 * (REFUSAL_BYTES + 400)
+    )
+    assert kronecker_bytes(400.0, 4, refresh=False) == pytest.approx(
+        3 * AGREEMENT_BYTES + 1.5 * REFUSAL_BYTES
+    )
+
+
 def test_alpha_beta_times():
     link = Link("test", bandwidth=1e9, latency=1e-5)
     assert all_gather_seconds(1e6, 3, 4, link) == pytest.approx(9e-5 + 1e-3)
@@ -111,7 +126,7 @@ def _job(model: dict, input_shape: tuple[int, ...]) -> ScalingJob:
         global_batch=8,
         warmup_steps=1,
         timed_steps=2,
-        variants=("mc1", "exact", "sgd"),
+        variants=("mc1", "exact", "kronecker", "sgd"),
     )
 
 
@@ -141,10 +156,10 @@ def test_model_bytes_equal_the_measured_bytes_of_two_ranks(model, input_shape):
     found = measure(job)
     built = instantiate(model, generator=torch.Generator())
     parameters = sum(p.numel() for p in built.parameters())
-    for variant in ("mc1", "exact"):
+    for variant in ("mc1", "exact", "kronecker"):
         assert found[variant].communication_bytes == predicted_bytes(job, variant)
         assert found[variant].communication_seconds > 0
-    for variant in ("mc1", "exact", "sgd"):
+    for variant in ("mc1", "exact", "kronecker", "sgd"):
         assert found[variant].ddp_bytes == all_reduce_bytes(2, 4 * parameters)
         assert found[variant].ddp_buckets == 1
         assert found[variant].seconds > 0

@@ -83,14 +83,23 @@ def test_optimizer_config_trains_tiny_model(compose_config, optimizer_name):
     _trains_tiny_model(cfg, optimizer_name)
 
 
-@pytest.mark.parametrize("optimizer", ["dampednewton", "dampednewton_vivit"])
+@pytest.mark.parametrize(
+    "optimizer", ["dampednewton", "dampednewton_gram", "dampednewton_vivit"]
+)
 def test_damping_rule_trains_tiny_model(compose_config, optimizer, damping_rule):
     cfg = compose_config([f"optimizer={optimizer}", f"damping={damping_rule}"])
     suffix = "" if damping_rule == "constant" else f"_{damping_rule}"
     assert cfg.optimizer_name == optimizer + suffix
+    if optimizer == "dampednewton" and damping_rule not in ("constant", "lm"):
+        # Per-direction rules need the Gram basis' eigen-directions.
+        assert skip_reason(cfg) == (
+            f"damping={damping_rule} does not apply to dampednewton.DampedNewton "
+            "with dampednewton.KroneckerBasis"
+        )
+        return
     assert skip_reason(cfg) is None
-    if damping_rule == "constant" and optimizer == "dampednewton":
-        assert cfg.optimizer.damping is None  # the class default (Levenberg-Marquardt)
+    if damping_rule == "constant" and optimizer != "dampednewton_vivit":
+        assert cfg.optimizer.damping is None  # the class default of the basis
     elif damping_rule == "constant":
         assert isinstance(cfg.optimizer.damping, float)
     else:

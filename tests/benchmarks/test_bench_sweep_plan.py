@@ -70,7 +70,8 @@ def test_plan_of_a_sweep_crossing_optimizers_and_damping_rules():
     assert len(plan.kinds) == 2 * 4 * 4 * 5
     names = [plan.names.get(kind) for kind in plan.kinds]
     assert names.count(None) == 3 * 4 * 5, "sgd takes no damping rule"
-    for name in ("sgd", *(f"dampednewton{s}" for s in ("", "_noise", "_gsnr", "_lm"))):
+    rules = ("", "_noise", "_gsnr", "_lm")
+    for name in ("sgd", *(f"dampednewton_gram{s}" for s in rules)):
         assert names.count(f"{name} on noisy_quadratic") == 4 * 5
     assert plan.describe().startswith("160 jobs (20 sgd on noisy_quadratic, ")
     assert ", 60 skipped: a damping rule they do not take): about " in plan.describe()
