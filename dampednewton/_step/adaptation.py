@@ -19,21 +19,22 @@ from torch import Tensor
 
 from dampednewton._step.quadratic_model import StepModel, predicted_change
 from dampednewton.backpack.backward import quiet_backward_hook_warning
-from dampednewton.policies.damping import AdaptiveDamping, Damping
+from dampednewton.policies.damping import AdaptiveDamping
 
 
-def distinct_adaptive(policies: Iterable[Damping]) -> list[AdaptiveDamping]:
-    """The adaptive policies among the groups' ones, each object once.
+def distinct_adaptive(
+    policies: Iterable[AdaptiveDamping | None],
+) -> list[AdaptiveDamping]:
+    """The adaptive policies of the groups, each object once.
 
     Args:
-        policies: Every group's damping policy.
+        policies: Every group's adaptive damping policy (``None``: not adaptive),
+            i.e. ``GroupOptions.adaptive_damping``.
 
     Returns:
-        The distinct :class:`AdaptiveDamping` objects, in group order.
+        The distinct objects, in group order.
     """
-    distinct = {
-        id(policy): policy for policy in policies if isinstance(policy, AdaptiveDamping)
-    }
+    distinct = {id(policy): policy for policy in policies if policy is not None}
     return list(distinct.values())
 
 

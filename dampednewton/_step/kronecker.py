@@ -46,6 +46,7 @@ from dampednewton._step.kronecker_state import (
     LayerBasis,
     eigen_entries,
     stored_bases,
+    stored_eigen,
 )
 from dampednewton._step.options import GroupOptions, SharedOptions
 from dampednewton._step.records import GLOBAL, REFRESH_DUE, REFRESH_LOSS
@@ -63,10 +64,17 @@ from dampednewton.backpack.loss_checks import DeferredChecks, ignored_targets_er
 from dampednewton.backpack.savefields import sqrt_ggn_savefield
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
-from dampednewton.math.kronecker import factor_eigen, kronecker_direction
+from dampednewton.math.kronecker import (
+    factor_eigen,
+    kronecker_direction,
+    refreshed_values,
+)
 from dampednewton.math.precision import computation_dtype
 from dampednewton.policies.basis import KroneckerBasis
 
+import os
+
+ROTATE_EVERY = int(os.environ.get("DN_ROTATE_EVERY", "1"))
 
 COMPILE_HINT = (
     "A torch.compile'd model can skip BackPACK's hooks (TorchDynamo reuses graphs "
@@ -349,16 +357,31 @@ def _refreshed(
         else:
             inputs, outputs = (1 - decay) * inputs, (1 - decay) * outputs
         rank = basis_policy.rank
-        basis = LayerBasis(
-            layer.weight,
-            layer.bias,
-            factor_eigen(
-                outputs / correction, rank, stored.get(f"{OUTPUT_EIGEN}_vectors")
-            ),
-            factor_eigen(
-                inputs / correction, rank, stored.get(f"{INPUT_EIGEN}_vectors")
-            ),
+        previous = (
+            stored_eigen(stored, OUTPUT_EIGEN),
+            stored_eigen(stored, INPUT_EIGEN),
         )
+        rotate = ROTATE_EVERY <= 1 or stats.get(UPDATES, 0) % ROTATE_EVERY == 0
+        if (
+            rotate
+            or previous[0] is None
+            or previous[1] is None
+            or stats.get(UPDATES, 0) < 5
+        ):
+            new = (
+                factor_eigen(
+                    outputs / correction, rank, stored.get(f"{OUTPUT_EIGEN}_vectors")
+                ),
+                factor_eigen(
+                    inputs / correction, rank, stored.get(f"{INPUT_EIGEN}_vectors")
+                ),
+            )
+        else:
+            new = (
+                refreshed_values(outputs / correction, previous[0]),
+                refreshed_values(inputs / correction, previous[1]),
+            )
+        basis = LayerBasis(layer.weight, layer.bias, *new)
         layers.append(Refreshed(basis, inputs, outputs))
     for param in group["params"]:
         if param.requires_grad and id(param) not in covered:

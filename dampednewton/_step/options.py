@@ -10,6 +10,7 @@ type outside its range ``ValueError``; every message says what is accepted.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -260,9 +261,12 @@ class GroupOptions:
             shared=shared,
         )
 
-    @property
+    @functools.cached_property
     def adaptive_damping(self) -> AdaptiveDamping | None:
-        """The damping policy if it adapts after each step, else ``None``."""
+        """The damping policy if it adapts after each step, else ``None``.
+
+        Cached: the protocol check costs more than a step between refreshes.
+        """
         return self.damping if isinstance(self.damping, AdaptiveDamping) else None
 
 

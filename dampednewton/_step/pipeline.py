@@ -172,7 +172,7 @@ class Pipeline:
             0 if group is None else group.small_eigenvalues for group in status.groups
         ]
         self.recorder.record(stats, thresholds, small, results, scales, record)
-        adaptive = distinct_adaptive(option.damping for option in options)
+        adaptive = distinct_adaptive(option.adaptive_damping for option in options)
         if adaptive:
             multiples = [o.lr * scale for o, scale in zip(options, scales, strict=True)]
             state[GLOBAL]["reduction_ratio"] = adapt(
@@ -198,7 +198,7 @@ class Pipeline:
         """A step of Kronecker-basis groups (:mod:`._step.kronecker`)."""
         step_index = state[GLOBAL]["step"]
         stats = group_stats(state, groups)
-        adaptive = distinct_adaptive(option.damping for option in options)
+        adaptive = distinct_adaptive(option.adaptive_damping for option in options)
         taken = self.kronecker.run(
             closure,
             groups,

@@ -123,8 +123,8 @@ def factor_eigen(
     :data:`POWER_ITERATIONS_FROM_SCRATCH` from a fixed start) and a Rayleigh-Ritz
     step: the averaged factor moves little between refreshes, as in SOAP's and
     Shampoo's eigenbasis updates. The symmetric eigenproblems (at most
-    ``rank × rank``) are solved in float64, which needs no check of the result (no
-    host read); a non-finite factor must not reach them (``eigh`` fails on it).
+    ``rank × rank``) need no check of their result (no host read): a failure raises
+    and is solved again in float64; a non-finite factor must not reach them.
 
     Args:
         factor: Symmetric PSD ``[d, d]``.
@@ -137,7 +137,7 @@ def factor_eigen(
     dim = factor.shape[0]
     mean = torch.diagonal(factor).sum() / dim
     if dim <= rank:
-        values, vectors = _eigh64(factor)
+        values, vectors = _eigh(factor)
         return FactorEigen(values.clamp_min(0), vectors, factor.new_zeros(()), mean)
     if previous is None or previous.shape != (dim, rank):
         start = _fixed_start(dim, rank, factor)
@@ -148,17 +148,51 @@ def factor_eigen(
     for _ in range(iterations):
         subspace = torch.linalg.qr(factor @ subspace).Q
     projected = subspace.T @ factor @ subspace
-    values, rotation = _eigh64((projected + projected.T) / 2)
+    values, rotation = _eigh((projected + projected.T) / 2)
     values = values.clamp_min(0)
     residual = ((mean * dim - values.sum()) / (dim - rank)).clamp_min(0)
     return FactorEigen(values, subspace @ rotation, residual, mean)
 
 
-def _eigh64(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """``eigh`` in float64 (scaled by a power of two), cast to the input's dtype."""
+def refreshed_values(factor: Tensor, eigen: FactorEigen) -> FactorEigen:
+    """New eigenvalues for a factor along its previous eigenvectors.
+
+    The Rayleigh quotients ``σ_j = v_jᵀ F v_j`` (and the residual and mean of the new
+    factor): two products instead of an eigendecomposition, for refreshes between
+    those that rotate the basis. Exact when ``F`` kept its eigenvectors.
+
+    Args:
+        factor: The new factor ``F`` ``[d, d]``.
+        eigen: Its previous eigenpairs.
+
+    Returns:
+        The eigenpairs along the previous vectors.
+    """
+    vectors = eigen.vectors
+    values = ((factor @ vectors) * vectors).sum(0).clamp_min(0)
+    dim, rank = vectors.shape
+    mean = torch.diagonal(factor).sum() / dim
+    residual = (
+        ((mean * dim - values.sum()) / (dim - rank)).clamp_min(0)
+        if rank < dim
+        else factor.new_zeros(())
+    )
+    return FactorEigen(values, vectors, residual, mean)
+
+
+def _eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """``eigh`` of a power-of-two-scaled matrix, in float64 if LAPACK fails.
+
+    The factors are PSD and scaled to unit magnitude; a failure to converge raises
+    (no host read of the result is needed) and is solved again in float64.
+    """
     scale = power_of_two_scale(matrix)
-    values, vectors = torch.linalg.eigh((matrix / scale).to(torch.float64))
-    return (values.to(matrix.dtype) * scale, vectors.to(matrix.dtype))
+    scaled = matrix / scale
+    try:
+        values, vectors = torch.linalg.eigh(scaled)
+    except torch.linalg.LinAlgError:
+        values, vectors = torch.linalg.eigh(scaled.to(torch.float64))
+    return values.to(matrix.dtype) * scale, vectors.to(matrix.dtype)
 
 
 def _fixed_start(dim: int, rank: int, like: Tensor) -> Tensor:
@@ -320,11 +354,21 @@ def kronecker_direction(
     curvature = (
         torch.dot(squares.flatten(), c.curvatures.flatten()) if with_curvature else None
     )
-    main = u @ (gamma * c.core) @ v.T
+    # s = left·Vᵀ + U·right − c_⊥⊥ Ḡ with the core, the column and the row blocks
+    # gathered in left [d_out, r_in] and right [r_out, d_in]: two products of size
+    # d_out·d_in·r besides R and T.
+    left = u @ (gamma * c.core)
     if c.rows is None and c.columns is None:
-        return KroneckerStep(main, slope, curvature)
-    direction = main
+        return KroneckerStep(left @ v.T, slope, curvature)
     both = gradient.new_zeros(()) if c.both is None else c.both
+    if c.columns is not None:
+        column_squares = (projected_in.square().sum(0) - squares.sum(0)).clamp_min(0)
+        slope = slope - torch.dot(c.columns, column_squares)
+        if curvature is not None:
+            assert c.column_curvatures is not None
+            curvature = curvature + torch.dot(c.column_curvatures, column_squares)
+        left = left - projected_in * (c.columns - both)
+    direction = left @ v.T
     if c.rows is not None:
         projected_out = u.T @ gradient  # T [r_out, d_in]
         row_squares = (projected_out.square().sum(1) - squares.sum(1)).clamp_min(0)
@@ -332,14 +376,7 @@ def kronecker_direction(
         if curvature is not None:
             assert c.row_curvatures is not None
             curvature = curvature + torch.dot(c.row_curvatures, row_squares)
-        direction = direction - u @ ((c.rows - both)[:, None] * projected_out)
-    if c.columns is not None:
-        column_squares = (projected_in.square().sum(0) - squares.sum(0)).clamp_min(0)
-        slope = slope - torch.dot(c.columns, column_squares)
-        if curvature is not None:
-            assert c.column_curvatures is not None
-            curvature = curvature + torch.dot(c.column_curvatures, column_squares)
-        direction = direction - (projected_in * (c.columns - both)) @ v.T
+        direction.addmm_(u, (both - c.rows)[:, None] * projected_out)
     if c.both is not None and c.rows is not None:
         rest = (
             gradient.square().sum()
@@ -351,5 +388,5 @@ def kronecker_direction(
         if curvature is not None:
             assert c.both_curvature is not None
             curvature = curvature + c.both_curvature * rest
-        direction = direction - c.both * gradient
+        direction.addcmul_(gradient, -c.both)
     return KroneckerStep(direction, slope, curvature)
