@@ -15,6 +15,7 @@ from dampednewton.math.kronecker import (
     kronecker_direction,
     layer_coefficients,
     output_factor,
+    refreshed_values,
 )
 from tests.assertions import assert_close
 
@@ -195,3 +196,21 @@ def test_the_curvature_is_left_out_when_not_asked_for():
     assert lean.curvature is None
     assert torch.equal(lean.direction, full.direction)
     assert torch.equal(lean.slope, full.slope)
+
+
+def test_refreshed_values_are_the_rayleigh_quotients_along_the_kept_vectors():
+    old, new = psd(9, seed=14), psd(9, seed=15)
+    for rank in (9, 4):
+        eigen = factor_eigen(old, rank)
+        refreshed = refreshed_values(new, eigen)
+        assert refreshed.vectors is eigen.vectors
+        expected = torch.einsum("dr,de,er->r", eigen.vectors, new, eigen.vectors)
+        assert_close(refreshed.values, expected.clamp_min(0), atol=1e-12)
+        assert_close(refreshed.mean, torch.trace(new) / 9)
+        rest = (torch.trace(new) - expected.sum()) / (9 - rank) if rank < 9 else 0.0
+        assert_close(
+            refreshed.residual, torch.as_tensor(rest, dtype=DTYPE).clamp_min(0)
+        )
+    # Where the factor kept its eigenvectors, the refresh is its decomposition.
+    exact = factor_eigen(new, 9)
+    assert_close(refreshed_values(2 * new, exact).values, 2 * exact.values, atol=1e-12)

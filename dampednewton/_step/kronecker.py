@@ -65,16 +65,13 @@ from dampednewton.backpack.savefields import sqrt_ggn_savefield
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
 from dampednewton.math.kronecker import (
+    FactorEigen,
     factor_eigen,
     kronecker_direction,
     refreshed_values,
 )
 from dampednewton.math.precision import computation_dtype
 from dampednewton.policies.basis import KroneckerBasis
-
-import os
-
-ROTATE_EVERY = int(os.environ.get("DN_ROTATE_EVERY", "1"))
 
 COMPILE_HINT = (
     "A torch.compile'd model can skip BackPACK's hooks (TorchDynamo reuses graphs "
@@ -356,31 +353,13 @@ def _refreshed(
             outputs = decay * stored[OUTPUT_FACTOR] + (1 - decay) * outputs
         else:
             inputs, outputs = (1 - decay) * inputs, (1 - decay) * outputs
-        rank = basis_policy.rank
-        previous = (
-            stored_eigen(stored, OUTPUT_EIGEN),
-            stored_eigen(stored, INPUT_EIGEN),
+        new = _decomposed(
+            basis_policy,
+            stored,
+            inputs / correction,
+            outputs / correction,
+            stats.get(UPDATES, 0),
         )
-        rotate = ROTATE_EVERY <= 1 or stats.get(UPDATES, 0) % ROTATE_EVERY == 0
-        if (
-            rotate
-            or previous[0] is None
-            or previous[1] is None
-            or stats.get(UPDATES, 0) < 5
-        ):
-            new = (
-                factor_eigen(
-                    outputs / correction, rank, stored.get(f"{OUTPUT_EIGEN}_vectors")
-                ),
-                factor_eigen(
-                    inputs / correction, rank, stored.get(f"{INPUT_EIGEN}_vectors")
-                ),
-            )
-        else:
-            new = (
-                refreshed_values(outputs / correction, previous[0]),
-                refreshed_values(inputs / correction, previous[1]),
-            )
         basis = LayerBasis(layer.weight, layer.bias, *new)
         layers.append(Refreshed(basis, inputs, outputs))
     for param in group["params"]:
@@ -393,6 +372,32 @@ def _refreshed(
                 "parameter in the forward pass. " + COMPILE_HINT
             )
     return layers
+
+
+def _decomposed(
+    basis: KroneckerBasis,
+    stored: dict[str, Any],
+    inputs: Tensor,
+    outputs: Tensor,
+    refreshes: int,
+) -> tuple[FactorEigen, FactorEigen]:
+    """Eigenpairs of a layer's bias-corrected factors ``(S, A)`` for this refresh.
+
+    Rotating refreshes (:meth:`KroneckerBasis.rotates`) decompose the factors anew;
+    the others refresh the eigenvalues along the stored eigenvectors.
+    """
+    output = stored_eigen(stored, OUTPUT_EIGEN)
+    input_eigen = stored_eigen(stored, INPUT_EIGEN)
+    if output is None or input_eigen is None or basis.rotates(refreshes):
+        return (
+            factor_eigen(
+                outputs, basis.rank, None if output is None else output.vectors
+            ),
+            factor_eigen(
+                inputs, basis.rank, None if input_eigen is None else input_eigen.vectors
+            ),
+        )
+    return refreshed_values(outputs, output), refreshed_values(inputs, input_eigen)
 
 
 def _commit(

@@ -23,6 +23,9 @@ import torch
 
 DEFAULT_KRONECKER_RANK = 128
 """Eigenvectors kept per Kronecker factor (larger factors share one residual value)."""
+ROTATING_REFRESHES = 5
+"""Refreshes that all recompute the eigenvectors (the ramp of the default schedule:
+steps 0, 1, 3, 7, 15), while the factors change fast."""
 
 
 @dataclass(frozen=True)
@@ -34,20 +37,39 @@ class KroneckerBasis:
             (e.g. the 785 inputs of a 784-wide layer with bias) keeps its ``rank``
             leading ones; its other eigenvalues are replaced by their mean. A step
             costs four products of each layer's gradient with ``≤ rank`` vectors.
+        rotation_interval: Recompute the eigenvectors on the first
+            :data:`ROTATING_REFRESHES` refreshes and then on every
+            ``rotation_interval``-th (``≥ 1``); the refreshes in between update the
+            factors and only the eigenvalues along the kept eigenvectors (their
+            Rayleigh quotients): an averaged factor turns slowly.
     """
 
     rank: int = DEFAULT_KRONECKER_RANK
+    rotation_interval: int = 3
 
     def __post_init__(self) -> None:
-        """Validate the rank."""
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int):
-            raise TypeError(
-                f"KroneckerBasis needs an integer rank >= 1, got {self.rank!r}."
-            )
-        if self.rank < 1:
-            raise ValueError(
-                f"KroneckerBasis needs an integer rank >= 1, got {self.rank!r}."
-            )
+        """Validate the settings."""
+        for name in ("rank", "rotation_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                error = TypeError if not isinstance(value, int) else ValueError
+                raise error(
+                    f"KroneckerBasis needs an integer {name} >= 1, got {value!r}."
+                )
+
+    def rotates(self, refresh: int) -> bool:
+        """Whether refresh number ``refresh`` (from 0) recomputes the eigenvectors.
+
+        Args:
+            refresh: Refreshes before this one.
+
+        Returns:
+            ``True`` on the first :data:`ROTATING_REFRESHES` and every
+            ``rotation_interval``-th after them.
+        """
+        if refresh < ROTATING_REFRESHES:
+            return True
+        return (refresh - ROTATING_REFRESHES) % self.rotation_interval == 0
 
 
 @dataclass(frozen=True)

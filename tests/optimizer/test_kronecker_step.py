@@ -160,6 +160,47 @@ def test_averages_and_steps_between_refreshes():
     assert optimizer.state["groups"][0]["curvature_updates"] == 2
 
 
+def test_refreshes_between_rotations_keep_the_eigenvectors():
+    """Refreshes 0-5 decompose; 6 and 7 take Rayleigh quotients (interval 3)."""
+    case = build_case(case_by_id("cnn1d-ce"))
+    averaging = CurvatureAveraging(decay=0.5, interval=1, ramp=False)
+    optimizer = DampedNewton(
+        case.model.parameters(),
+        basis=KroneckerBasis(rank=1000, rotation_interval=3),
+        averaging=averaging,
+        mc_samples=0,
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    weight = layers_of(case.model)[0].weight
+    vectors = []
+    for step in range(8):
+        optimizer.step(closure)
+        state = optimizer.state[weight]
+        vectors.append(state["kronecker_input_vectors"].clone())
+        corrected = state[INPUT_FACTOR] / (1 - 0.5 ** (step + 1))
+        values = state["kronecker_input_values"]
+        basis = state["kronecker_input_vectors"]
+        if step in (6, 7):
+            assert torch.equal(vectors[step], vectors[step - 1])
+            quotients = torch.einsum("dr,de,er->r", basis, corrected, basis)
+            assert_close(values, quotients.clamp_min(0), rtol=1e-10, atol=1e-14)
+        else:
+            assert step == 0 or not torch.equal(vectors[step], vectors[step - 1])
+            assert_close((basis * values) @ basis.T, corrected, rtol=1e-8, atol=1e-12)
+    assert [KroneckerBasis().rotates(r) for r in range(10)] == [
+        True,
+        True,
+        True,
+        True,
+        True,
+        True,
+        False,
+        False,
+        True,
+        False,
+    ]
+
+
 @pytest.mark.parametrize("lr", [0.5, 2.0])
 def test_trust_region_scales_the_step(lr):
     case = build_case(case_by_id("cnn1d-ce"))
@@ -401,5 +442,9 @@ def test_refused_settings_say_what_to_do():
         DampedNewton(params, damping=NoiseAwareDamping(0.1), averaging=None)
     with pytest.raises(ValueError, match="rank >= 1"):
         KroneckerBasis(rank=0)
+    with pytest.raises(ValueError, match="rotation_interval >= 1"):
+        KroneckerBasis(rotation_interval=0)
+    with pytest.raises(TypeError, match="rank >= 1"):
+        KroneckerBasis(rank=2.5)
     with pytest.raises(TypeError, match="basis must be"):
         DampedNewton(params, basis="kronecker")
