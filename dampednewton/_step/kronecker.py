@@ -427,6 +427,10 @@ def _commit(
         )
     stats[LAYERS] = tuple(pairs)
     stats[UPDATES] = stats.get(UPDATES, 0) + 1
+    stats["num_directions"] = sum(
+        layer.basis.output.values.numel() * layer.basis.inputs.values.numel()
+        for layer in layers
+    )
     return [layer.basis for layer in layers]
 
 

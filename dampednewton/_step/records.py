@@ -94,6 +94,10 @@ def store_factors(
 def empty_group_stats() -> dict[str, Any]:
     """The statistics of a group that has not stepped yet.
 
+    ``num_directions``: the directions the last step took with their own curvature
+    (the Gram basis' selected eigenvectors; the Kronecker basis' kept pairs
+    ``u_i ⊗ v_j`` summed over its layers).
+
     Returns:
         A fresh dict with zero counters.
     """
