@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
-DEFAULT_KRONECKER_RANK = 128
-"""Eigenvectors kept per Kronecker factor (larger factors share one residual value)."""
+DEFAULT_KRONECKER_RANK = 32
+"""Eigenvectors kept per Kronecker factor larger than :data:`DEFAULT_EXACT_SIZE`."""
+DEFAULT_EXACT_SIZE = 128
+"""Kronecker factors up to this dimension are decomposed exactly."""
 ROTATING_REFRESHES = 5
 """Refreshes that all recompute the eigenvectors (the ramp of the default schedule:
 steps 0, 1, 3, 7, 15), while the factors change fast."""
@@ -33,10 +35,13 @@ class KroneckerBasis:
     """Per layer, the eigenbasis of the Kronecker factors of its GGN block.
 
     Attributes:
-        rank: Eigenvectors kept per factor (``≥ 1``). A factor of larger dimension
-            (e.g. the 785 inputs of a 784-wide layer with bias) keeps its ``rank``
-            leading ones; its other eigenvalues are replaced by their mean. A step
-            costs four products of each layer's gradient with ``≤ rank`` vectors.
+        rank: Eigenvectors kept per factor larger than ``exact_size`` (``≥ 1``): such
+            a factor (e.g. the 785 inputs of a 784-wide layer with bias) keeps its
+            ``rank`` leading ones and replaces its other eigenvalues by their mean. A
+            step costs four products of each such layer's gradient with ``rank``
+            vectors.
+        exact_size: Factors of dimension up to this (``≥ 0``) are decomposed
+            exactly, every eigenvector kept.
         rotation_interval: Recompute the eigenvectors on the first
             :data:`ROTATING_REFRESHES` refreshes and then on every
             ``rotation_interval``-th (``≥ 1``); the refreshes in between update the
@@ -45,17 +50,32 @@ class KroneckerBasis:
     """
 
     rank: int = DEFAULT_KRONECKER_RANK
+    exact_size: int = DEFAULT_EXACT_SIZE
     rotation_interval: int = 3
 
     def __post_init__(self) -> None:
         """Validate the settings."""
-        for name in ("rank", "rotation_interval"):
+        for name, least in (("rank", 1), ("exact_size", 0), ("rotation_interval", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                error = TypeError if not isinstance(value, int) else ValueError
-                raise error(
-                    f"KroneckerBasis needs an integer {name} >= 1, got {value!r}."
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"KroneckerBasis needs an integer {name} >= {least}, got {value!r}."
                 )
+            if value < least:
+                raise ValueError(
+                    f"KroneckerBasis needs an integer {name} >= {least}, got {value!r}."
+                )
+
+    def kept(self, dim: int) -> int:
+        """Eigenvectors kept of a factor of dimension ``dim``.
+
+        Args:
+            dim: The factor's dimension.
+
+        Returns:
+            ``dim`` up to ``exact_size``, else ``min(dim, rank)``.
+        """
+        return dim if dim <= self.exact_size else min(dim, self.rank)
 
     def rotates(self, refresh: int) -> bool:
         """Whether refresh number ``refresh`` (from 0) recomputes the eigenvectors.

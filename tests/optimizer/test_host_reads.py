@@ -56,7 +56,10 @@ CONFIGURATIONS = {
     },
     "kronecker-defaults-mc1": {},
     "kronecker-every-step-exact": {"mc_samples": 0, "averaging": None},
-    "kronecker-truncated-mc1": {"basis": KroneckerBasis(rank=4), "averaging": None},
+    "kronecker-truncated-mc1": {
+        "basis": KroneckerBasis(rank=4, exact_size=0),
+        "averaging": None,
+    },
 }
 
 

@@ -37,7 +37,7 @@ from tests.utils import (
 )
 
 LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
-FULL_RANK = KroneckerBasis(rank=1000)
+FULL_RANK = KroneckerBasis(exact_size=1000)
 """Every factor of the test problems decomposed exactly."""
 EXACT = {"mc_samples": 0, "basis": FULL_RANK, "kl_clip": None}
 
@@ -446,5 +446,13 @@ def test_refused_settings_say_what_to_do():
         KroneckerBasis(rotation_interval=0)
     with pytest.raises(TypeError, match="rank >= 1"):
         KroneckerBasis(rank=2.5)
+    with pytest.raises(ValueError, match="exact_size >= 0"):
+        KroneckerBasis(exact_size=-1)
     with pytest.raises(TypeError, match="basis must be"):
         DampedNewton(params, basis="kronecker")
+
+
+def test_factors_up_to_the_exact_size_keep_every_eigenvector():
+    basis = KroneckerBasis(rank=3, exact_size=5)
+    assert [basis.kept(dim) for dim in (2, 5, 6, 100)] == [2, 5, 3, 3]
+    assert KroneckerBasis(rank=8, exact_size=0).kept(4) == 4
