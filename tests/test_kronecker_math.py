@@ -214,3 +214,14 @@ def test_refreshed_values_are_the_rayleigh_quotients_along_the_kept_vectors():
     # Where the factor kept its eigenvectors, the refresh is its decomposition.
     exact = factor_eigen(new, 9)
     assert_close(refreshed_values(2 * new, exact).values, 2 * exact.values, atol=1e-12)
+
+
+def test_scaled_eigenpairs_are_those_of_the_scaled_factor():
+    factor = psd(8, seed=16)
+    for rank in (8, 3):
+        eigen = factor_eigen(factor, rank)
+        scaled = eigen.scaled(4.0)
+        assert scaled.vectors is eigen.vectors
+        assert_close(scaled.values, 4 * eigen.values)
+        assert_close(scaled.residual, 4 * eigen.residual)
+        assert_close(scaled.mean, torch.trace(4 * factor) / 8)

@@ -142,6 +142,9 @@ class KroneckerSteps:
     def __init__(self) -> None:
         """Start without cached bases."""
         self._bases: dict[int, list[LayerBasis]] = {}
+        self._cached_extension: (
+            tuple[tuple, ExactSqrtGGN | MonteCarloSqrtGGN] | None
+        ) = None
 
     def clear(self) -> None:
         """Forget the cached bases (after loading a state)."""
@@ -185,12 +188,7 @@ class KroneckerSteps:
         collector = None
         deferred = DeferredChecks()
         if any(refreshing):
-            sqrt_ggn = (
-                MonteCarloSqrtGGN(shared.mc_samples, shared.subsampling_ggn, generator)
-                if shared.mc_samples > 0
-                else ExactSqrtGGN(subsampling=shared.subsampling_ggn)
-            )
-            use_structured_sqrt_ggn(sqrt_ggn)
+            sqrt_ggn = self._extension(shared, generator)
             sqrt_ggn.deferred_checks = deferred
             collected = [
                 p
@@ -220,16 +218,21 @@ class KroneckerSteps:
             if collector is not None:
                 if communicator is not None:
                     _mean_over_ranks(collector.layers, communicator)
-                factors_finite = _finite_or_zeroed(collector.layers)
-                for index, refresh in enumerate(refreshing):
-                    if refresh:
-                        fresh[index] = _refreshed(
-                            groups[index],
-                            options[index],
-                            stats[index],
-                            state,
-                            collector.layers,
-                        )
+                factors_finite = _finite(collector.layers)
+                try:
+                    for index, refresh in enumerate(refreshing):
+                        if refresh:
+                            fresh[index] = _refreshed(
+                                groups[index],
+                                options[index],
+                                stats[index],
+                                state,
+                                collector.layers,
+                            )
+                except torch.linalg.LinAlgError:
+                    # LAPACK fails on non-finite factors; else the read refuses.
+                    fresh.clear()
+                    factors_finite = torch.zeros((), dtype=torch.bool)
             steps: list[KroneckerGroupStep | None] = [None] * len(groups)
             for index, group in enumerate(groups):
                 bases = (
@@ -283,6 +286,21 @@ class KroneckerSteps:
             for basis in bases
         ]
         return torch.stack(values).cpu().numpy() if values else torch.zeros(0).numpy()
+
+    def _extension(
+        self, shared: SharedOptions, generator: Generator | None
+    ) -> ExactSqrtGGN | MonteCarloSqrtGGN:
+        """The structured square-root extension, kept while its settings hold."""
+        key = (shared.mc_samples, tuple(shared.subsampling_ggn or ()), id(generator))
+        if self._cached_extension is None or self._cached_extension[0] != key:
+            extension = (
+                MonteCarloSqrtGGN(shared.mc_samples, shared.subsampling_ggn, generator)
+                if shared.mc_samples > 0
+                else ExactSqrtGGN(subsampling=shared.subsampling_ggn)
+            )
+            use_structured_sqrt_ggn(extension)
+            self._cached_extension = (key, extension)
+        return self._cached_extension[1]
 
     def _bases_of(
         self, index: int, group: dict[str, Any], stats: dict[str, Any], state: Any
@@ -349,18 +367,19 @@ def _refreshed(
         stored = state[param]
         inputs, outputs = layer.mean()
         if decay > 0 and INPUT_FACTOR in stored:
-            inputs = decay * stored[INPUT_FACTOR] + (1 - decay) * inputs
-            outputs = decay * stored[OUTPUT_FACTOR] + (1 - decay) * outputs
-        else:
+            inputs = torch.lerp(inputs, stored[INPUT_FACTOR], decay)
+            outputs = torch.lerp(outputs, stored[OUTPUT_FACTOR], decay)
+        elif decay > 0:
             inputs, outputs = (1 - decay) * inputs, (1 - decay) * outputs
-        new = _decomposed(
-            basis_policy,
-            stored,
-            inputs / correction,
-            outputs / correction,
-            stats.get(UPDATES, 0),
+        output_eigen, input_eigen = _decomposed(
+            basis_policy, stored, inputs, outputs, stats.get(UPDATES, 0)
         )
-        basis = LayerBasis(layer.weight, layer.bias, *new)
+        basis = LayerBasis(
+            layer.weight,
+            layer.bias,
+            output_eigen.scaled(1 / correction),
+            input_eigen.scaled(1 / correction),
+        )
         layers.append(Refreshed(basis, inputs, outputs))
     for param in group["params"]:
         if param.requires_grad and id(param) not in covered:
@@ -381,7 +400,7 @@ def _decomposed(
     outputs: Tensor,
     refreshes: int,
 ) -> tuple[FactorEigen, FactorEigen]:
-    """Eigenpairs of a layer's bias-corrected factors ``(S, A)`` for this refresh.
+    """Eigenpairs of a layer's averaged factors ``(S, A)`` for this refresh.
 
     Rotating refreshes (:meth:`KroneckerBasis.rotates`) decompose the factors anew;
     the others refresh the eigenvalues along the stored eigenvectors.
@@ -472,23 +491,15 @@ def _mean_over_ranks(
         layer.total = total
 
 
-def _finite_or_zeroed(factors: dict[int, LayerFactors]) -> Tensor | None:
-    """Whether every factor is finite (0-dim, not read); zero them where not.
+def _finite(factors: dict[int, LayerFactors]) -> Tensor | None:
+    """Whether every factor is finite (0-dim, read with the step's checks).
 
-    A non-finite factor would make the eigensolver fail: the step is refused on the
-    flag instead, with the step's one host read. ``None`` without factors.
+    ``None`` without factors.
     """
     if not factors:
         return None
-    flags = [
-        torch.isfinite(layer.inputs.sum() + layer.outputs.sum())
-        for layer in factors.values()
-    ]
-    finite = torch.stack(flags).all()
-    for layer in factors.values():
-        layer.inputs = layer.inputs.where(finite, 0.0)
-        layer.outputs = layer.outputs.where(finite, 0.0)
-    return finite
+    sums = [layer.inputs.sum() + layer.outputs.sum() for layer in factors.values()]
+    return torch.isfinite(torch.stack(sums)).all()
 
 
 def _read(

@@ -112,6 +112,22 @@ class FactorEigen:
         """Whether some directions share the residual eigenvalue (``r < d``)."""
         return self.vectors.shape[1] < self.vectors.shape[0]
 
+    def scaled(self, factor: float) -> FactorEigen:
+        """The eigenpairs of ``factor`` times the matrix (same eigenvectors).
+
+        Args:
+            factor: A positive number (e.g. an average's bias correction).
+
+        Returns:
+            The scaled eigenpairs.
+        """
+        return FactorEigen(
+            self.values * factor,
+            self.vectors,
+            self.residual * factor,
+            self.mean * factor,
+        )
+
 
 def factor_eigen(
     factor: Tensor, rank: int, previous: Tensor | None = None
@@ -212,10 +228,8 @@ def damping_pi(output: FactorEigen, inputs: FactorEigen) -> Tensor:
     Returns:
         ``π``.
     """
-    ratio = inputs.mean / output.mean
-    return torch.where(
-        torch.isfinite(ratio) & (ratio > 0), ratio, torch.ones_like(ratio)
-    ).sqrt()
+    ratio = (inputs.mean / output.mean).nan_to_num(nan=1.0, posinf=1.0)
+    return ratio.where(ratio > 0, 1.0).sqrt()
 
 
 @dataclass(frozen=True)
