@@ -60,16 +60,9 @@ def input_factor(inputs: Tensor, bias: bool, num_samples: int) -> Tensor:
         ``A`` ``[d_in (+1), d_in (+1)]``.
     """
     rows = inputs.flatten(end_dim=-2)
-    factor = rows.T @ rows
     if bias:
-        sums = rows.sum(0)
-        count = rows.new_full((1, 1), rows.shape[0])
-        factor = torch.cat(
-            [
-                torch.cat([factor, sums[:, None]], dim=1),
-                torch.cat([sums[None, :], count], dim=1),
-            ]
-        )
+        rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+    factor = rows.T @ rows
     return factor / num_samples
 
 
