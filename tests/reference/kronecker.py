@@ -6,8 +6,9 @@ Jacobians of the model output with respect to the layer's output by autograd, on
 backward pass per output column. For a layer ``z = W x̃`` shared over ``P`` positions:
 
 * ``A = (1/N) Σ_n Σ_p x̃_np x̃_npᵀ`` (``x̃`` ends with a 1 when the layer has a bias);
-* ``S = (1/(N P)) Σ_n Σ_p J_npᵀ H_n J_np`` with ``J_np = ∂f_n/∂z_np`` ``[C, d_out]``
-  and ``H_n`` the loss Hessian with respect to the output ``f_n``.
+* ``S = (1/N) Σ_n Σ_p J_npᵀ H_n J_np`` with ``J_np = ∂f_n/∂z_np`` ``[C, d_out]``
+  and ``H_n`` the loss Hessian with respect to the output ``f_n`` (both factors sum
+  over the positions).
 """
 
 from __future__ import annotations
@@ -107,11 +108,11 @@ def kronecker_factors(
             hessians[samples],
             patches[samples],
         )
-    num_samples, positions = patches.shape[:2]
+    num_samples = patches.shape[0]
     inputs = torch.einsum("npi,npj->ij", patches, patches) / num_samples
-    outputs_factor = torch.einsum(
-        "ncpo,ncd,ndpk->ok", jacobians, hessians, jacobians
-    ) / (num_samples * positions)
+    outputs_factor = (
+        torch.einsum("ncpo,ncd,ndpk->ok", jacobians, hessians, jacobians) / num_samples
+    )
     return inputs, outputs_factor
 
 
