@@ -20,7 +20,8 @@ targets in as many or, on fmnist_2c2d, 2-3× fewer steps).
 
 With the eigenpairs ``S = Σ_i τ_i u_i u_iᵀ`` and ``A = Σ_j σ_j v_j v_jᵀ``, the
 directions ``e_ij = u_i ⊗ v_j`` have the curvatures ``λ_ij = τ_i σ_j`` and the slopes
-``γ_ij = u_iᵀ Ḡ v_j`` (``Ḡ`` the gradient as a matrix). The damping of each direction is K-FAC's factored Tikhonov damping,
+``γ_ij = u_iᵀ Ḡ v_j`` (``Ḡ`` the gradient as a matrix). The damping of each direction
+is K-FAC's factored Tikhonov damping,
 
 .. math::
 
