@@ -1,4 +1,4 @@
-"""The Kronecker-factored step's pure math against dense float64 references."""
+"""The Kronecker factors' and step's pure math against dense float64 references."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from dampednewton.math.kronecker import (
-    FactorEigen,
     damping_pi,
-    factor_eigen,
-    input_factor,
     kronecker_direction,
     layer_coefficients,
+)
+from dampednewton.math.kronecker_factors import (
+    FactorEigen,
+    factor_eigen,
+    input_factor,
     output_factor,
     refreshed_values,
 )

@@ -3,7 +3,7 @@ r"""The Kronecker basis' step: refreshes of the layers' factors and every step.
 A step of groups with :class:`~dampednewton.policies.basis.KroneckerBasis` runs the
 closure once. On a refresh (the averaging's schedule, a loss that rose above its
 tolerance, or the first step) it runs inside a BackPACK pass whose hook
-(:class:`~dampednewton.backpack.kronecker_factors.FactorCollector`) turns each layer's
+(:class:`~dampednewton.backpack.kronecker_hook.FactorCollector`) turns each layer's
 square-root buffers into its factors ``A`` and ``S``; the averages
 ``F ← βF + (1 − β)F_batch`` are bias-corrected by ``1 − β^t`` and decomposed
 (:func:`~dampednewton.math.kronecker.factor_eigen`). Every other step runs the
@@ -36,17 +36,19 @@ from dampednewton._step.guard import (
     check_loss_type,
     refuse,
 )
+from dampednewton._step.kronecker_checks import loss_rose, read_checks, refusal
+from dampednewton._step.kronecker_refresh import (
+    Refreshed,
+    commit_layers,
+    factors_finite,
+    mean_over_ranks,
+    refreshed_layers,
+)
 from dampednewton._step.kronecker_state import (
-    INPUT_EIGEN,
-    INPUT_FACTOR,
     LAYERS,
-    OUTPUT_EIGEN,
-    OUTPUT_FACTOR,
     UPDATES,
     LayerBasis,
-    eigen_entries,
     stored_bases,
-    stored_eigen,
 )
 from dampednewton._step.options import GroupOptions, SharedOptions
 from dampednewton._step.records import GLOBAL, REFRESH_DUE, REFRESH_LOSS
@@ -58,26 +60,14 @@ from dampednewton.backpack.extensions import (
     modified_loss_warning,
 )
 from dampednewton.backpack.hooks import ExtendedModules
-from dampednewton.backpack.kronecker_factors import FactorCollector, LayerFactors
+from dampednewton.backpack.kronecker_hook import FactorCollector
 from dampednewton.backpack.layers import use_structured_sqrt_ggn
-from dampednewton.backpack.loss_checks import DeferredChecks, ignored_targets_error
+from dampednewton.backpack.loss_checks import DeferredChecks
 from dampednewton.backpack.savefields import sqrt_ggn_savefield
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
-from dampednewton.math.kronecker import (
-    FactorEigen,
-    factor_eigen,
-    kronecker_direction,
-    refreshed_values,
-)
+from dampednewton.math.kronecker import kronecker_direction
 from dampednewton.math.precision import computation_dtype
-from dampednewton.policies.basis import KroneckerBasis
-
-COMPILE_HINT = (
-    "A torch.compile'd model can skip BackPACK's hooks (TorchDynamo reuses graphs "
-    "compiled for a plain model of the same class and does not guard on hooks), and "
-    "gains nothing from compilation here: step with the uncompiled model."
-)
 
 
 @dataclass(frozen=True)
@@ -214,15 +204,15 @@ class KroneckerSteps:
             if communicator is not None:
                 loss = communicator.mean_loss_of_pass(loss, None)
             fresh: dict[int, list[Refreshed]] = {}
-            factors_finite = None
+            finite = None
             if collector is not None:
                 if communicator is not None:
-                    _mean_over_ranks(collector.layers, communicator)
-                factors_finite = _finite(collector.layers)
+                    mean_over_ranks(collector.layers, communicator)
+                finite = factors_finite(collector.layers)
                 try:
                     for index, refresh in enumerate(refreshing):
                         if refresh:
-                            fresh[index] = _refreshed(
+                            fresh[index] = refreshed_layers(
                                 groups[index],
                                 options[index],
                                 stats[index],
@@ -232,7 +222,7 @@ class KroneckerSteps:
                 except torch.linalg.LinAlgError:
                     # LAPACK fails on non-finite factors; else the read refuses.
                     fresh.clear()
-                    factors_finite = torch.zeros((), dtype=torch.bool)
+                    finite = torch.zeros((), dtype=torch.bool)
             steps: list[KroneckerGroupStep | None] = [None] * len(groups)
             for index, group in enumerate(groups):
                 bases = (
@@ -243,8 +233,8 @@ class KroneckerSteps:
                 if bases:
                     damping = damping_value(options[index])
                     steps[index] = group_step(bases, damping, with_curvature)
-            values = _read(loss, steps, deferred, factors_finite)
-            problem = _problem(values, deferred)
+            values = read_checks(loss, steps, deferred, finite)
+            problem = refusal(values, deferred)
             if communicator is not None:
                 refused = communicator.any_refuses(problem is not None)
                 if refused and problem is None:
@@ -262,10 +252,12 @@ class KroneckerSteps:
                 stacklevel=STACKLEVEL_OF_CALLER + 1,
             )
         for index, layers in fresh.items():
-            self._bases[index] = _commit(layers, groups[index], stats[index], state)
+            self._bases[index] = commit_layers(
+                layers, groups[index], stats[index], state
+            )
         if fresh:
             global_state.update({REFRESH_DUE: False, REFRESH_LOSS: values["loss"]})
-        elif _loss_rose(options, global_state, values["loss"]):
+        elif loss_rose(options, global_state, values["loss"]):
             global_state[REFRESH_DUE] = True
         scales = []
         for option, result, slope in zip(options, steps, values["slopes"], strict=True):
@@ -330,241 +322,6 @@ class KroneckerPass:
     scales: list[float]
     record: dict | None
     accepted: bool
-
-
-@dataclass(frozen=True)
-class Refreshed:
-    """A layer's new (uncommitted) averages and the basis decomposed from them."""
-
-    basis: LayerBasis
-    inputs: Tensor
-    outputs: Tensor
-
-
-def _refreshed(
-    group: dict[str, Any],
-    option: GroupOptions,
-    stats: dict[str, Any],
-    state: Any,
-    factors: dict[int, LayerFactors],
-) -> list[Refreshed]:
-    """The group's layers with their updated averages and bases.
-
-    Raises:
-        RuntimeError: For a trainable parameter that no curvature reached.
-    """
-    basis_policy = option.basis
-    assert isinstance(basis_policy, KroneckerBasis)
-    decay = 0.0 if option.averaging is None else option.averaging.decay
-    correction = 1 - decay ** (stats.get(UPDATES, 0) + 1)
-    layers = []
-    covered: set[int] = set()
-    for param in group["params"]:
-        layer = factors.get(id(param))
-        if layer is None:
-            continue
-        covered.update(id(p) for p in (layer.weight, layer.bias) if p is not None)
-        stored = state[param]
-        inputs, outputs = layer.mean()
-        if decay > 0 and INPUT_FACTOR in stored:
-            inputs = torch.lerp(inputs, stored[INPUT_FACTOR], decay)
-            outputs = torch.lerp(outputs, stored[OUTPUT_FACTOR], decay)
-        elif decay > 0:
-            inputs, outputs = (1 - decay) * inputs, (1 - decay) * outputs
-        output_eigen, input_eigen = _decomposed(
-            basis_policy, stored, inputs, outputs, stats.get(UPDATES, 0)
-        )
-        basis = LayerBasis(
-            layer.weight,
-            layer.bias,
-            output_eigen.scaled(1 / correction),
-            input_eigen.scaled(1 / correction),
-        )
-        layers.append(Refreshed(basis, inputs, outputs))
-    for param in group["params"]:
-        if param.requires_grad and id(param) not in covered:
-            raise RuntimeError(
-                "No curvature reached a parameter of shape "
-                f"{tuple(param.shape)}: extend model and loss function with BackPACK "
-                "(`model = backpack.extend(model)`, `loss_fn = backpack.extend("
-                "loss_fn)`), call `loss.backward()` in the closure and use every "
-                "parameter in the forward pass. " + COMPILE_HINT
-            )
-    return layers
-
-
-def _decomposed(
-    basis: KroneckerBasis,
-    stored: dict[str, Any],
-    inputs: Tensor,
-    outputs: Tensor,
-    refreshes: int,
-) -> tuple[FactorEigen, FactorEigen]:
-    """Eigenpairs of a layer's averaged factors ``(S, A)`` for this refresh.
-
-    Rotating refreshes (:meth:`KroneckerBasis.rotates`) decompose the factors anew;
-    the others refresh the eigenvalues along the stored eigenvectors.
-    """
-    output = stored_eigen(stored, OUTPUT_EIGEN)
-    input_eigen = stored_eigen(stored, INPUT_EIGEN)
-    if output is None or input_eigen is None or basis.rotates(refreshes):
-        return (
-            factor_eigen(
-                outputs, basis.rank, None if output is None else output.vectors
-            ),
-            factor_eigen(
-                inputs, basis.rank, None if input_eigen is None else input_eigen.vectors
-            ),
-        )
-    return refreshed_values(outputs, output), refreshed_values(inputs, input_eigen)
-
-
-def _commit(
-    layers: Sequence[Refreshed],
-    group: dict[str, Any],
-    stats: dict[str, Any],
-    state: Any,
-) -> list[LayerBasis]:
-    """Store a group's refreshed layers; return their bases."""
-    position = {id(p): i for i, p in enumerate(group["params"])}
-    pairs = []
-    for layer in layers:
-        basis = layer.basis
-        state[basis.first].update(
-            {
-                INPUT_FACTOR: layer.inputs,
-                OUTPUT_FACTOR: layer.outputs,
-                **eigen_entries(INPUT_EIGEN, basis.inputs),
-                **eigen_entries(OUTPUT_EIGEN, basis.output),
-            }
-        )
-        pairs.append(
-            (
-                None if basis.weight is None else position[id(basis.weight)],
-                None if basis.bias is None else position[id(basis.bias)],
-            )
-        )
-    stats[LAYERS] = tuple(pairs)
-    stats[UPDATES] = stats.get(UPDATES, 0) + 1
-    stats["num_directions"] = sum(
-        layer.basis.output.values.numel() * layer.basis.inputs.values.numel()
-        for layer in layers
-    )
-    return [layer.basis for layer in layers]
-
-
-def _loss_rose(
-    options: Sequence[GroupOptions], global_state: dict[str, Any], loss: float
-) -> bool:
-    """Whether the loss exceeds ``1 + loss_tolerance`` times the last refresh's."""
-    tolerances = [
-        option.averaging.loss_tolerance
-        for option in options
-        if option.averaging is not None and option.averaging.loss_tolerance is not None
-    ]
-    reference = global_state.get(REFRESH_LOSS)
-    if not tolerances or reference is None:
-        return False
-    return loss > (1 + min(tolerances)) * reference
-
-
-def _mean_over_ranks(
-    factors: dict[int, LayerFactors], communicator: Communicator
-) -> None:
-    """Average every layer's factor sums over the ranks in one all-reduce."""
-    layers = list(factors.values())
-    if not layers:  # nothing reached the hook (not extended): refused after
-        return
-    flat = torch.cat(
-        [t.reshape(-1) for layer in layers for t in (layer.inputs, layer.outputs)]
-        + [torch.stack([layer.total for layer in layers])]
-    )
-    summed = communicator.sum_over_ranks(flat)
-    offset = 0
-    for layer in layers:
-        for name in ("inputs", "outputs"):
-            tensor = getattr(layer, name)
-            size = tensor.numel()
-            setattr(layer, name, summed[offset : offset + size].view_as(tensor))
-            offset += size
-    for layer, total in zip(layers, summed[offset:], strict=True):
-        layer.total = total
-
-
-def _finite(factors: dict[int, LayerFactors]) -> Tensor | None:
-    """Whether every factor is finite (0-dim, read with the step's checks).
-
-    ``None`` without factors.
-    """
-    if not factors:
-        return None
-    sums = [layer.inputs.sum() + layer.outputs.sum() for layer in factors.values()]
-    return torch.isfinite(torch.stack(sums)).all()
-
-
-def _read(
-    loss: Tensor,
-    steps: Sequence[KroneckerGroupStep | None],
-    deferred: DeferredChecks,
-    factors_finite: Tensor | None,
-) -> dict[str, Any]:
-    """The loss, the groups' slopes and the checks in one host read.
-
-    A non-finite gradient or direction makes a slope non-finite.
-    """
-    tensors = [loss.detach()]
-    tensors += [
-        loss.new_zeros(()) if result is None else result.slope for result in steps
-    ]
-    extra = [
-        deferred.ignored_targets,
-        deferred.model_output_finite,
-        deferred.loss_unscaled,
-        factors_finite,
-    ]
-    tensors += [t for t in extra if t is not None]
-    device = loss.device
-    values = torch.stack(
-        [t.detach().reshape(()).to(device=device, dtype=torch.float64) for t in tensors]
-    ).tolist()
-    count = len(steps)
-    rest = values[1 + count :]
-    ignored = rest.pop(0) if deferred.ignored_targets is not None else 0.0
-    output_finite = rest.pop(0) if deferred.model_output_finite is not None else 1.0
-    unscaled = rest.pop(0) if deferred.loss_unscaled is not None else 1.0
-    finite = rest.pop(0) if factors_finite is not None else 1.0
-    return {
-        "loss": values[0],
-        "slopes": values[1 : 1 + count],
-        "ignored": int(ignored),
-        "output_finite": bool(output_finite),
-        "loss_unscaled": bool(unscaled),
-        "factors_finite": bool(finite),
-    }
-
-
-def _problem(values: dict[str, Any], deferred: DeferredChecks) -> str | None:
-    """What is not finite about a step (``None``: nothing).
-
-    Raises:
-        ValueError: For cross-entropy targets equal to ``ignore_index``.
-    """
-    if values["ignored"]:
-        raise ignored_targets_error(
-            values["ignored"], deferred.num_targets, deferred.ignore_index
-        )
-    if not math.isfinite(values["loss"]):
-        return f"the loss is {values['loss']}"
-    if not values["output_finite"]:
-        return (
-            "the model output is not finite, so the loss Hessian cannot be sampled "
-            "(Monte-Carlo GGN)"
-        )
-    if not values["factors_finite"]:
-        return "the curvature (the layers' Kronecker factors) is not finite"
-    if not all(math.isfinite(v) for v in values["slopes"]):
-        return "the damped Newton step is not finite"
-    return None
 
 
 def _trust_scale(option: GroupOptions, slope: float) -> float:

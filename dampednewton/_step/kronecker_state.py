@@ -16,11 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dampednewton.math.kronecker import (
-    FactorEigen,
-    LayerCoefficients,
-    layer_coefficients,
-)
+from dampednewton.math.kronecker import LayerCoefficients, layer_coefficients
+from dampednewton.math.kronecker_factors import FactorEigen
 
 LAYERS = "kronecker_layers"
 """Group statistics: each layer as ``(weight index, bias index)`` (``None``: absent)."""

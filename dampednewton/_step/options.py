@@ -20,9 +20,16 @@ from torch import Tensor
 
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.distributed import Communicator, resolve_process_group
-from dampednewton.policies.basis import Basis, KroneckerBasis, as_basis
+from dampednewton.policies.basis import (
+    Basis,
+    KroneckerBasis,
+    as_basis,
+    check_kronecker_damping,
+)
 from dampednewton.policies.checks import (
     check_integer,
+    check_kl_clip,
+    check_newton_fraction,
     check_number,
     check_subsampling,
     check_warn_small_eigvals,
@@ -31,9 +38,7 @@ from dampednewton.policies.complement import ComplementPolicy, as_complement
 from dampednewton.policies.criteria import Criterion, as_criterion
 from dampednewton.policies.damping import (
     AdaptiveDamping,
-    ConstantDamping,
     Damping,
-    LevenbergMarquardt,
     as_damping,
     needs_sample_statistics,
 )
@@ -270,27 +275,6 @@ class GroupOptions:
         return self.damping if isinstance(self.damping, AdaptiveDamping) else None
 
 
-def check_kronecker_damping(damping: Damping) -> None:
-    """Refuse dampings the Kronecker basis cannot apply.
-
-    The Kronecker basis damps every direction of a layer with K-FAC's factored
-    Tikhonov rule from one number ``δ``: a constant or Levenberg-Marquardt's.
-
-    Args:
-        damping: The group's damping policy.
-
-    Raises:
-        ValueError: For any other policy.
-    """
-    if not isinstance(damping, ConstantDamping | LevenbergMarquardt):
-        raise ValueError(
-            "The Kronecker basis damps each layer's directions from one number δ "
-            "(K-FAC's factored Tikhonov damping): use a number, ConstantDamping or "
-            f"LevenbergMarquardt, got {type(damping).__name__}. Policies that set a "
-            "damping per GGN eigen-direction need basis=GramBasis()."
-        )
-
-
 def check_known_keys(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
     """Refuse group keys that are no hyperparameter of the optimizer.
 
@@ -307,57 +291,6 @@ def check_known_keys(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> N
             f"Unknown hyperparameters {sorted(unknown)} in parameter group; "
             f"DampedNewton knows {sorted(defaults)}."
         )
-
-
-def check_newton_fraction(fraction: Any) -> float:
-    """Check the Newton fraction: a number in ``(0, 1]``.
-
-    Args:
-        fraction: The fraction ``φ`` of the damped Newton step along the kept
-            directions.
-
-    Returns:
-        The fraction as a float.
-
-    Raises:
-        TypeError: If it is not a number.
-        ValueError: If it is not in ``(0, 1]``.
-    """
-    value = check_number("newton_fraction", fraction)
-    if not 0 < value <= 1:
-        raise ValueError(
-            f"newton_fraction must be in (0, 1], got {fraction!r}: the fraction of the "
-            "damped Newton step taken along the kept directions (1: the whole step, "
-            "as ViViT; smaller values average out the batch's gradient noise; scale "
-            "the whole step with lr instead)."
-        )
-    return value
-
-
-def check_kl_clip(kl_clip: Any) -> float | None:
-    """Check a trust-region radius: ``None`` or a finite number ``> 0``.
-
-    Args:
-        kl_clip: The radius ``κ``.
-
-    Returns:
-        The radius, or ``None``.
-
-    Raises:
-        TypeError: If it is neither ``None`` nor a number.
-        ValueError: If it is not finite and positive.
-    """
-    if kl_clip is None:
-        return None
-    if isinstance(kl_clip, bool) or not isinstance(kl_clip, int | float):
-        raise TypeError(
-            f"kl_clip must be None (no trust region) or a number > 0, got {kl_clip!r}."
-        )
-    if not math.isfinite(kl_clip) or kl_clip <= 0:
-        raise ValueError(
-            f"kl_clip must be None (no trust region) or a number > 0, got {kl_clip!r}."
-        )
-    return kl_clip
 
 
 def _checked_averaging(averaging: Any, damping: Damping) -> CurvatureAveraging | None:

@@ -21,6 +21,12 @@ from typing import Any
 
 import torch
 
+from dampednewton.policies.damping import (
+    ConstantDamping,
+    Damping,
+    LevenbergMarquardt,
+)
+
 DEFAULT_KRONECKER_RANK = 32
 """Eigenvectors kept per Kronecker factor larger than :data:`DEFAULT_EXACT_SIZE`."""
 DEFAULT_EXACT_SIZE = 128
@@ -100,6 +106,27 @@ class GramBasis:
     gradient, ``newton_fraction`` scales the Newton part (ViViT's step with the
     package's additions, see the optimizer's docstring).
     """
+
+
+def check_kronecker_damping(damping: Damping) -> None:
+    """Refuse dampings the Kronecker basis cannot apply.
+
+    The Kronecker basis damps every direction of a layer with K-FAC's factored
+    Tikhonov rule from one number ``δ``: a constant or Levenberg-Marquardt's.
+
+    Args:
+        damping: The group's damping policy.
+
+    Raises:
+        ValueError: For any other policy.
+    """
+    if not isinstance(damping, ConstantDamping | LevenbergMarquardt):
+        raise ValueError(
+            "The Kronecker basis damps each layer's directions from one number δ "
+            "(K-FAC's factored Tikhonov damping): use a number, ConstantDamping or "
+            f"LevenbergMarquardt, got {type(damping).__name__}. Policies that set a "
+            "damping per GGN eigen-direction need basis=GramBasis()."
+        )
 
 
 Basis = KroneckerBasis | GramBasis

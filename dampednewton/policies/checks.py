@@ -6,6 +6,7 @@ range ``ValueError``; every message says what is accepted.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,3 +100,54 @@ def check_warn_small_eigvals(value: Any) -> float:
     if not threshold >= 0:
         raise ValueError(f"warn_small_eigvals must be >= 0, got {value!r}.")
     return threshold
+
+
+def check_newton_fraction(fraction: Any) -> float:
+    """Check the Newton fraction: a number in ``(0, 1]``.
+
+    Args:
+        fraction: The fraction ``φ`` of the damped Newton step along the kept
+            directions.
+
+    Returns:
+        The fraction as a float.
+
+    Raises:
+        TypeError: If it is not a number.
+        ValueError: If it is not in ``(0, 1]``.
+    """
+    value = check_number("newton_fraction", fraction)
+    if not 0 < value <= 1:
+        raise ValueError(
+            f"newton_fraction must be in (0, 1], got {fraction!r}: the fraction of the "
+            "damped Newton step taken along the kept directions (1: the whole step, "
+            "as ViViT; smaller values average out the batch's gradient noise; scale "
+            "the whole step with lr instead)."
+        )
+    return value
+
+
+def check_kl_clip(kl_clip: Any) -> float | None:
+    """Check a trust-region radius: ``None`` or a finite number ``> 0``.
+
+    Args:
+        kl_clip: The radius ``κ``.
+
+    Returns:
+        The radius, or ``None``.
+
+    Raises:
+        TypeError: If it is neither ``None`` nor a number.
+        ValueError: If it is not finite and positive.
+    """
+    if kl_clip is None:
+        return None
+    if isinstance(kl_clip, bool) or not isinstance(kl_clip, int | float):
+        raise TypeError(
+            f"kl_clip must be None (no trust region) or a number > 0, got {kl_clip!r}."
+        )
+    if not math.isfinite(kl_clip) or kl_clip <= 0:
+        raise ValueError(
+            f"kl_clip must be None (no trust region) or a number > 0, got {kl_clip!r}."
+        )
+    return kl_clip

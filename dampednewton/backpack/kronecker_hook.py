@@ -24,7 +24,7 @@ from torch.nn.modules.loss import _Loss
 
 from dampednewton.backpack.buffers import LinearBuffers, SharedLinearBuffers
 from dampednewton.backpack.savefields import module_input
-from dampednewton.math.kronecker import input_factor, output_factor
+from dampednewton.math.kronecker_factors import input_factor, output_factor
 from dampednewton.math.precision import upcast
 
 UNSUPPORTED_LAYER = (

@@ -1,0 +1,109 @@
+"""A Kronecker step's checks: one host read, what is not finite, the loss trigger.
+
+:func:`read_checks` brings the loss, every group's slope (a non-finite gradient or
+direction makes it non-finite), the hooks' deferred checks and the factors' finiteness
+to the host in one transfer; :func:`refusal` says why a step is refused;
+:func:`loss_rose` says whether a step between refreshes saw the loss rise enough to
+refresh at the next one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from dampednewton._step.options import GroupOptions
+from dampednewton._step.records import REFRESH_LOSS
+from dampednewton.backpack.loss_checks import DeferredChecks, ignored_targets_error
+
+
+class Sloped(Protocol):
+    """A group step with a slope ``ḡᵀs``."""
+
+    @property
+    def slope(self) -> Tensor:
+        """``ḡᵀs`` (0-dim)."""
+
+
+def loss_rose(
+    options: Sequence[GroupOptions], global_state: dict[str, Any], loss: float
+) -> bool:
+    """Whether the loss exceeds ``1 + loss_tolerance`` times the last refresh's."""
+    tolerances = [
+        option.averaging.loss_tolerance
+        for option in options
+        if option.averaging is not None and option.averaging.loss_tolerance is not None
+    ]
+    reference = global_state.get(REFRESH_LOSS)
+    if not tolerances or reference is None:
+        return False
+    return loss > (1 + min(tolerances)) * reference
+
+
+def read_checks(
+    loss: Tensor,
+    steps: Sequence[Sloped | None],
+    deferred: DeferredChecks,
+    factors_finite: Tensor | None,
+) -> dict[str, Any]:
+    """The loss, the groups' slopes and the checks in one host read.
+
+    A non-finite gradient or direction makes a slope non-finite.
+    """
+    tensors = [loss.detach()]
+    tensors += [
+        loss.new_zeros(()) if result is None else result.slope for result in steps
+    ]
+    extra = [
+        deferred.ignored_targets,
+        deferred.model_output_finite,
+        deferred.loss_unscaled,
+        factors_finite,
+    ]
+    tensors += [t for t in extra if t is not None]
+    device = loss.device
+    values = torch.stack(
+        [t.detach().reshape(()).to(device=device, dtype=torch.float64) for t in tensors]
+    ).tolist()
+    count = len(steps)
+    rest = values[1 + count :]
+    ignored = rest.pop(0) if deferred.ignored_targets is not None else 0.0
+    output_finite = rest.pop(0) if deferred.model_output_finite is not None else 1.0
+    unscaled = rest.pop(0) if deferred.loss_unscaled is not None else 1.0
+    finite = rest.pop(0) if factors_finite is not None else 1.0
+    return {
+        "loss": values[0],
+        "slopes": values[1 : 1 + count],
+        "ignored": int(ignored),
+        "output_finite": bool(output_finite),
+        "loss_unscaled": bool(unscaled),
+        "factors_finite": bool(finite),
+    }
+
+
+def refusal(values: dict[str, Any], deferred: DeferredChecks) -> str | None:
+    """What is not finite about a step (``None``: nothing).
+
+    Raises:
+        ValueError: For cross-entropy targets equal to ``ignore_index``.
+    """
+    if values["ignored"]:
+        raise ignored_targets_error(
+            values["ignored"], deferred.num_targets, deferred.ignore_index
+        )
+    if not math.isfinite(values["loss"]):
+        return f"the loss is {values['loss']}"
+    if not values["output_finite"]:
+        return (
+            "the model output is not finite, so the loss Hessian cannot be sampled "
+            "(Monte-Carlo GGN)"
+        )
+    if not values["factors_finite"]:
+        return "the curvature (the layers' Kronecker factors) is not finite"
+    if not all(math.isfinite(v) for v in values["slopes"]):
+        return "the damped Newton step is not finite"
+    return None

@@ -1,0 +1,185 @@
+r"""A layer's Kronecker factors of its GGN block and their eigenpairs (pure math).
+
+For a layer ``z = W x̃`` shared over ``P`` positions (see
+:mod:`dampednewton.math.kronecker` for the step along their eigenbasis):
+``A = (1/N) Σ_np x̃ x̃ᵀ`` (:func:`input_factor`) and ``S = Σ_cnp b bᵀ``
+(:func:`output_factor`). :func:`factor_eigen` keeps a factor's leading eigenpairs and
+the mean of its other eigenvalues (:class:`FactorEigen`); :func:`refreshed_values`
+updates the eigenvalues along kept eigenvectors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dampednewton.math.linalg import power_of_two_scale
+
+POWER_ITERATIONS_FROM_SCRATCH = 4
+"""Subspace iterations for a truncated factor's first eigenbasis (later: one, from
+the previous basis)."""
+
+
+def input_factor(inputs: Tensor, bias: bool, num_samples: int) -> Tensor:
+    """``A = (1/N) Σ_np x̃ x̃ᵀ`` of a layer's inputs, with a 1 appended for the bias.
+
+    Args:
+        inputs: ``[N, P, d_in]`` (or ``[N, d_in]``) layer inputs, unfolded for
+            convolutions.
+        bias: Whether the layer has a bias (``x̃`` ends with a 1).
+        num_samples: ``N``, the samples the mean is over.
+
+    Returns:
+        ``A`` ``[d_in (+1), d_in (+1)]``.
+    """
+    rows = inputs.flatten(end_dim=-2)
+    if bias:
+        rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+    factor = rows.T @ rows
+    return factor / num_samples
+
+
+def output_factor(backproped: Tensor, scale: float = 1.0) -> Tensor:
+    """``S = scale · Σ_cnp b bᵀ`` of a layer's back-propagated square root.
+
+    Args:
+        backproped: ``[C, N, P, d_out]`` (or ``[C, N, d_out]``) in BackPACK's scaling
+            (the mean's ``1/√N`` included).
+        scale: ``N/N'`` when the square root covers a sub-sample of ``N'`` of the
+            batch's ``N`` samples (its own mean).
+
+    Returns:
+        ``S`` ``[d_out, d_out]``.
+    """
+    rows = backproped.reshape(-1, backproped.shape[-1])
+    return (rows.T @ rows) * scale
+
+
+@dataclass(frozen=True)
+class FactorEigen:
+    """The kept eigenpairs of a Kronecker factor and the value of the rest.
+
+    Attributes:
+        values: Kept eigenvalues ``[r]`` (``≥ 0``).
+        vectors: Their orthonormal eigenvectors ``[d, r]``.
+        residual: The eigenvalue of the rest of the space (0-dim; ``0`` when
+            ``r = d``): the mean of the factor's remaining spectrum.
+        mean: ``tr F / d`` (0-dim), for the damping's ``π``.
+    """
+
+    values: Tensor
+    vectors: Tensor
+    residual: Tensor
+    mean: Tensor
+
+    @property
+    def truncated(self) -> bool:
+        """Whether some directions share the residual eigenvalue (``r < d``)."""
+        return self.vectors.shape[1] < self.vectors.shape[0]
+
+    def scaled(self, factor: float) -> FactorEigen:
+        """The eigenpairs of ``factor`` times the matrix (same eigenvectors).
+
+        Args:
+            factor: A positive number (e.g. an average's bias correction).
+
+        Returns:
+            The scaled eigenpairs.
+        """
+        return FactorEigen(
+            self.values * factor,
+            self.vectors,
+            self.residual * factor,
+            self.mean * factor,
+        )
+
+
+def factor_eigen(
+    factor: Tensor, rank: int, previous: Tensor | None = None
+) -> FactorEigen:
+    """The leading ``rank`` eigenpairs of a PSD factor and its residual eigenvalue.
+
+    A factor of dimension ``≤ rank`` is decomposed exactly. A larger one takes one
+    subspace iteration from the previous eigenvectors (or
+    :data:`POWER_ITERATIONS_FROM_SCRATCH` from a fixed start) and a Rayleigh-Ritz
+    step: the averaged factor moves little between refreshes, as in SOAP's and
+    Shampoo's eigenbasis updates. The symmetric eigenproblems (at most
+    ``rank × rank``) need no check of their result (no host read): a failure raises
+    and is solved again in float64; a non-finite factor must not reach them.
+
+    Args:
+        factor: Symmetric PSD ``[d, d]``.
+        rank: Eigenpairs to keep.
+        previous: Eigenvectors ``[d, rank]`` of the last refresh, or ``None``.
+
+    Returns:
+        The eigenpairs (ascending) and the residual.
+    """
+    dim = factor.shape[0]
+    mean = torch.diagonal(factor).sum() / dim
+    if dim <= rank:
+        values, vectors = _eigh(factor)
+        return FactorEigen(values.clamp_min(0), vectors, factor.new_zeros(()), mean)
+    if previous is None or previous.shape != (dim, rank):
+        start = _fixed_start(dim, rank, factor)
+        iterations = POWER_ITERATIONS_FROM_SCRATCH
+    else:
+        start, iterations = previous.to(factor.dtype), 1
+    subspace = start
+    for _ in range(iterations):
+        subspace = torch.linalg.qr(factor @ subspace).Q
+    projected = subspace.T @ factor @ subspace
+    values, rotation = _eigh((projected + projected.T) / 2)
+    values = values.clamp_min(0)
+    residual = ((mean * dim - values.sum()) / (dim - rank)).clamp_min(0)
+    return FactorEigen(values, subspace @ rotation, residual, mean)
+
+
+def refreshed_values(factor: Tensor, eigen: FactorEigen) -> FactorEigen:
+    """New eigenvalues for a factor along its previous eigenvectors.
+
+    The Rayleigh quotients ``σ_j = v_jᵀ F v_j`` (and the residual and mean of the new
+    factor): two products instead of an eigendecomposition, for refreshes between
+    those that rotate the basis. Exact when ``F`` kept its eigenvectors.
+
+    Args:
+        factor: The new factor ``F`` ``[d, d]``.
+        eigen: Its previous eigenpairs.
+
+    Returns:
+        The eigenpairs along the previous vectors.
+    """
+    vectors = eigen.vectors
+    values = ((factor @ vectors) * vectors).sum(0).clamp_min(0)
+    dim, rank = vectors.shape
+    mean = torch.diagonal(factor).sum() / dim
+    residual = (
+        ((mean * dim - values.sum()) / (dim - rank)).clamp_min(0)
+        if rank < dim
+        else factor.new_zeros(())
+    )
+    return FactorEigen(values, vectors, residual, mean)
+
+
+def _eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """``eigh`` of a power-of-two-scaled matrix, in float64 if LAPACK fails.
+
+    The factors are PSD and scaled to unit magnitude; a failure to converge raises
+    (no host read of the result is needed) and is solved again in float64.
+    """
+    scale = power_of_two_scale(matrix)
+    scaled = matrix / scale
+    try:
+        values, vectors = torch.linalg.eigh(scaled)
+    except torch.linalg.LinAlgError:
+        values, vectors = torch.linalg.eigh(scaled.to(torch.float64))
+    return values.to(matrix.dtype) * scale, vectors.to(matrix.dtype)
+
+
+def _fixed_start(dim: int, rank: int, like: Tensor) -> Tensor:
+    """A deterministic Gaussian ``[dim, rank]`` start (a local generator)."""
+    generator = torch.Generator().manual_seed(dim * 7919 + rank)
+    start = torch.randn(dim, rank, generator=generator, dtype=torch.float64)
+    return start.to(device=like.device, dtype=like.dtype)
