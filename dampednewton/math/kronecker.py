@@ -82,6 +82,10 @@ class LayerCoefficients:
         row_curvatures: ``λ_k⊥ c_k⊥²`` (``None`` with ``rows``).
         column_curvatures: ``λ_⊥k c_⊥k²`` (``None`` with ``columns``).
         both_curvature: ``λ_⊥⊥ c_⊥⊥²`` (``None`` with ``both``).
+        row_weights: ``c_⊥⊥ − c_k⊥`` (``None`` with ``rows``; ``c_⊥⊥ = 0`` without
+            ``both``), the step's factors of ``T``'s rows.
+        column_weights: ``c_⊥⊥ − c_⊥k`` (``None`` with ``columns``), of ``R``'s
+            columns.
     """
 
     slopes: Tensor
@@ -93,6 +97,8 @@ class LayerCoefficients:
     row_curvatures: Tensor | None = None
     column_curvatures: Tensor | None = None
     both_curvature: Tensor | None = None
+    row_weights: Tensor | None = None
+    column_weights: Tensor | None = None
 
 
 def layer_coefficients(
@@ -132,6 +138,7 @@ def layer_coefficients(
         both = 1 / ((output.residual + root / pi) * (inputs.residual + root * pi))
         both_curvature = both.square() * output.residual * inputs.residual
         core = core + both
+    shared = 0.0 if both is None else both
     return LayerCoefficients(
         slopes=-kept,
         curvatures=curvatures,
@@ -142,6 +149,8 @@ def layer_coefficients(
         row_curvatures=row_curvatures,
         column_curvatures=column_curvatures,
         both_curvature=both_curvature,
+        row_weights=None if rows is None else shared - rows,
+        column_weights=None if columns is None else shared - columns,
     )
 
 
@@ -194,44 +203,61 @@ def kronecker_direction(
     u, v, c = output.vectors, inputs.vectors, coefficients
     projected_in = gradient @ v  # R [d_out, r_in]
     gamma = u.T @ projected_in  # Γ [r_out, r_in]
-    squares = gamma.square()
-    slope = torch.dot(squares.flatten(), c.slopes.flatten())
-    curvature = (
-        torch.dot(squares.flatten(), c.curvatures.flatten()) if with_curvature else None
-    )
-    # s = left·Vᵀ + U·right − c_⊥⊥ Ḡ with the core, the column and the row blocks
-    # gathered in left [d_out, r_in] and right [r_out, d_in]: two products of size
+    # s = left·Vᵀ + U·right − c_⊥⊥ Ḡ with the core and the column blocks gathered in
+    # left [d_out, r_in], the row blocks in right [r_out, d_in]: two products of size
     # d_out·d_in·r besides R and T.
     left = u @ (gamma * c.core)
     if c.rows is None and c.columns is None:
+        squares = gamma.square()
+        slope = torch.dot(squares.flatten(), c.slopes.flatten())
+        curvature = (
+            torch.dot(squares.flatten(), c.curvatures.flatten())
+            if with_curvature
+            else None
+        )
         return KroneckerStep(left @ v.T, slope, curvature)
-    both = gradient.new_zeros(()) if c.both is None else c.both
-    if c.columns is not None:
-        column_squares = (projected_in.square().sum(0) - squares.sum(0)).clamp_min(0)
-        slope = slope - torch.dot(c.columns, column_squares)
-        if curvature is not None:
-            assert c.column_curvatures is not None
-            curvature = curvature + torch.dot(c.column_curvatures, column_squares)
-        left = left - projected_in * (c.columns - both)
+    if c.column_weights is not None:
+        left.addcmul_(projected_in, c.column_weights)
     direction = left @ v.T
-    if c.rows is not None:
+    projected_out = None
+    if c.row_weights is not None:
         projected_out = u.T @ gradient  # T [r_out, d_in]
+        direction.addmm_(u, c.row_weights[:, None] * projected_out)
+    if c.both is not None:
+        direction.addcmul_(gradient, -c.both)
+    slope = torch.dot(gradient.flatten(), direction.flatten())
+    curvature = (
+        _truncated_curvature(gradient, gamma, projected_in, projected_out, c)
+        if with_curvature
+        else None
+    )
+    return KroneckerStep(direction, slope, curvature)
+
+
+def _truncated_curvature(
+    gradient: Tensor,
+    gamma: Tensor,
+    projected_in: Tensor,
+    projected_out: Tensor | None,
+    c: LayerCoefficients,
+) -> Tensor:
+    """``sᵀ(S ⊗ A)s`` of a step with residual blocks, block by block."""
+    squares = gamma.square()
+    curvature = torch.dot(squares.flatten(), c.curvatures.flatten())
+    if c.column_curvatures is not None:
+        column_squares = (projected_in.square().sum(0) - squares.sum(0)).clamp_min(0)
+        curvature = curvature + torch.dot(c.column_curvatures, column_squares)
+    if c.row_curvatures is not None:
+        assert projected_out is not None
         row_squares = (projected_out.square().sum(1) - squares.sum(1)).clamp_min(0)
-        slope = slope - torch.dot(c.rows, row_squares)
-        if curvature is not None:
-            assert c.row_curvatures is not None
-            curvature = curvature + torch.dot(c.row_curvatures, row_squares)
-        direction.addmm_(u, (both - c.rows)[:, None] * projected_out)
-    if c.both is not None and c.rows is not None:
+        curvature = curvature + torch.dot(c.row_curvatures, row_squares)
+    if c.both_curvature is not None:
+        assert projected_out is not None
         rest = (
             gradient.square().sum()
             - projected_out.square().sum()
             - projected_in.square().sum()
             + squares.sum()
         ).clamp_min(0)
-        slope = slope - c.both * rest
-        if curvature is not None:
-            assert c.both_curvature is not None
-            curvature = curvature + c.both_curvature * rest
-        direction.addcmul_(gradient, -c.both)
-    return KroneckerStep(direction, slope, curvature)
+        curvature = curvature + c.both_curvature * rest
+    return curvature

@@ -29,8 +29,9 @@ from dampednewton.policies.damping import (
 
 DEFAULT_KRONECKER_RANK = 32
 """Eigenvectors kept per Kronecker factor larger than :data:`DEFAULT_EXACT_SIZE`."""
-DEFAULT_EXACT_SIZE = 128
-"""Kronecker factors up to this dimension are decomposed exactly."""
+DEFAULT_EXACT_SIZE = 160
+"""Kronecker factors up to this dimension are decomposed exactly (128-wide layers with
+their bias input included)."""
 ROTATING_REFRESHES = 5
 """Refreshes that all recompute the eigenvectors (the ramp of the default schedule:
 steps 0, 1, 3, 7, 15), while the factors change fast."""
