@@ -65,7 +65,7 @@ def basis_defaults(basis: Basis) -> dict[str, Any]:
     """
     if isinstance(as_basis(basis), KroneckerBasis):
         return {
-            "damping": 1e-3,
+            "damping": 3e-3,
             "newton_fraction": 1.0,
             "averaging": CurvatureAveraging(decay=0.95, interval=10),
             "kl_clip": 0.01,

@@ -114,7 +114,7 @@ def test_the_defaults_follow_the_basis():
     param = nn.Parameter(torch.zeros(2))
     kronecker = DampedNewton([param]).param_groups[0]
     assert kronecker["basis"] == KroneckerBasis()
-    assert (kronecker["damping"], kronecker["kl_clip"]) == (1e-3, 0.01)
+    assert (kronecker["damping"], kronecker["kl_clip"]) == (3e-3, 0.01)
     assert kronecker["newton_fraction"] == 1.0
     assert kronecker["averaging"] == CurvatureAveraging(decay=0.95, interval=10)
     first, second = (
