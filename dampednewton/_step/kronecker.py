@@ -5,17 +5,19 @@ closure once. On a refresh (the averaging's schedule, a loss that rose above its
 tolerance, or the first step) it runs inside a BackPACK pass whose hook
 (:class:`~dampednewton.backpack.kronecker_hook.FactorCollector`) turns each layer's
 square-root buffers into its factors ``A`` and ``S``; the averages
-``F ← βF + (1 − β)F_batch`` are bias-corrected by ``1 − β^t`` and decomposed
-(:func:`~dampednewton.math.kronecker.factor_eigen`). Every other step runs the
-closure with BackPACK's hooks suspended and reuses the layers' eigenpairs.
+``F ← βF + (1 − β)F_batch`` are decomposed or, between rotations, given new
+eigenvalues along their eigenvectors (:mod:`._step.kronecker_refresh`). Every other
+step runs the closure with BackPACK's hooks suspended and reuses the layers'
+eigenpairs.
 
 Each layer's direction is :func:`~dampednewton.math.kronecker.kronecker_direction` of
-its gradient; a group's quadratic model sums its layers' slopes and curvatures, and
-its trust region ``ν`` bounds ``½ lr² ν² (−ḡᵀs)`` by ``kl_clip``. One host read per
-step carries the loss, every group's slope and curvature (a non-finite gradient,
-factor or direction makes them non-finite); a refresh reads the new factors'
-finiteness first. A refused step leaves parameters, state and generator untouched:
-the new factors are committed only with an accepted step.
+its gradient; a group's quadratic model sums its layers' slopes (and curvatures, when
+adaptive damping reads them), and its trust region ``ν`` bounds ``½ lr² ν² (−ḡᵀs)`` by
+``kl_clip``. One host read per step carries the loss, every group's slope (a
+non-finite gradient or direction makes it non-finite), the hooks' checks and the new
+factors' finiteness (:mod:`._step.kronecker_checks`). A refused step leaves
+parameters, state and generator untouched: the new factors are committed only with
+an accepted step.
 """
 
 from __future__ import annotations
