@@ -49,8 +49,8 @@ class _BasisDefault:
 
 
 BASIS_DEFAULT: Any = _BasisDefault()
-"""Default of ``damping``, ``newton_fraction``, ``averaging`` and ``kl_clip``: the
-value of :func:`basis_defaults` for the constructor's ``basis``."""
+"""Default of ``newton_fraction``, ``averaging``, ``kl_clip`` and ``weight_decay``:
+the value of :func:`basis_defaults` for the constructor's ``basis``."""
 
 
 def basis_defaults(basis: Basis) -> dict[str, Any]:
@@ -60,15 +60,16 @@ def basis_defaults(basis: Basis) -> dict[str, Any]:
         basis: :class:`KroneckerBasis` or :class:`GramBasis`.
 
     Returns:
-        ``damping``, ``newton_fraction``, ``averaging`` and ``kl_clip`` (a new
-        damping policy object on every call).
+        ``damping``, ``newton_fraction``, ``averaging``, ``kl_clip`` and
+        ``weight_decay`` (new policy objects on every call).
     """
     if isinstance(as_basis(basis), KroneckerBasis):
         return {
             "damping": 3e-3,
             "newton_fraction": 1.0,
             "averaging": CurvatureAveraging(decay=0.95, interval=10),
-            "kl_clip": 0.01,
+            "kl_clip": 3e-3,
+            "weight_decay": 1e-3,
         }
     return {
         "damping": LevenbergMarquardt(
@@ -77,40 +78,40 @@ def basis_defaults(basis: Basis) -> dict[str, Any]:
         "newton_fraction": 0.3,
         "averaging": CurvatureAveraging(),
         "kl_clip": 1.0,
+        "weight_decay": 0.0,
     }
 
 
 class DampedNewton(Optimizer):
-    r"""Directionally damped Newton steps along the GGN's leading eigenvectors.
+    r"""Directionally damped Newton steps in an eigenbasis of the GGN.
 
-    Each parameter group is one block of the generalized Gauss-Newton matrix
-    ``G = V Vᵀ``. Per group, the criterion selects eigenvectors ``e_k`` of ``G`` (from
-    the Gram matrix ``VᵀV``, or of the averaged GGN). With the mean directional slopes
-    ``γ̄_k = ḡᵀe_k``, curvatures ``λ̄_k = e_kᵀGe_k`` and dampings ``δ_k``, the
-    direction and the update are
+    Each parameter group is one block of the generalized Gauss-Newton matrix ``G``.
+    The default :class:`KroneckerBasis` approximates each layer's block by the
+    Kronecker product ``S ⊗ A`` of its output and input factors (K-FAC) with
+    eigenpairs ``(τ_i, u_i)`` and ``(σ_j, v_j)``; along ``e_ij = u_i ⊗ v_j`` the
+    slope is ``γ_ij = u_iᵀ Ḡ v_j`` (``Ḡ`` the layer's mean gradient as a matrix),
+    the curvature ``τ_i σ_j``, and the damping K-FAC's factored rule
+    (``π`` balances the factors' mean eigenvalues):
 
     .. math::
 
-        s &= \sum_k \frac{-\varphi\,\bar\gamma_k}{\bar\lambda_k + \delta_k} e_k
-             - \frac{1}{\rho}\Big(\bar g - \sum_k \bar\gamma_k e_k\Big), \\
+        s &= -\sum_{ij} \frac{\gamma_{ij}}
+             {(\tau_i + \sqrt{\delta}/\pi)(\sigma_j + \pi\sqrt{\delta})}
+             \, e_{ij}, \\
         m &\leftarrow \mu m + \nu s, \qquad
         \theta \leftarrow (1 - \mathrm{lr}\cdot\mathrm{wd})\,\theta
-            + \mathrm{lr}\cdot m, \\
-        \nu &= \min\Big(1, \sqrt{2\kappa / (\mathrm{lr}^2
-            \max(-\bar g^\top s,\ s^\top \hat G s))}\Big),
+            + \mathrm{lr}\cdot m, \qquad
+        \nu = \min\Big(1, \sqrt{2\kappa / (\mathrm{lr}^2\,(-\bar g^\top s))}\Big),
 
-    with the Newton fraction ``φ``, the complement curvature ``ρ`` (``complement``;
-    ``None`` drops the second term, and with ``φ = 1`` this is ViViT's step), the
-    trust region ``ν`` on the damped quadratic model and this batch's GGN ``Ĝ``
-    (K-FAC's norm constraint, ``κ = kl_clip``), the momentum ``μ`` and the decoupled
-    weight decay ``wd``. With ``averaging``, the directions are those of
-    ``Ḡ_t = β Ḡ_{t−1} + (1 − β) V Vᵀ`` (rank ``r``, bias-corrected by ``1 − β^t``),
-    refreshed at steps 0, 1, 3, 7, … and then every ``interval`` steps (20). The
-    steps in between keep the last refresh's basis ``B``, damping and ``ρ`` and take
-    the same step with the new mean gradient, ``s = Bᵀ(b ⊙ Bḡ) − ḡ/ρ``
-    (:mod:`dampednewton.math.frozen_basis`), after a backward pass without
-    BackPACK's hooks; their trust region and length are guarded by the refresh's,
-    and a loss above ``1 + loss_tolerance`` times the refresh's refreshes at once.
+    with the trust region ``ν`` (K-FAC's norm constraint, ``κ = kl_clip``), the
+    momentum ``μ`` and the decoupled weight decay ``wd``. The factors are averaged
+    (``averaging``) and refreshed at steps 0, 1, 3, 7, 15 and then every
+    ``interval`` steps; the steps in between run the closure without BackPACK's
+    hooks and reuse the eigenpairs (docs/design.md). :class:`GramBasis` instead steps
+    along the leading eigenvectors of the whole block from its Gram matrix (ViViT):
+    ``s = Σ_k −φ γ̄_k/(λ̄_k + δ_k) e_k − (ḡ − Σ_k γ̄_k e_k)/ρ`` with the Newton
+    fraction ``φ``, the complement curvature ``ρ`` and a trust region on
+    ``max(−ḡᵀs, sᵀĜs)``.
 
     ``step(closure)`` runs the closure (``zero_grad``, forward, ``backward``) in a
     BackPACK context: model and loss function must be extended with
@@ -127,7 +128,7 @@ class DampedNewton(Optimizer):
         >>> model = extend(torch.nn.Linear(3, 2))
         >>> loss_fn = extend(torch.nn.CrossEntropyLoss())
         >>> x, y = torch.randn(8, 3, generator=gen), torch.tensor([0, 1] * 4)
-        >>> optimizer = DampedNewton(model.parameters(), damping=0.1, criterion=4)
+        >>> optimizer = DampedNewton(model.parameters())
         >>> def closure():
         ...     optimizer.zero_grad()
         ...     loss = loss_fn(model(x), y)
@@ -138,33 +139,40 @@ class DampedNewton(Optimizer):
         >>> bool(second < first)
         True
 
+    Options marked *basis* default to :func:`basis_defaults` of ``basis``
+    (Kronecker / Gram).
+
     Args:
         params: Parameters or parameter groups (each group is one GGN block).
         lr: Learning rate ``>= 0`` (default: 1.0).
         damping: ``δ``: a number ``>= 0`` (constant), a damping policy
-            (:mod:`dampednewton.policies`), or ``None`` for a new
-            ``LevenbergMarquardt(value=0.1, interval=5)`` shared by the groups that
-            set none (default: None).
-        criterion: Directions kept: an int ``k`` (the ``k`` largest positive
-            eigenvalues) or a criterion policy (default: 20).
-        complement: ``ρ``: a policy (:class:`SmallestCurvature`,
+            (:mod:`dampednewton.policies`; the Kronecker basis takes constant or
+            Levenberg-Marquardt), or ``None`` (*basis*: ``3e-3`` /
+            ``LevenbergMarquardt(value=0.1, interval=5)``).
+        criterion: Gram basis: the directions kept, an int ``k`` (the ``k`` largest
+            positive eigenvalues) or a criterion policy (default: 20).
+        basis: :class:`KroneckerBasis` or :class:`GramBasis` (default:
+            ``KroneckerBasis()``).
+        complement: Gram basis: ``ρ``, a policy (:class:`SmallestCurvature`,
             :class:`ConstantCurvature`, :class:`MeasuredCurvature`), a number
             ``> 0``, or ``None`` for no complement step (default:
-            ``SmallestCurvature()``, the smallest kept ``λ̄_k + δ_k``).
-        newton_fraction: ``φ`` in ``(0, 1]`` (default: 0.3).
-        averaging: :class:`CurvatureAveraging` (needs a damping from mean slopes:
-            constant or Levenberg-Marquardt), or ``None`` for this batch's GGN
-            (default: ``CurvatureAveraging()``).
-        kl_clip: ``κ > 0`` of the trust region, or ``None`` for none (default: 1.0).
+            ``SmallestCurvature()``).
+        newton_fraction: ``φ`` in ``(0, 1]`` (*basis*: 1.0 / 0.3).
+        averaging: :class:`CurvatureAveraging` (needs a constant or
+            Levenberg-Marquardt damping), or ``None`` for this batch's curvature
+            (*basis*: ``CurvatureAveraging(decay=0.95, interval=10)`` /
+            ``CurvatureAveraging()``).
+        kl_clip: ``κ > 0`` of the trust region, or ``None`` for none (*basis*:
+            3e-3 / 1.0).
         momentum: ``μ`` in ``[0, 1)`` (default: 0.0).
         nesterov: Nesterov's momentum, needs ``momentum > 0`` (default: False).
-        weight_decay: Decoupled weight decay ``wd >= 0`` (default: 0.0).
+        weight_decay: Decoupled weight decay ``wd >= 0`` (*basis*: 1e-3 / 0.0).
         mc_samples: Monte-Carlo samples of the loss Hessian's square root, ``0``
             for the exact GGN (default: 1).
-        subsampling_ggn: Sample indices of each rank's batch for directions and
-            curvatures, ``None`` for all (default: None).
-        subsampling_grad: Sample indices for the directional gradients, ``None``
-            for all (default: None).
+        subsampling_ggn: Sample indices of each rank's batch for the curvature,
+            ``None`` for all (default: None).
+        subsampling_grad: Gram basis: sample indices for the directional
+            gradients, ``None`` for all (default: None).
         warn_small_eigvals: Warn once per group when a selected direction has an
             eigenvalue below this (counted in
             ``state['groups'][i]['steps_with_small_eigenvalues']``) (default: 1e-4).
@@ -198,7 +206,7 @@ class DampedNewton(Optimizer):
         kl_clip: float | None = BASIS_DEFAULT,
         momentum: float = 0.0,
         nesterov: bool = False,
-        weight_decay: float = 0.0,
+        weight_decay: float = BASIS_DEFAULT,
         mc_samples: int = 1,
         subsampling_ggn: Sequence[int] | None = None,
         subsampling_grad: Sequence[int] | None = None,
@@ -223,6 +231,8 @@ class DampedNewton(Optimizer):
             averaging = tuned["averaging"]
         if kl_clip is BASIS_DEFAULT:
             kl_clip = tuned["kl_clip"]
+        if weight_decay is BASIS_DEFAULT:
+            weight_decay = tuned["weight_decay"]
         defaults = {
             "lr": lr,
             "basis": basis,

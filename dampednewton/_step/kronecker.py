@@ -340,13 +340,11 @@ def _apply(
     """Move a group's parameters by ``lr·ν·s`` (momentum and weight decay included)."""
     with torch.no_grad():
         pairs = [(p, d) for p, d in result.directions if p.requires_grad]
-        plain = option.momentum == 0 and option.weight_decay == 0
-        if plain and all(d.dtype == p.dtype for p, d in pairs):
-            torch._foreach_add_(
-                [p for p, _ in pairs],
-                [d for _, d in pairs],
-                alpha=option.lr * scale,
-            )
+        if option.momentum == 0 and all(d.dtype == p.dtype for p, d in pairs):
+            params = [p for p, _ in pairs]
+            if option.weight_decay > 0:
+                torch._foreach_mul_(params, 1 - option.lr * option.weight_decay)
+            torch._foreach_add_(params, [d for _, d in pairs], alpha=option.lr * scale)
             return
         for param, direction in pairs:
             update_parameter(

@@ -75,9 +75,10 @@ def test_gradient_clipping_clips_grad_after_the_closures_backward(algorithm, cli
 def test_norm_clipping_scales_the_step_by_the_clipping_factor():
     """The step is linear in ``.grad`` for fixed curvature: it shrinks by ``c/‖ḡ‖``.
 
-    Constant damping and no trust region, so nothing else depends on the slopes.
+    Constant damping, no trust region and no weight decay, so nothing else depends on
+    the slopes or moves the parameters.
     """
-    settings = {"damping": 0.1, "kl_clip": None}
+    settings = {"damping": 0.1, "kl_clip": None, "weight_decay": 0.0}
     start = [p.detach().clone() for p in plain_loop(0)[0].parameters()]
     unclipped = [p.detach() for p in plain_loop(1, **settings)[0].parameters()]
     norms: list[float] = []

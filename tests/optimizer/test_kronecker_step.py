@@ -39,7 +39,7 @@ from tests.utils import (
 LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
 FULL_RANK = KroneckerBasis(exact_size=1000)
 """Every factor of the test problems decomposed exactly."""
-EXACT = {"mc_samples": 0, "basis": FULL_RANK, "kl_clip": None}
+EXACT = {"mc_samples": 0, "basis": FULL_RANK, "kl_clip": None, "weight_decay": 0.0}
 
 
 def layers_of(model: nn.Module) -> list[nn.Module]:
@@ -232,17 +232,17 @@ def test_trust_region_scales_the_step(lr):
     )
 
 
-def test_momentum_and_weight_decay_follow_the_update_rule():
+@pytest.mark.parametrize("momentum", [0.9, 0.0], ids=["momentum", "multi-tensor"])
+def test_momentum_and_weight_decay_follow_the_update_rule(momentum: float):
+    """With momentum per parameter; without it the multi-tensor update decays."""
     case = build_case(case_by_id("mlp-mse"))
-    damping, lr, momentum, decay = 0.1, 0.5, 0.9, 0.01
+    damping, lr, decay = 0.1, 0.5, 0.01
     optimizer = DampedNewton(
         case.model.parameters(),
         lr=lr,
         damping=damping,
         averaging=None,
-        momentum=momentum,
-        weight_decay=decay,
-        **EXACT,
+        **{**EXACT, "momentum": momentum, "weight_decay": decay},
     )
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     buffers = None

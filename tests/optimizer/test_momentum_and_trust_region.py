@@ -36,8 +36,9 @@ def twin_steps(
         "warn_small_eigvals": 0,
         "mc_samples": 0,
         "averaging": None,
+        "weight_decay": 0.0,
     }
-    optimizer = DampedNewton(params, **common, **settings)
+    optimizer = DampedNewton(params, **{**common, **settings})
     plain = DampedNewton(twin_params, lr=1.0, kl_clip=None, **common)
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     twin_closure = make_closure(plain, twin.model, twin.loss_fn, twin.X, twin.y)
