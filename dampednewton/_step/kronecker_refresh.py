@@ -122,10 +122,14 @@ def decomposed(
     if output is None or input_eigen is None or basis.rotates(refreshes):
         return (
             factor_eigen(
-                outputs, basis.rank, None if output is None else output.vectors
+                outputs,
+                basis.kept(outputs.shape[0]),
+                None if output is None else output.vectors,
             ),
             factor_eigen(
-                inputs, basis.rank, None if input_eigen is None else input_eigen.vectors
+                inputs,
+                basis.kept(inputs.shape[0]),
+                None if input_eigen is None else input_eigen.vectors,
             ),
         )
     return refreshed_values(outputs, output), refreshed_values(inputs, input_eigen)

@@ -456,3 +456,21 @@ def test_factors_up_to_the_exact_size_keep_every_eigenvector():
     basis = KroneckerBasis(rank=3, exact_size=5)
     assert [basis.kept(dim) for dim in (2, 5, 6, 100)] == [2, 5, 3, 3]
     assert KroneckerBasis(rank=8, exact_size=0).kept(4) == 4
+
+
+def test_the_step_keeps_what_the_exact_size_decides():
+    """Linear(5, 4) then Linear(4, 3): input factors of 6 and 5 dimensions."""
+    case = build_case(case_by_id("mlp-ce"))
+    first, second = layers_of(case.model)
+    optimizer = DampedNewton(
+        case.model.parameters(), basis=KroneckerBasis(rank=2, exact_size=5)
+    )
+    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
+    kept = [
+        (
+            optimizer.state[layer.weight]["kronecker_input_vectors"].shape[1],
+            optimizer.state[layer.weight]["kronecker_output_vectors"].shape[1],
+        )
+        for layer in (first, second)
+    ]
+    assert kept == [(2, 4), (5, 3)]
