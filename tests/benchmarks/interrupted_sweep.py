@@ -28,6 +28,10 @@ def main() -> None:
     """Install the signalling ``json.dump`` and run the multirun of ``sys.argv``."""
     signum = signal.Signals[sys.argv[1]]
     signal_at = int(sys.argv[2])
+    # A process started in the background of a non-interactive shell inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler: restore the one
+    # an interactive Ctrl-C meets.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = [sys.argv[0], f"--config-path={CONF}", *sys.argv[3:]]
     writes = 0
 
