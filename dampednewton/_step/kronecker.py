@@ -55,7 +55,7 @@ from dampednewton._step.kronecker_state import (
 from dampednewton._step.options import GroupOptions, SharedOptions
 from dampednewton._step.records import GLOBAL, REFRESH_DUE, REFRESH_LOSS
 from dampednewton._step.step_pass import with_monitor
-from dampednewton._step.update import update_parameter
+from dampednewton._step.update import update_parameters
 from dampednewton.backpack.extensions import (
     ExactSqrtGGN,
     MonteCarloSqrtGGN,
@@ -69,7 +69,6 @@ from dampednewton.backpack.savefields import sqrt_ggn_savefield
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
 from dampednewton.math.kronecker import kronecker_direction
-from dampednewton.math.precision import computation_dtype
 
 
 @dataclass(frozen=True)
@@ -339,17 +338,4 @@ def _apply(
 ) -> None:
     """Move a group's parameters by ``lr·ν·s`` (momentum and weight decay included)."""
     with torch.no_grad():
-        pairs = [(p, d) for p, d in result.directions if p.requires_grad]
-        if option.momentum == 0 and all(d.dtype == p.dtype for p, d in pairs):
-            params = [p for p, _ in pairs]
-            if option.weight_decay > 0:
-                torch._foreach_mul_(params, 1 - option.lr * option.weight_decay)
-            torch._foreach_add_(params, [d for _, d in pairs], alpha=option.lr * scale)
-            return
-        for param, direction in pairs:
-            update_parameter(
-                param,
-                (direction * scale).to(computation_dtype(param.dtype)),
-                state[param],
-                option,
-            )
+        update_parameters(result.directions, state, option, scale)

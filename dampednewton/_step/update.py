@@ -98,28 +98,67 @@ def apply_flat_step(
 ) -> None:
     """Move a group's parameters along a flat direction ``νs`` (under ``no_grad``).
 
-    Without momentum and weight decay, one multi-tensor ``add`` moves all parameters
-    of the direction's dtype; otherwise each goes through :func:`update_parameter`.
-
     Args:
         params: The group's parameters.
         direction: ``s`` ``[D]``, the parameters' entries in order.
         state: The optimizer's per-parameter state (momentum buffers).
         options: The group's options.
-        scale: ``ν`` (a number: the multi-tensor ``add`` takes it with the
-            learning rate).
+        scale: ``ν`` (a number: the multi-tensor kernels take it as a factor).
     """
-    trainable = [p.requires_grad for p in params]
     pieces = [
         piece.view_as(p)
         for piece, p in zip(
             direction.split([p.numel() for p in params]), params, strict=True
         )
     ]
-    plain = options.momentum == 0 and options.weight_decay == 0
-    if plain and all(trainable) and all(p.dtype == direction.dtype for p in params):
-        torch._foreach_add_(list(params), pieces, alpha=options.lr * scale)
+    update_parameters(
+        [(p, piece) for p, piece in zip(params, pieces, strict=True)],
+        state,
+        options,
+        scale,
+    )
+
+
+def update_parameters(
+    pairs: Sequence[tuple[Tensor, Tensor]],
+    state: MutableMapping[Any, dict[str, Any]],
+    options: GroupOptions,
+    scale: float,
+) -> None:
+    """Move parameters by ``ν`` times their directions (call under ``no_grad``).
+
+    The update of :func:`update_parameter` with one multi-tensor operation per term
+    (``torch._foreach_*``: the weight decay, the momentum buffers, the parameters)
+    where every direction has its parameter's dtype and every buffer exists (from
+    the second step with momentum on); otherwise parameter by parameter. Frozen
+    parameters (``requires_grad=False``) do not move.
+
+    Args:
+        pairs: ``(parameter, its direction s)``.
+        state: The optimizer's per-parameter state (momentum buffers).
+        options: The group's options.
+        scale: ``ν``.
+    """
+    moving = [(p, d) for p, d in pairs if p.requires_grad]
+    params = [p for p, _ in moving]
+    directions = [d for _, d in moving]
+    mu = options.momentum
+    stored = [state[p].get(MOMENTUM) for p in params] if mu > 0 else []
+    buffers: list[Tensor] = [b for b in stored if b is not None]
+    same_dtypes = all(d.dtype == p.dtype for p, d in moving)
+    if not params or not same_dtypes or len(buffers) < len(stored):
+        for param, direction in moving:
+            update_parameter(param, direction * scale, state[param], options)
         return
-    for param, piece, moves in zip(params, pieces, trainable, strict=True):
-        if moves:
-            update_parameter(param, piece * scale, state[param], options)
+    if options.weight_decay > 0:
+        torch._foreach_mul_(params, 1 - options.lr * options.weight_decay)
+    if mu == 0:
+        torch._foreach_add_(params, directions, alpha=options.lr * scale)
+        return
+    torch._foreach_mul_(buffers, mu)
+    torch._foreach_add_(buffers, directions, alpha=scale)
+    if options.nesterov:
+        torch._foreach_add_(params, directions, alpha=options.lr * scale)
+        torch._foreach_add_(params, buffers, alpha=options.lr * mu)
+    else:
+        torch._foreach_add_(params, buffers, alpha=options.lr)

@@ -68,6 +68,18 @@ def _run_translating_errors(
             f"{', '.join(supported)}. Replace the layer by a "
             "supported one or exclude its parameters from the model."
         ) from error
+    except IndexError as error:
+        subsampling = extension.get_subsampling()
+        if subsampling is None:
+            raise
+        option = "grad" if isinstance(extension, BatchGrad) else "ggn"
+        samples = module_input(module) if isinstance(module, _Loss) else g_out[0]
+        raise IndexError(
+            f"The sample indices select sample {max(subsampling)}, but this batch "
+            f"has {samples.shape[0]} samples. Pass indices below the smallest batch "
+            f"size (subsampling_{option}=range(min(32, batch_size)) of DampedNewton, "
+            "or the computations' subsampling), or None for all."
+        ) from error
     except AssertionError as error:
         if "expects a backpropagation quantity" in str(error):
             raise RuntimeError(

@@ -186,6 +186,15 @@ def _stale_zero_filled_gradients(
     return _stale_gradients(case, optimizer)
 
 
+def _subsampling_beyond_the_batch(
+    case: Case, optimizer: DampedNewton
+) -> Callable[[], Any]:
+    """Every group's ``subsampling_ggn`` selects one sample more than the batch has."""
+    for group in optimizer.param_groups:
+        group["subsampling_ggn"] = list(range(len(case.X) + 1))
+    return _closure_on()(case, optimizer)
+
+
 def _negative_damping(evals, gram_evecs, gammas, lambdas):
     """A damping policy whose values are invalid (checked with the step's reads)."""
     return -torch.ones_like(evals)
@@ -262,6 +271,12 @@ STEP_CASES = [
         "invalid values",
     ),
     BadStep("criterion-set-0", _set_in_group("criterion", 0), ValueError, "k >= 1"),
+    BadStep(
+        "subsampling-beyond-the-batch",
+        _subsampling_beyond_the_batch,
+        IndexError,
+        r"select sample (\d+), but this batch has \1 samples\. .*subsampling_ggn=",
+    ),
     BadStep(
         "mc-samples-set-in-one-group",
         _set_in_group("mc_samples", 2),
@@ -367,3 +382,20 @@ def test_bad_backward_is_refused_on_steps_without_backpack(prepare, match: str):
     good = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     optimizer.step(good)  # the refusal left no hook behind
     assert optimizer.state["global"]["step"] == 2
+
+
+def test_the_kronecker_basis_refuses_a_subsample_beyond_the_batch():
+    """The default basis' refresh: the same error, nothing changed."""
+    case = build_case(MLP_CE)
+    optimizer = DampedNewton(case.model.parameters(), seed=0)
+    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
+    call = _subsampling_beyond_the_batch(case, optimizer)
+    params = list(case.model.parameters())
+    values = [p.detach().clone() for p in params]
+    before = snapshot(optimizer)
+
+    with pytest.raises(IndexError, match=r"select sample \d+, .*subsampling_ggn="):
+        call()
+
+    assert_parameters_equal(params, values)
+    assert_same_state(snapshot(optimizer), before)
