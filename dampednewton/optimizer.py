@@ -49,8 +49,9 @@ class _BasisDefault:
 
 
 BASIS_DEFAULT: Any = _BasisDefault()
-"""Default of ``newton_fraction``, ``averaging``, ``kl_clip`` and ``weight_decay``:
-the value of :func:`basis_defaults` for the constructor's ``basis``."""
+"""Default of ``newton_fraction``, ``averaging``, ``kl_clip``, ``momentum`` and
+``weight_decay``: the value of :func:`basis_defaults` for the constructor's
+``basis``."""
 
 
 def basis_defaults(basis: Basis) -> dict[str, Any]:
@@ -60,15 +61,16 @@ def basis_defaults(basis: Basis) -> dict[str, Any]:
         basis: :class:`KroneckerBasis` or :class:`GramBasis`.
 
     Returns:
-        ``damping``, ``newton_fraction``, ``averaging``, ``kl_clip`` and
-        ``weight_decay`` (new policy objects on every call).
+        ``damping``, ``newton_fraction``, ``averaging``, ``kl_clip``,
+        ``momentum`` and ``weight_decay`` (new policy objects on every call).
     """
     if isinstance(as_basis(basis), KroneckerBasis):
         return {
             "damping": 3e-3,
             "newton_fraction": 1.0,
             "averaging": CurvatureAveraging(decay=0.95, interval=10),
-            "kl_clip": 3e-3,
+            "kl_clip": 1e-3,
+            "momentum": 0.5,
             "weight_decay": 1e-3,
         }
     return {
@@ -78,6 +80,7 @@ def basis_defaults(basis: Basis) -> dict[str, Any]:
         "newton_fraction": 0.3,
         "averaging": CurvatureAveraging(),
         "kl_clip": 1.0,
+        "momentum": 0.0,
         "weight_decay": 0.0,
     }
 
@@ -104,7 +107,9 @@ class DampedNewton(Optimizer):
         \nu = \min\Big(1, \sqrt{2\kappa / (\mathrm{lr}^2\,(-\bar g^\top s))}\Big),
 
     with the trust region ``ν`` (K-FAC's norm constraint, ``κ = kl_clip``), the
-    momentum ``μ`` and the decoupled weight decay ``wd``. The factors are averaged
+    momentum ``μ`` (0.5: the trust region ``κ = 10⁻³`` bounds each new ``νs``, the
+    accumulated step about twice as long) and the decoupled weight decay ``wd``.
+    The factors are averaged
     (``averaging``) and refreshed at steps 0, 1, 3, 7, 15 and then every
     ``interval`` steps; the steps in between run the closure without BackPACK's
     hooks and reuse the eigenpairs (docs/design.md). :class:`GramBasis` instead steps
@@ -163,8 +168,8 @@ class DampedNewton(Optimizer):
             (*basis*: ``CurvatureAveraging(decay=0.95, interval=10)`` /
             ``CurvatureAveraging()``).
         kl_clip: ``κ > 0`` of the trust region, or ``None`` for none (*basis*:
-            3e-3 / 1.0).
-        momentum: ``μ`` in ``[0, 1)`` (default: 0.0).
+            1e-3 / 1.0).
+        momentum: ``μ`` in ``[0, 1)`` (*basis*: 0.5 / 0.0).
         nesterov: Nesterov's momentum, needs ``momentum > 0`` (default: False).
         weight_decay: Decoupled weight decay ``wd >= 0`` (*basis*: 1e-3 / 0.0).
         mc_samples: Monte-Carlo samples of the loss Hessian's square root, ``0``
@@ -204,7 +209,7 @@ class DampedNewton(Optimizer):
         newton_fraction: float = BASIS_DEFAULT,
         averaging: CurvatureAveraging | None = BASIS_DEFAULT,
         kl_clip: float | None = BASIS_DEFAULT,
-        momentum: float = 0.0,
+        momentum: float = BASIS_DEFAULT,
         nesterov: bool = False,
         weight_decay: float = BASIS_DEFAULT,
         mc_samples: int = 1,
@@ -231,6 +236,8 @@ class DampedNewton(Optimizer):
             averaging = tuned["averaging"]
         if kl_clip is BASIS_DEFAULT:
             kl_clip = tuned["kl_clip"]
+        if momentum is BASIS_DEFAULT:
+            momentum = tuned["momentum"]
         if weight_decay is BASIS_DEFAULT:
             weight_decay = tuned["weight_decay"]
         defaults = {

@@ -57,7 +57,10 @@ CONSTRUCTION_CASES = [
     BadConstruction("negative-momentum", {"momentum": -0.1}, ValueError, r"\[0, 1\)"),
     BadConstruction("momentum-one", {"momentum": 1.0}, ValueError, r"\[0, 1\)"),
     BadConstruction(
-        "nesterov-without-momentum", {"nesterov": True}, ValueError, "momentum > 0"
+        "nesterov-without-momentum",
+        {"nesterov": True, "momentum": 0.0},
+        ValueError,
+        "momentum > 0",
     ),
     BadConstruction(
         "negative-weight-decay", {"weight_decay": -1e-4}, ValueError, ">= 0"

@@ -39,7 +39,13 @@ from tests.utils import (
 LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d)
 FULL_RANK = KroneckerBasis(exact_size=1000)
 """Every factor of the test problems decomposed exactly."""
-EXACT = {"mc_samples": 0, "basis": FULL_RANK, "kl_clip": None, "weight_decay": 0.0}
+EXACT = {
+    "mc_samples": 0,
+    "basis": FULL_RANK,
+    "kl_clip": None,
+    "momentum": 0.0,
+    "weight_decay": 0.0,
+}
 
 
 def layers_of(model: nn.Module) -> list[nn.Module]:
@@ -232,9 +238,19 @@ def test_trust_region_scales_the_step(lr):
     )
 
 
-@pytest.mark.parametrize("momentum", [0.9, 0.0], ids=["momentum", "multi-tensor"])
-def test_momentum_and_weight_decay_follow_the_update_rule(momentum: float):
-    """With momentum per parameter; without it the multi-tensor update decays."""
+@pytest.mark.parametrize(
+    ("momentum", "nesterov"),
+    [(0.9, False), (0.9, True), (0.0, False)],
+    ids=["heavy-ball", "nesterov", "no-momentum"],
+)
+def test_momentum_and_weight_decay_follow_the_update_rule(
+    momentum: float, nesterov: bool
+):
+    """``m ← μm + s``, ``θ ← (1 − lr·wd)θ + lr·m`` (Nesterov: ``lr·(s + μm)``).
+
+    The first step creates the buffers parameter by parameter, the later ones take
+    the multi-tensor kernels.
+    """
     case = build_case(case_by_id("mlp-mse"))
     damping, lr, decay = 0.1, 0.5, 0.01
     optimizer = DampedNewton(
@@ -242,11 +258,12 @@ def test_momentum_and_weight_decay_follow_the_update_rule(momentum: float):
         lr=lr,
         damping=damping,
         averaging=None,
+        nesterov=nesterov,
         **{**EXACT, "momentum": momentum, "weight_decay": decay},
     )
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     buffers = None
-    for _ in range(2):
+    for _ in range(3):
         factors = reference_factors(case)
         reference_gradients(case)
         steps = []
@@ -261,12 +278,17 @@ def test_momentum_and_weight_decay_follow_the_update_rule(momentum: float):
             if buffers is None
             else [momentum * b + s for b, s in zip(buffers, steps, strict=True)]
         )
+        updates = (
+            [s + momentum * b for s, b in zip(steps, buffers, strict=True)]
+            if nesterov
+            else buffers
+        )
         optimizer.step(closure)
         with torch.no_grad():
-            for param, buffer in zip(
-                case.reference_model.parameters(), buffers, strict=True
+            for param, update in zip(
+                case.reference_model.parameters(), updates, strict=True
             ):
-                param.mul_(1 - lr * decay).add_(buffer, alpha=lr)
+                param.mul_(1 - lr * decay).add_(update, alpha=lr)
         assert_models_close(case)
 
 

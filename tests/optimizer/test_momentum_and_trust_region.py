@@ -36,6 +36,7 @@ def twin_steps(
         "warn_small_eigvals": 0,
         "mc_samples": 0,
         "averaging": None,
+        "momentum": 0.0,
         "weight_decay": 0.0,
     }
     optimizer = DampedNewton(params, **{**common, **settings})
