@@ -104,9 +104,10 @@ class DampedNewton(Optimizer):
         m &\leftarrow \mu m + \nu s, \qquad
         \theta \leftarrow (1 - \mathrm{lr}\cdot\mathrm{wd})\,\theta
             + \mathrm{lr}\cdot m, \qquad
-        \nu = \min\Big(1, \sqrt{2\kappa / (\mathrm{lr}^2\,(-\bar g^\top s))}\Big),
+        \nu = \min\Big(1, \sqrt{2\kappa / (-\bar g^\top s)}\Big),
 
-    with the trust region ``ν`` (K-FAC's norm constraint, ``κ = kl_clip``), the
+    with the trust region ``ν`` (K-FAC's norm constraint, ``κ = kl_clip``, on the step
+    before the learning rate, so that a learning-rate schedule scales every update), the
     momentum ``μ`` (0.5: the trust region ``κ = 10⁻³`` bounds each new ``νs``, the
     accumulated step about twice as long) and the decoupled weight decay ``wd``.
     The factors are averaged

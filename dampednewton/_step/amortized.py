@@ -95,9 +95,9 @@ class FrozenBases:
         return basis
 
 
-def trust_bound(lr: float, kl_clip: float | None) -> float | None:
-    """``2κ / lr²``, the trust region's bound on the curvature (``None``: off)."""
-    return None if kl_clip is None or lr == 0 else 2 * kl_clip / lr**2
+def trust_bound(kl_clip: float | None) -> float | None:
+    """``2κ``, the trust region's bound on the curvature (``None``: off)."""
+    return None if kl_clip is None else 2 * kl_clip
 
 
 def record_step_lengths(
@@ -128,7 +128,7 @@ def frozen_group_step(
         params: The group's parameters (their ``.grad`` is ``ḡ``).
         basis: ``B`` ``[r, D]``.
         frozen: The group's frozen coefficients.
-        bound: The trust region's ``2κ / lr²`` (``None``: off).
+        bound: The trust region's ``2κ`` (``None``: off).
 
     Returns:
         The step; its recorded directions are the kept columns.

@@ -12,12 +12,12 @@ eigenpairs.
 
 Each layer's direction is :func:`~dampednewton.math.kronecker.kronecker_direction` of
 its gradient; a group's quadratic model sums its layers' slopes (and curvatures, when
-adaptive damping reads them), and its trust region ``ν`` bounds ``½ lr² ν² (−ḡᵀs)`` by
-``kl_clip``. One host read per step carries the loss, every group's slope (a
-non-finite gradient or direction makes it non-finite), the hooks' checks and the new
-factors' finiteness (:mod:`._step.kronecker_checks`). A refused step leaves
-parameters, state and generator untouched: the new factors are committed only with
-an accepted step.
+adaptive damping reads them), and its trust region ``ν`` bounds ``½ ν² (−ḡᵀs)`` by
+``kl_clip`` (the learning rate scales the bounded step). One host read per step
+carries the loss, every group's slope (a non-finite gradient or direction makes it
+non-finite), the hooks' checks and the new factors' finiteness
+(:mod:`._step.kronecker_checks`). A refused step leaves parameters, state and
+generator untouched: the new factors are committed only with an accepted step.
 """
 
 from __future__ import annotations
@@ -326,11 +326,10 @@ class KroneckerPass:
 
 
 def _trust_scale(option: GroupOptions, slope: float) -> float:
-    """``ν = min(1, √(2κ / (lr² (−ḡᵀs))))`` on the host (``1``: no trust region)."""
-    if option.kl_clip is None or option.lr == 0 or slope >= 0:
+    """``ν = min(1, √(2κ / (−ḡᵀs)))`` on the host (``1``: no trust region)."""
+    if option.kl_clip is None or slope >= 0:
         return 1.0
-    bound = 2 * option.kl_clip / option.lr**2
-    return min(1.0, math.sqrt(bound / -slope))
+    return min(1.0, math.sqrt(2 * option.kl_clip / -slope))
 
 
 def _apply(

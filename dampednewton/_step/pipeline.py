@@ -329,7 +329,7 @@ class Pipeline:
                 zip(groups, options, steps, strict=True)
             ):
                 slope, squares, excess, length = values[2 + 4 * index : 6 + 4 * index]
-                bound = trust_bound(option.lr, option.kl_clip)
+                bound = trust_bound(option.kl_clip)
                 scale = trust_scale_on_host(slope, squares, excess, length, bound)
                 apply_flat_step(group["params"], step.direction, state, option, scale)
         state[GLOBAL]["step"] += 1

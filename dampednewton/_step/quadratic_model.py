@@ -5,10 +5,13 @@ and its curvature ``sᵀGs`` under the GGN estimate the step was built from, so 
 for a multiple ``a·s`` the model predicts ``q(a·s) = a·ḡᵀs + ½ a² sᵀGs``.
 
 The damped model the step minimizes has the curvature ``sᵀAs = −ḡᵀs`` (with ``A``
-the damped GGN, ``ρ`` on the complement). Bounding ``½ lr² sᵀAs`` by ``κ`` is K-FAC's
+the damped GGN, ``ρ`` on the complement). Bounding ``½ ν² sᵀAs`` by ``κ`` is K-FAC's
 norm constraint (its "KL clip": for the cross-entropy the GGN is the Fisher, and the
 bound limits the predicted change of the predictive distribution per step). The
-bound also applies to this batch's GGN curvature ``sᵀĜs`` where it is known.
+bound also applies to this batch's GGN curvature ``sᵀĜs`` where it is known. It bounds
+the step before the learning rate, which then scales the update ``lr·ν·s``: a
+learning-rate schedule acts on every step, also where the bound is active (with
+``lr = 1``, K-FAC's constraint on the update itself).
 """
 
 from __future__ import annotations
@@ -46,16 +49,15 @@ def predicted_change(scale: Tensor | float, slope: Tensor, curvature: Tensor) ->
 
 
 def trust_region_scale(
-    lr: float, slope: Tensor, batch_curvature: Tensor | None, kl_clip: float | None
+    slope: Tensor, batch_curvature: Tensor | None, kl_clip: float | None
 ) -> Tensor | float:
-    """Largest ``ν ≤ 1`` with ``½ (lr·ν)² · max(sᵀAs, sᵀĜs) ≤ κ``.
+    """Largest ``ν ≤ 1`` with ``½ ν² · max(sᵀAs, sᵀĜs) ≤ κ``.
 
     ``sᵀAs = −ḡᵀs`` is the damped model's own curvature along the step, ``sᵀĜs``
     that of this batch's GGN (where known): a model built from old or few directions
     can miss curvature that the current batch sees, and the bound must hold for both.
 
     Args:
-        lr: The learning rate.
         slope: ``ḡᵀs`` of the (descent) step.
         batch_curvature: ``sᵀĜs``, or ``None``.
         kl_clip: ``κ``; ``None`` switches the bound off.
@@ -63,10 +65,10 @@ def trust_region_scale(
     Returns:
         ``ν`` (a tensor, to avoid a device sync, or ``1.0``).
     """
-    if kl_clip is None or lr == 0:
+    if kl_clip is None:
         return 1.0
     curvature = (-slope).clamp_min(0)
     if batch_curvature is not None:
         curvature = torch.maximum(curvature, batch_curvature.to(curvature))
     # ν = min(1, √(bound / curvature)); a zero curvature gives inf, hence 1.
-    return (2 * kl_clip / lr**2 / curvature).sqrt().clamp_max(1.0)
+    return (2 * kl_clip / curvature).sqrt().clamp_max(1.0)

@@ -320,5 +320,5 @@ def _reused(block: StepBlock, basis: Tensor) -> GroupStep:
     assert block.factor is not None  # a group without one refreshes
     if block.frozen is None:  # a factor from a state saved before frozen coefficients
         return averaged_step(block, block.factor)
-    bound = trust_bound(block.options.lr, block.options.kl_clip)
+    bound = trust_bound(block.options.kl_clip)
     return frozen_group_step(block.params, basis, block.frozen, bound)

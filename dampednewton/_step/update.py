@@ -79,9 +79,7 @@ def apply_steps(
             if step is None:
                 scales.append(1.0)
                 continue
-            scale = trust_region_scale(
-                option.lr, step.slope, step.batch_curvature, option.kl_clip
-            )
+            scale = trust_region_scale(step.slope, step.batch_curvature, option.kl_clip)
             scales.append(scale)
             for param, direction in zip(group, step.direction, strict=True):
                 if param.requires_grad:

@@ -206,7 +206,7 @@ def guarded_curvature(
     Args:
         step: The step.
         frozen: The group's frozen coefficients.
-        bound: ``2κ / lr²`` of the trust region, ``None`` without one.
+        bound: ``2κ`` of the trust region, ``None`` without one.
 
     Returns:
         The curvature (0-dim).
@@ -236,7 +236,7 @@ def trust_scale_on_host(
         squared_length: ``‖s‖²``.
         frozen_excess: ``η``.
         frozen_length: ``L``.
-        bound: ``2κ / lr²``, ``None`` without a trust region.
+        bound: ``2κ``, ``None`` without a trust region.
 
     Returns:
         ``ν = min(1, √(bound / max(−η ḡᵀs, bound ‖s‖² / L²)))``.

@@ -167,7 +167,7 @@ def test_averaged_curvature_matches_explicit_moving_average(
         largest_excess = max(largest_excess, excess)
         scale = 1.0
         if kl_clip is not None:
-            bound = 2 * kl_clip / lr**2
+            bound = 2 * kl_clip
             curvature = -(gradient @ step_direction)
             if refresh:
                 # Between refreshes the batch GGN's excess over the model (η) and

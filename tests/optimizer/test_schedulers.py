@@ -101,3 +101,33 @@ def test_scheduler_sets_group_lr_and_step_scales(schedule: Schedule):
             )
             assert group["lr"] == pytest.approx(schedule.lr(base, t + 1), rel=1e-12)
             assert group["initial_lr"] == base
+
+
+def test_a_schedule_scales_the_defaults_steps_where_the_trust_region_binds():
+    """Halving the lr halves the defaults' update, also where the trust region binds.
+
+    The trust region bounds the step before the learning rate (with K-FAC's ``lr²``
+    inside the bound the learning rate would cancel there). Twin runs from the same
+    state: the second step after ``StepLR`` halved the lr against one without it.
+    """
+    updates = []
+    for schedule in (False, True):
+        case = build_case(MLP_CE)
+        optimizer = DampedNewton(case.model.parameters(), seed=0)
+        scheduler = StepLR(optimizer, step_size=1, gamma=0.5)
+        closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+        optimizer.step(closure)
+        if schedule:
+            scheduler.step()
+        before = flat(list(case.model.parameters()))
+        optimizer.step(closure)
+        updates.append(flat(list(case.model.parameters())) - before)
+        assert optimizer.param_groups[0]["lr"] == (0.5 if schedule else 1.0)
+        assert optimizer.state["groups"][0]["trust_region_scale"] < 1
+    assert_close(
+        updates[1],
+        0.5 * updates[0],
+        rtol=0,
+        atol=1e-12 * updates[0].abs().max().item(),
+        name="update at lr 0.5 against half the update at lr 1",
+    )
