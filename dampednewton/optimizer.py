@@ -109,10 +109,9 @@ class DampedNewton(Optimizer):
     with the trust region ``ν`` (K-FAC's norm constraint, ``κ = kl_clip``, on the step
     before the learning rate, so that a learning-rate schedule scales every update), the
     momentum ``μ`` (0.5: the trust region ``κ = 10⁻³`` bounds each new ``νs``, the
-    accumulated step about twice as long) and the decoupled weight decay ``wd``.
-    The factors are averaged
-    (``averaging``) and refreshed at steps 0, 1, 3, 7, 15 and then every
-    ``interval`` steps; the steps in between run the closure without BackPACK's
+    accumulated step about twice as long) and the decoupled weight decay ``wd``. The
+    factors are averaged (``averaging``) and refreshed at steps 0, 1, 3, 7, 15 and then
+    every ``interval`` steps; the steps in between run the closure without BackPACK's
     hooks and reuse the eigenpairs (docs/design.md). :class:`GramBasis` instead steps
     along the leading eigenvectors of the whole block from its Gram matrix (ViViT):
     ``s = Σ_k −φ γ̄_k/(λ̄_k + δ_k) e_k − (ḡ − Σ_k γ̄_k e_k)/ρ`` with the Newton
