@@ -21,7 +21,8 @@ import torch
 from backpack import extend
 from torch import Tensor, nn
 
-NUM_CLASSES = 3
+from tests import case_models as models
+from tests.case_models import NUM_CLASSES
 
 SIMPLE_SPECTRUM = "simple-spectrum"
 """Tag: the non-zero GGN eigenvalues are simple, so eigenvectors are unique up to
@@ -85,127 +86,6 @@ class Problem:
         return model, self.loss(), X, y
 
 
-def initialize(module: nn.Module, generator: torch.Generator) -> nn.Module:
-    """Materialize a meta-device module in float64 with parameters from a generator.
-
-    Each layer's weight and bias are drawn from N(0, 1/fan_in), fan_in being the
-    number of weight entries per output unit.
-
-    Args:
-        module: Module whose parameters live on the meta device.
-        generator: Source of the parameter values.
-
-    Returns:
-        The module, on the CPU in float64, with initialized parameters.
-    """
-    module = module.to_empty(device="cpu").to(torch.float64)
-    with torch.no_grad():
-        for layer in module.modules():
-            weight = getattr(layer, "weight", None)
-            if not isinstance(weight, nn.Parameter):
-                continue
-            scale = weight[0].numel() ** -0.5
-            for param in (weight, getattr(layer, "bias", None)):
-                if isinstance(param, nn.Parameter):
-                    param.copy_(
-                        scale
-                        * torch.randn(
-                            param.shape, generator=generator, dtype=torch.float64
-                        )
-                    )
-    return module
-
-
-def _mlp_relu(generator: torch.Generator) -> nn.Module:
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, NUM_CLASSES))
-    return initialize(model, generator)
-
-
-def _mlp_sigmoid(generator: torch.Generator) -> nn.Module:
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(5, 4), nn.Sigmoid(), nn.Linear(4, NUM_CLASSES))
-    return initialize(model, generator)
-
-
-def _mlp_tanh_scalar(generator: torch.Generator) -> nn.Module:
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1))
-    return initialize(model, generator)
-
-
-def _cnn(generator: torch.Generator) -> nn.Module:
-    # [N, 1, 6, 6] -> conv [N, 2, 4, 4] -> pool [N, 2, 2, 2] -> flatten [N, 8]
-    with torch.device("meta"):
-        model = nn.Sequential(
-            nn.Conv2d(1, 2, kernel_size=3),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Flatten(),
-            nn.Linear(8, NUM_CLASSES),
-        )
-    return initialize(model, generator)
-
-
-def _cnn_no_pool(generator: torch.Generator) -> nn.Module:
-    # [N, 1, 5, 5] -> conv [N, 2, 3, 3] -> flatten [N, 18]
-    with torch.device("meta"):
-        model = nn.Sequential(
-            nn.Conv2d(1, 2, kernel_size=3),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(18, NUM_CLASSES),
-        )
-    return initialize(model, generator)
-
-
-def _sequence_mlp(generator: torch.Generator) -> nn.Module:
-    # [N, 2, 12] -> shared Linear [N, 2, 6] -> flatten [N, 12]: few positions, so the
-    # first weight takes the structured shared-weight path.
-    with torch.device("meta"):
-        model = nn.Sequential(
-            nn.Linear(12, 6), nn.Tanh(), nn.Flatten(), nn.Linear(12, NUM_CLASSES)
-        )
-    return initialize(model, generator)
-
-
-def _cnn_few_positions(generator: torch.Generator) -> nn.Module:
-    # [N, 6, 4, 4] -> conv [N, 6, 2, 2] -> flatten [N, 24]: 4 output positions and 54
-    # inputs per position, so the exact GGN's conv weight is contracted structurally.
-    with torch.device("meta"):
-        model = nn.Sequential(
-            nn.Conv2d(6, 6, kernel_size=3),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(24, NUM_CLASSES),
-        )
-    return initialize(model, generator)
-
-
-def _cnn1d(generator: torch.Generator) -> nn.Module:
-    # [N, 2, 9] -> strided, padded conv [N, 3, 5] -> flatten [N, 15] -> Linear.
-    with torch.device("meta"):
-        model = nn.Sequential(
-            nn.Conv1d(2, 3, kernel_size=3, stride=2, padding=1),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(15, NUM_CLASSES),
-        )
-    return initialize(model, generator)
-
-
-def _linear_2_to_3(generator: torch.Generator) -> nn.Module:
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(2, NUM_CLASSES))
-    return initialize(model, generator)
-
-
-def _linear_5_to_3(generator: torch.Generator) -> nn.Module:
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(5, NUM_CLASSES))
-    return initialize(model, generator)
-
-
 @dataclass(frozen=True)
 class Classification:
     """Data factory: inputs ``~ N(0, 1)`` of ``shape``, class labels ``< C``."""
@@ -258,7 +138,7 @@ CASES: list[Problem] = [
     # N=4, C=3, D=39: ReLU MLP, cross-entropy (GGN rank ≤ N·(C-1) = 8).
     Problem(
         "mlp-ce",
-        _mlp_relu,
+        models.mlp_relu,
         _cross_entropy,
         Classification((4, 5)),
         seed=0,
@@ -267,7 +147,7 @@ CASES: list[Problem] = [
     # N=5, C=3, D=39: sigmoid MLP, mean squared error.
     Problem(
         "mlp-mse",
-        _mlp_sigmoid,
+        models.mlp_sigmoid,
         _mse,
         Regression((5, 5)),
         seed=1,
@@ -276,7 +156,7 @@ CASES: list[Problem] = [
     # N=6, C=1, D=29: BackPACK's BCEWithLogitsLoss only supports [N, 1] logits.
     Problem(
         "mlp-bce",
-        _mlp_tanh_scalar,
+        models.mlp_tanh_scalar,
         _bce_with_logits,
         _binary_6x5,
         seed=2,
@@ -286,7 +166,7 @@ CASES: list[Problem] = [
     # flatten [N, 8] -> Linear, cross-entropy.
     Problem(
         "cnn-ce",
-        _cnn,
+        models.cnn,
         _cross_entropy,
         Classification((4, 1, 6, 6)),
         seed=3,
@@ -296,7 +176,7 @@ CASES: list[Problem] = [
     # Linear in θ, so GGN = Hessian.
     Problem(
         "mlp-ce-wide",
-        _linear_2_to_3,
+        models.linear_2_to_3,
         _cross_entropy,
         Classification((6, 2)),
         seed=4,
@@ -306,7 +186,7 @@ CASES: list[Problem] = [
     # positions, so the first weight takes the structured shared-weight path.
     Problem(
         "seq-ce",
-        _sequence_mlp,
+        models.sequence_mlp,
         _cross_entropy,
         Classification((4, 2, 12)),
         seed=6,
@@ -317,7 +197,7 @@ CASES: list[Problem] = [
     # contracted structurally.
     Problem(
         "cnn-wide-ce",
-        _cnn_few_positions,
+        models.cnn_few_positions,
         _cross_entropy,
         Classification((4, 6, 4, 4)),
         seed=7,
@@ -330,7 +210,7 @@ CASES: list[Problem] = [
     # directions.
     Problem(
         "linear-mse",
-        _linear_5_to_3,
+        models.linear_5_to_3,
         _mse,
         Regression((4, 5)),
         seed=5,
@@ -339,7 +219,7 @@ CASES: list[Problem] = [
     # N=5, C=3, D=60: [N, 2, 9] -> strided, padded Conv1d (the MNIST-1D CNN's kind).
     Problem(
         "cnn1d-ce",
-        _cnn1d,
+        models.cnn1d,
         _cross_entropy,
         Classification((5, 2, 9)),
         seed=8,
@@ -348,7 +228,7 @@ CASES: list[Problem] = [
     # Diagnostics: N ≥ 6, ReLU or sigmoid MLPs and a small CNN.
     Problem(
         "mlp-relu-ce-n8",
-        _mlp_relu,
+        models.mlp_relu,
         _cross_entropy,
         Classification((8, 5)),
         seed=10,
@@ -356,7 +236,7 @@ CASES: list[Problem] = [
     ),
     Problem(
         "mlp-relu-mse-n7",
-        _mlp_relu,
+        models.mlp_relu,
         _mse,
         Regression((7, 5)),
         seed=11,
@@ -365,7 +245,7 @@ CASES: list[Problem] = [
     # [N, 1, 5, 5] -> conv [N, 2, 3, 3] -> flatten [N, 18] -> Linear.
     Problem(
         "cnn-nopool-ce-n6",
-        _cnn_no_pool,
+        models.cnn_no_pool,
         _cross_entropy,
         Classification((6, 1, 5, 5)),
         seed=12,
@@ -373,7 +253,7 @@ CASES: list[Problem] = [
     ),
     Problem(
         "cnn-nopool-mse-n6",
-        _cnn_no_pool,
+        models.cnn_no_pool,
         _mse,
         Regression((6, 1, 5, 5)),
         seed=13,
@@ -382,7 +262,7 @@ CASES: list[Problem] = [
     # Sigmoid has curvature of its own, so the Hessian differs from the GGN.
     Problem(
         "mlp-sigmoid-ce-n6",
-        _mlp_sigmoid,
+        models.mlp_sigmoid,
         _cross_entropy,
         Classification((6, 5)),
         seed=14,

@@ -23,7 +23,8 @@ from dampednewton import DampedNewton, GramBasis
 from dampednewton.diagnostics import DiagnosticsMonitor
 from tests import reference
 from tests.assertions import assert_close, assert_close_up_to_sign
-from tests.cases import Problem, initialize
+from tests.case_models import initialize
+from tests.cases import Problem
 
 
 @dataclass

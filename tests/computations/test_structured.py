@@ -16,7 +16,8 @@ from dampednewton import (
     TopK,
 )
 from tests.assertions import assert_close
-from tests.cases import PROBLEMS, initialize
+from tests.case_models import initialize
+from tests.cases import PROBLEMS
 from tests.utils import make_groups
 
 
