@@ -23,6 +23,7 @@ from dampednewton.policies.damping import (
     NoiseAwareDamping,
     RelativeDamping,
 )
+from dampednewton.policies.noise_filter import NoiseFilter
 
 __all__ = [
     "ConstantCurvature",
@@ -41,6 +42,7 @@ __all__ = [
     "MeasuredCurvature",
     "NewtonStep",
     "NoiseAwareDamping",
+    "NoiseFilter",
     "RelativeDamping",
     "RelativeThreshold",
     "SmallestCurvature",

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch import Tensor
 
+from dampednewton._step.kronecker_moments import MOMENT_KEYS
 from dampednewton._step.kronecker_state import STATE_KEYS as KRONECKER_STATE_KEYS
 from dampednewton._step.records import BASIS
 from dampednewton._step.update import MOMENTUM
@@ -145,7 +146,7 @@ def unwrap_settings(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 #: Per-parameter state entries DampedNewton writes (averaged basis, momentum buffer,
 #: a Kronecker layer's factors and eigenpairs).
-PARAMETER_STATE_KEYS = frozenset({BASIS, MOMENTUM}) | KRONECKER_STATE_KEYS
+PARAMETER_STATE_KEYS = frozenset({BASIS, MOMENTUM}) | KRONECKER_STATE_KEYS | MOMENT_KEYS
 #: Its entries of the state that are not per parameter (optimizer.GLOBAL, GROUPS).
 GLOBAL_KEY, GROUPS_KEY = "global", "groups"
 SAVE_HINT = (

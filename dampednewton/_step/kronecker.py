@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +39,11 @@ from dampednewton._step.guard import (
     refuse,
 )
 from dampednewton._step.kronecker_checks import loss_rose, read_checks, refusal
+from dampednewton._step.kronecker_moments import (
+    filtered_layer,
+    moment_entries,
+    stored_moments,
+)
 from dampednewton._step.kronecker_refresh import (
     Refreshed,
     commit_layers,
@@ -69,6 +74,9 @@ from dampednewton.backpack.savefields import sqrt_ggn_savefield
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
 from dampednewton.math.kronecker import kronecker_direction
+from dampednewton.math.noise_filter import DirectionMoments
+from dampednewton.policies.basis import KroneckerBasis
+from dampednewton.policies.noise_filter import NoiseFilter
 
 
 @dataclass(frozen=True)
@@ -84,10 +92,15 @@ class KroneckerGroupStep:
     directions: list[tuple[Tensor, Tensor]]
     slope: Tensor
     curvature: Tensor
+    moments: list[tuple[Tensor, DirectionMoments]] = field(default_factory=list)
 
 
 def group_step(
-    bases: Sequence[LayerBasis], damping: float, with_curvature: bool
+    bases: Sequence[LayerBasis],
+    damping: float,
+    with_curvature: bool,
+    noise_filter: NoiseFilter | None = None,
+    state: Any = None,
 ) -> KroneckerGroupStep:
     """A group's step along its layers' Kronecker eigenbases.
 
@@ -96,19 +109,37 @@ def group_step(
         damping: ``δ``.
         with_curvature: Also sum the layers' curvatures (adaptive damping reads
             them); otherwise the curvature is NaN.
+        noise_filter: Scale the kept directions by their gradient's steadiness
+            (its moments read from ``state``; the advanced ones returned).
+        state: The optimizer's per-parameter state (with a filter).
 
     Returns:
-        The directions of every parameter and the group's quadratic model.
+        The directions of every parameter, the group's quadratic model and, with a
+        filter, every layer's advanced moments (uncommitted).
     """
     directions: list[tuple[Tensor, Tensor]] = []
     slopes, curvatures = [], []
+    moments: list[tuple[Tensor, DirectionMoments]] = []
     for basis in bases:
+        gradient = basis.gradient(basis.output.vectors)
+        coefficients = basis.coefficients(damping)
+        projected = None
+        if noise_filter is not None:
+            coefficients, projected, advanced = filtered_layer(
+                gradient,
+                basis,
+                coefficients,
+                stored_moments(state[basis.first], basis),
+                noise_filter,
+            )
+            moments.append((basis.first, advanced))
         layer = kronecker_direction(
-            basis.gradient(basis.output.vectors),
+            gradient,
             basis.output,
             basis.inputs,
-            basis.coefficients(damping),
+            coefficients,
             with_curvature,
+            projected,
         )
         directions += basis.split(layer.direction)
         slopes.append(layer.slope)
@@ -119,7 +150,7 @@ def group_step(
         curvature = slope.new_full((), math.nan)
     else:
         curvature = torch.stack(curvatures).sum()
-    return KroneckerGroupStep(directions, slope, curvature)
+    return KroneckerGroupStep(directions, slope, curvature, moments)
 
 
 def damping_value(options: GroupOptions) -> float:
@@ -233,7 +264,13 @@ class KroneckerSteps:
                 )
                 if bases:
                     damping = damping_value(options[index])
-                    steps[index] = group_step(bases, damping, with_curvature)
+                    steps[index] = group_step(
+                        bases,
+                        damping,
+                        with_curvature,
+                        _noise_filter(options[index]),
+                        state,
+                    )
             values = read_checks(loss, steps, deferred, finite)
             problem = refusal(values, deferred)
             if communicator is not None:
@@ -266,6 +303,8 @@ class KroneckerSteps:
             scales.append(scale)
             if result is not None:
                 _apply(result, option, state, scale)
+                for first, moments in result.moments:
+                    state[first].update(moment_entries(moments))
         return KroneckerPass(loss, steps, scales, record, True)
 
     def largest_curvatures(self, index: int) -> Any:
@@ -323,6 +362,11 @@ class KroneckerPass:
     scales: list[float]
     record: dict | None
     accepted: bool
+
+
+def _noise_filter(option: GroupOptions) -> NoiseFilter | None:
+    basis = option.basis
+    return basis.noise_filter if isinstance(basis, KroneckerBasis) else None
 
 
 def _trust_scale(option: GroupOptions, slope: float) -> float:

@@ -170,12 +170,30 @@ class KroneckerStep:
     curvature: Tensor | None
 
 
+def projections(
+    gradient: Tensor, output: FactorEigen, inputs: FactorEigen
+) -> tuple[Tensor, Tensor]:
+    """``R = ḠV`` and the kept coefficients ``Γ = UᵀḠV`` of a layer's gradient.
+
+    Args:
+        gradient: ``Ḡ`` ``[d_out, d_in (+1)]``.
+        output: Eigenpairs of ``S``.
+        inputs: Eigenpairs of ``A``.
+
+    Returns:
+        ``(R, Γ)``.
+    """
+    projected_in = gradient @ inputs.vectors
+    return projected_in, output.vectors.T @ projected_in
+
+
 def kronecker_direction(
     gradient: Tensor,
     output: FactorEigen,
     inputs: FactorEigen,
     coefficients: LayerCoefficients,
     with_curvature: bool = True,
+    projected: tuple[Tensor, Tensor] | None = None,
 ) -> KroneckerStep:
     """The damped Newton step ``s_ij = −γ_ij/(λ_ij + δ_ij)`` along ``u_i ⊗ v_j``.
 
@@ -196,13 +214,14 @@ def kronecker_direction(
         inputs: Eigenpairs of ``A``.
         coefficients: :func:`layer_coefficients` of the eigenpairs and ``δ``.
         with_curvature: Also compute ``sᵀ(S ⊗ A)s`` (for adaptive damping).
+        projected: :func:`projections` of the gradient, when already computed.
 
     Returns:
         The step and its model.
     """
     u, v, c = output.vectors, inputs.vectors, coefficients
-    projected_in = gradient @ v  # R [d_out, r_in]
-    gamma = u.T @ projected_in  # Γ [r_out, r_in]
+    # R [d_out, r_in], Γ [r_out, r_in]
+    projected_in, gamma = projected or projections(gradient, output, inputs)
     # s = left·Vᵀ + U·right − c_⊥⊥ Ḡ with the core and the column blocks gathered in
     # left [d_out, r_in], the row blocks in right [r_out, d_in]: two products of size
     # d_out·d_in·r besides R and T.

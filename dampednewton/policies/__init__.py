@@ -8,7 +8,9 @@ dataclasses) and the shorthand conversion (``as_criterion``, ``as_damping``,
 * :mod:`~dampednewton.policies.criteria`: :class:`Criterion` (``evals -> indices``);
 * :mod:`~dampednewton.policies.damping`: :class:`Damping`, :class:`AdaptiveDamping`
   and the base :class:`MeanStatisticsDamping`;
-* :mod:`~dampednewton.policies.complement`: :class:`ComplementPolicy` (``ρ``).
+* :mod:`~dampednewton.policies.complement`: :class:`ComplementPolicy` (``ρ``);
+* :mod:`~dampednewton.policies.noise_filter`: :class:`NoiseFilter` (the Kronecker
+  basis' per-direction scale).
 """
 
 from dampednewton.policies.basis import Basis, GramBasis, KroneckerBasis
@@ -34,6 +36,7 @@ from dampednewton.policies.damping import (
     NoiseAwareDamping,
     RelativeDamping,
 )
+from dampednewton.policies.noise_filter import NoiseFilter
 
 __all__ = [
     "AdaptiveDamping",
@@ -51,6 +54,7 @@ __all__ = [
     "MeanStatisticsDamping",
     "MeasuredCurvature",
     "NoiseAwareDamping",
+    "NoiseFilter",
     "RelativeDamping",
     "RelativeThreshold",
     "SmallestCurvature",

@@ -26,6 +26,7 @@ from dampednewton.policies.damping import (
     Damping,
     LevenbergMarquardt,
 )
+from dampednewton.policies.noise_filter import NoiseFilter
 
 DEFAULT_KRONECKER_RANK = 32
 """Eigenvectors kept per Kronecker factor larger than :data:`DEFAULT_EXACT_SIZE`."""
@@ -55,11 +56,15 @@ class KroneckerBasis:
             ``rotation_interval``-th (``≥ 1``); the refreshes in between update the
             factors and only the eigenvalues along the kept eigenvectors (their
             Rayleigh quotients): an averaged factor turns slowly.
+        noise_filter: Scale each kept direction's Newton coefficient by its
+            gradient's steadiness (:class:`NoiseFilter`, SOAP's moments in the
+            eigenbasis); ``None`` (the default) for the plain damped Newton step.
     """
 
     rank: int = DEFAULT_KRONECKER_RANK
     exact_size: int = DEFAULT_EXACT_SIZE
     rotation_interval: int = 3
+    noise_filter: NoiseFilter | None = None
 
     def __post_init__(self) -> None:
         """Validate the settings."""
@@ -73,6 +78,13 @@ class KroneckerBasis:
                 raise ValueError(
                     f"KroneckerBasis needs an integer {name} >= {least}, got {value!r}."
                 )
+        if self.noise_filter is not None and not isinstance(
+            self.noise_filter, NoiseFilter
+        ):
+            raise TypeError(
+                "KroneckerBasis needs noise_filter=NoiseFilter(...) or None, got "
+                f"{self.noise_filter!r}."
+            )
 
     def kept(self, dim: int) -> int:
         """Eigenvectors kept of a factor of dimension ``dim``.

@@ -107,6 +107,20 @@ def test_damping_rule_trains_tiny_model(compose_config, optimizer, damping_rule)
     _trains_tiny_model(cfg, cfg.optimizer_name)
 
 
+def test_the_noise_filter_config_is_the_default_with_the_filter(compose_config):
+    from dampednewton import KroneckerBasis, NoiseFilter
+
+    cfg = compose_config(["optimizer=dampednewton_noise_filter"])
+    problem = tiny_problem(steps=3)
+    optimizer = instantiate(cfg.optimizer)(problem.trainable_parameters())
+    (group,) = optimizer.param_groups
+    assert group["basis"] == KroneckerBasis(noise_filter=NoiseFilter())
+    default = compose_config(["optimizer=dampednewton"]).optimizer
+    assert {k: v for k, v in cfg.optimizer.items() if k != "basis"} == {
+        k: v for k, v in default.items() if k != "basis"
+    }
+
+
 def test_damping_rule_on_an_optimizer_without_damping_is_skipped(compose_config):
     cfg = compose_config(["optimizer=sgd", "damping=lm"])
     assert cfg.optimizer_name == "sgd_lm"

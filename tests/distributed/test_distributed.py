@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dampednewton import CurvatureAveraging, KroneckerBasis
+from dampednewton import CurvatureAveraging, KroneckerBasis, NoiseFilter
 from tests.distributed.workers import Job, assert_matches_reference, spawn
 
 KRONECKER = {
@@ -14,6 +14,11 @@ KRONECKER = {
     "averaging": CurvatureAveraging(decay=0.9, interval=2, ramp=False),
 }
 """The Kronecker basis, refreshed every other step (the steps between included)."""
+NOISE_FILTER = {
+    **KRONECKER,
+    "basis": KroneckerBasis(rotation_interval=1, noise_filter=NoiseFilter(0.9, 0.8)),
+}
+"""With the noise filter, its moments rotated on every refresh."""
 
 # Each test spawns processes that import torch and BackPACK: 5-25 s.
 pytestmark = [
@@ -42,6 +47,7 @@ pytestmark = [
             Job(model="cnn", steps=3, options={**KRONECKER, "damping": "lm"}, ddp=True),
         ),
         (2, Job(model="cnn", steps=3, options={**KRONECKER, "mc_samples": 1})),
+        (2, Job(model="mlp", steps=5, options=NOISE_FILTER, ddp=True)),
     ],
     ids=[
         "mlp-2",
@@ -51,6 +57,7 @@ pytestmark = [
         "mlp-kronecker-2",
         "cnn-kronecker-lm-ddp-3",
         "cnn-kronecker-mc-2",
+        "mlp-kronecker-noise-filter-ddp-2",
     ],
 )
 def test_step_equals_single_process_on_concatenated_batch(world_size, job, tmp_path):

@@ -23,6 +23,7 @@ from dampednewton import (
     GramBasis,
     KroneckerBasis,
     LevenbergMarquardt,
+    NoiseFilter,
 )
 from dampednewton.math.cost import prefers_partial_eigensolver
 from dampednewton.math.linalg import top_eigh
@@ -59,6 +60,9 @@ CONFIGURATIONS = {
     "kronecker-truncated-mc1": {
         "basis": KroneckerBasis(rank=4, exact_size=0),
         "averaging": None,
+    },
+    "kronecker-noise-filter-mc1": {
+        "basis": KroneckerBasis(rank=4, exact_size=0, noise_filter=NoiseFilter()),
     },
 }
 

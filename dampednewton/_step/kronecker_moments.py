@@ -1,0 +1,114 @@
+"""The noise filter's moments in the optimizer's state.
+
+Per layer (:class:`~dampednewton.NoiseFilter`), on its first parameter, next to the
+eigenpairs: the moments of the kept coefficients ``Γ`` and their bias corrections
+(:mod:`dampednewton.math.noise_filter`), in the eigenbasis stored with them. A step
+reads them (rotated into a refresh's new eigenvectors), advances them by its ``Γ``
+and scales its coefficients; the optimizer commits them with an accepted step only,
+like the refreshed factors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from dampednewton._step.kronecker_state import INPUT_EIGEN, OUTPUT_EIGEN, LayerBasis
+from dampednewton.math.kronecker import LayerCoefficients, projections
+from dampednewton.math.noise_filter import (
+    DirectionMoments,
+    advanced,
+    filtered,
+    rotated,
+    signal_fraction,
+)
+from dampednewton.policies.noise_filter import NoiseFilter
+
+FIRST_MOMENT = "noise_filter_first_moment"
+SECOND_MOMENT = "noise_filter_second_moment"
+FIRST_WEIGHT = "noise_filter_first_weight"
+SECOND_WEIGHT = "noise_filter_second_weight"
+MOMENT_KEYS = frozenset({FIRST_MOMENT, SECOND_MOMENT, FIRST_WEIGHT, SECOND_WEIGHT})
+"""Every per-parameter entry the noise filter writes."""
+
+
+def stored_moments(
+    entry: Mapping[str, Any], basis: LayerBasis
+) -> DirectionMoments | None:
+    """A layer's moments, in ``basis``' eigenvectors (``None``: none that fit).
+
+    Moments stored with other eigenvectors (``basis`` comes from this step's
+    refresh) are rotated into ``basis``; moments of another shape (another rank)
+    are dropped.
+
+    Args:
+        entry: The state of the layer's first parameter (eigenpairs and moments).
+        basis: The layer's basis of this step.
+
+    Returns:
+        The moments, or ``None``.
+    """
+    if FIRST_MOMENT not in entry:
+        return None
+    moments = DirectionMoments(
+        entry[FIRST_MOMENT],
+        entry[SECOND_MOMENT],
+        entry[FIRST_WEIGHT],
+        entry[SECOND_WEIGHT],
+    )
+    old_output = entry.get(f"{OUTPUT_EIGEN}_vectors")
+    old_inputs = entry.get(f"{INPUT_EIGEN}_vectors")
+    new_output, new_inputs = basis.output.vectors, basis.inputs.vectors
+    if old_output is None or old_inputs is None:
+        return None
+    if moments.first.shape != (new_output.shape[1], new_inputs.shape[1]):
+        return None
+    if old_output is new_output and old_inputs is new_inputs:
+        return moments
+    if old_output.shape != new_output.shape or old_inputs.shape != new_inputs.shape:
+        return None
+    dtype = moments.first.dtype
+    return rotated(
+        moments,
+        new_output.T.to(dtype) @ old_output.to(dtype),
+        old_inputs.T.to(dtype) @ new_inputs.to(dtype),
+    )
+
+
+def filtered_layer(
+    gradient: Tensor,
+    basis: LayerBasis,
+    coefficients: LayerCoefficients,
+    moments: DirectionMoments | None,
+    noise_filter: NoiseFilter,
+) -> tuple[LayerCoefficients, tuple[Tensor, Tensor], DirectionMoments]:
+    """A layer's coefficients scaled by ``ρ`` after this step's ``Γ``.
+
+    Args:
+        gradient: The layer's gradient matrix ``Ḡ``.
+        basis: The layer's basis of this step.
+        coefficients: Its unfiltered coefficients.
+        moments: Its moments so far, in ``basis`` (:func:`stored_moments`).
+        noise_filter: The filter's settings.
+
+    Returns:
+        The scaled coefficients, the projections ``(ḠV, Γ)`` for the direction and
+        the advanced (uncommitted) moments.
+    """
+    projected = projections(gradient, basis.output, basis.inputs)
+    beta1, beta2 = noise_filter.beta1, noise_filter.beta2
+    moments = advanced(moments, projected[1], beta1, beta2)
+    scales = signal_fraction(moments, noise_filter.floor)
+    return filtered(coefficients, scales), projected, moments
+
+
+def moment_entries(moments: DirectionMoments) -> dict[str, Tensor]:
+    """The moments as state entries."""
+    return {
+        FIRST_MOMENT: moments.first,
+        SECOND_MOMENT: moments.second,
+        FIRST_WEIGHT: moments.first_weight,
+        SECOND_WEIGHT: moments.second_weight,
+    }

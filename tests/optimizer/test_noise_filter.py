@@ -1,0 +1,236 @@
+"""The noise filter's steps against a dense float64 reference, and its state.
+
+The reference keeps each layer's moments as dense vectors over the directions
+``u_i ⊗ v_j`` (``torch.kron`` of the eigenvectors the optimizer stored), rotates them
+with the dense change of basis on every refresh and solves the filtered, damped
+Kronecker step per direction; the gradients come from the plain twin model.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import torch
+from torch import Tensor
+
+from dampednewton import (
+    CurvatureAveraging,
+    DampedNewton,
+    GramBasis,
+    KroneckerBasis,
+    NoiseFilter,
+)
+from dampednewton._step.kronecker_moments import MOMENT_KEYS
+from tests.cases import KRONECKER_PROBLEMS, case_by_id
+from tests.optimizer.kronecker_twin import (
+    EXACT,
+    assert_models_close,
+    gradient_matrix,
+    layers_of,
+    reference_gradients,
+)
+from tests.utils import (
+    Case,
+    assert_parameters_equal,
+    assert_same_state,
+    build_case,
+    make_closure,
+    snapshot,
+)
+
+FILTER = NoiseFilter(beta1=0.9, beta2=0.8, floor=0.1)
+DAMPING = 0.01
+
+
+def eigenpairs(optimizer: DampedNewton, layer) -> tuple[Tensor, ...]:
+    """The layer's stored ``(τ, U, σ, V)`` (after a step: the ones it used)."""
+    entry = optimizer.state[layer.weight]
+    return tuple(
+        entry[f"kronecker_{side}_{name}"].clone()
+        for side in ("output", "input")
+        for name in ("values", "vectors")
+    )
+
+
+class DenseFilter:
+    """One layer's filtered step with dense moments over all its directions."""
+
+    def __init__(self, noise_filter: NoiseFilter) -> None:
+        self.filter = noise_filter
+        self.first: Tensor | None = None
+        self.second: Tensor | None = None
+        self.count = 0
+        self.basis: Tensor | None = None
+
+    def step(self, gradient: Tensor, pairs: tuple[Tensor, ...]) -> Tensor:
+        out_values, out_vectors, in_values, in_vectors = pairs
+        basis = torch.kron(out_vectors, in_vectors)  # columns u_i ⊗ v_j
+        gamma = basis.T @ gradient.flatten()
+        beta1, beta2 = self.filter.beta1, self.filter.beta2
+        if self.first is None:
+            self.first = torch.zeros_like(gamma)
+            self.second = torch.zeros_like(gamma)
+        elif self.basis is not None:
+            change = basis.T @ self.basis
+            self.first = change @ self.first
+            self.second = change.square() @ self.second
+        self.basis = basis
+        self.count += 1
+        self.first = beta1 * self.first + (1 - beta1) * gamma
+        self.second = beta2 * self.second + (1 - beta2) * gamma.square()
+        mean = self.first.abs() / (1 - beta1**self.count)
+        spread = (self.second / (1 - beta2**self.count)).sqrt()
+        scales = (mean / spread).clamp(min=self.filter.floor, max=1.0)
+        # K-FAC's factored damping: (τ_i + √δ/π)(σ_j + π√δ), π from the traces.
+        pi = math.sqrt(in_values.mean() / out_values.mean())
+        root = math.sqrt(DAMPING)
+        damped = torch.kron(out_values + root / pi, in_values + root * pi)
+        step = -(basis @ (scales * gamma / damped))
+        return step.reshape(gradient.shape)
+
+
+def test_filtered_steps_and_refreshes_match_the_dense_reference():
+    """Refreshes with new eigenvectors at steps 0, 2, 4; steps 1, 3 in between."""
+    case = build_case(case_by_id("mlp-ce"))
+    basis = KroneckerBasis(exact_size=1000, rotation_interval=1, noise_filter=FILTER)
+    optimizer = DampedNewton(
+        case.model.parameters(),
+        **{**EXACT, "basis": basis},
+        damping=DAMPING,
+        averaging=CurvatureAveraging(decay=0.5, interval=2, ramp=False),
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    layers, twins = layers_of(case.model), layers_of(case.reference_model)
+    dense = [DenseFilter(FILTER) for _ in layers]
+    for step in range(5):
+        optimizer.step(closure)
+        reference_gradients(case)
+        with torch.no_grad():
+            for layer, twin, reference in zip(layers, twins, dense, strict=True):
+                direction = reference.step(
+                    gradient_matrix(twin), eigenpairs(optimizer, layer)
+                )
+                width = twin.weight[0].numel()
+                twin.weight += direction[:, :width].reshape(twin.weight.shape)
+                twin.bias += direction[:, width]
+        assert_models_close(case, rtol=1e-9)
+        entry = optimizer.state[layers[0].weight]
+        assert entry["noise_filter_first_weight"] == pytest.approx(
+            1 - FILTER.beta1 ** (step + 1), rel=1e-14
+        )
+        assert_close_moments(entry, dense[0])
+
+
+def assert_close_moments(entry: dict, reference: DenseFilter) -> None:
+    shape = entry["noise_filter_first_moment"].shape
+    assert reference.first is not None and reference.second is not None
+    torch.testing.assert_close(
+        entry["noise_filter_first_moment"],
+        reference.first.reshape(shape),
+        rtol=1e-9,
+        atol=1e-12,
+    )
+    torch.testing.assert_close(
+        entry["noise_filter_second_moment"],
+        reference.second.reshape(shape),
+        rtol=1e-9,
+        atol=1e-14,
+    )
+
+
+@pytest.fixture(params=KRONECKER_PROBLEMS, ids=lambda problem: problem.id)
+def twins(request) -> tuple[Case, Case]:
+    return build_case(request.param), build_case(request.param)
+
+
+def test_a_floor_of_one_is_the_plain_step(twins):
+    """``ρ ≥ 1`` everywhere: the same parameters as without the filter."""
+    case, plain = twins
+    settings = {"damping": DAMPING, "averaging": CurvatureAveraging(interval=2)}
+    filtered = DampedNewton(
+        case.model.parameters(),
+        basis=KroneckerBasis(noise_filter=NoiseFilter(floor=1.0)),
+        seed=0,
+        **settings,
+    )
+    unfiltered = DampedNewton(plain.model.parameters(), seed=0, **settings)
+    for optimizer, run in ((filtered, case), (unfiltered, plain)):
+        closure = make_closure(optimizer, run.model, run.loss_fn, run.X, run.y)
+        for _ in range(4):
+            optimizer.step(closure)
+    for actual, expected in zip(
+        case.model.parameters(), plain.model.parameters(), strict=True
+    ):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("refresh", [True, False], ids=["refresh", "between"])
+def test_a_refused_step_leaves_the_moments(refresh):
+    case = build_case(case_by_id("mlp-ce"))
+    optimizer = DampedNewton(
+        case.model.parameters(),
+        basis=KroneckerBasis(noise_filter=FILTER),
+        averaging=CurvatureAveraging(interval=2, ramp=False),
+        nonfinite="skip",
+        seed=0,
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    optimizer.step(closure)  # step 0 refreshes, step 1 does not, step 2 does
+    if refresh:
+        optimizer.step(closure)
+    before = snapshot(optimizer)
+    assert MOMENT_KEYS <= set(before["state"][0])
+    params = [p.detach().clone() for p in case.model.parameters()]
+    bad = case.X.clone()
+    bad[0, 0] = math.nan
+    with pytest.warns(RuntimeWarning, match="refused"):
+        optimizer.step(make_closure(optimizer, case.model, case.loss_fn, bad, case.y))
+    assert_parameters_equal(list(case.model.parameters()), params)
+    before["state"]["global"]["skipped_steps"] += 1
+    assert_same_state(snapshot(optimizer), before)
+
+
+def test_a_saved_filter_resumes_bitwise(tmp_path):
+    runs = [build_case(case_by_id("cnn-wide-ce")) for _ in range(2)]
+    settings = {
+        "basis": KroneckerBasis(noise_filter=FILTER),
+        "averaging": CurvatureAveraging(decay=0.9, interval=4, ramp=False),
+        "seed": 3,
+    }
+    first = DampedNewton(runs[0].model.parameters(), **settings)
+    closure = make_closure(first, runs[0].model, runs[0].loss_fn, runs[0].X, runs[0].y)
+    for _ in range(2):
+        first.step(closure)
+    torch.save(first.state_dict(), tmp_path / "optimizer.pt")
+    with torch.no_grad():
+        for target, source in zip(
+            runs[1].model.parameters(), runs[0].model.parameters(), strict=True
+        ):
+            target.copy_(source)
+    second = DampedNewton(runs[1].model.parameters(), **settings)
+    second.load_state_dict(torch.load(tmp_path / "optimizer.pt", weights_only=True))
+    other = make_closure(second, runs[1].model, runs[1].loss_fn, runs[1].X, runs[1].y)
+    for _ in range(5):  # across the refresh at step 4
+        first.step(closure)
+        second.step(other)
+    assert_parameters_equal(
+        list(runs[1].model.parameters()), list(runs[0].model.parameters())
+    )
+    assert_same_state(snapshot(second), snapshot(first))
+
+
+def test_noise_filter_settings_say_what_to_do():
+    for name in ("beta1", "beta2"):
+        with pytest.raises(ValueError, match=f"0 <= {name} < 1"):
+            NoiseFilter(**{name: 1.0})
+        with pytest.raises(TypeError, match=f"0 <= {name} < 1"):
+            NoiseFilter(**{name: "0.9"})
+    with pytest.raises(ValueError, match="0 <= floor <= 1"):
+        NoiseFilter(floor=-0.1)
+    with pytest.raises(TypeError, match=r"noise_filter=NoiseFilter\(\.\.\.\) or None"):
+        KroneckerBasis(noise_filter=0.9)
+    basis = KroneckerBasis(noise_filter=NoiseFilter(0.9, 0.99, 0.2))
+    assert pickle.loads(pickle.dumps(basis)) == basis
+    assert isinstance(GramBasis(), GramBasis)  # the Gram basis has no filter field
