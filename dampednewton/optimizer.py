@@ -112,7 +112,10 @@ class DampedNewton(Optimizer):
     accumulated step about twice as long) and the decoupled weight decay ``wd``. The
     factors are averaged (``averaging``) and refreshed at steps 0, 1, 3, 7, 15 and then
     every ``interval`` steps; the steps in between run the closure without BackPACK's
-    hooks and reuse the eigenpairs (docs/design.md). :class:`GramBasis` instead steps
+    hooks and reuse the eigenpairs (docs/design.md). With
+    ``KroneckerBasis(noise_filter=NoiseFilter())`` each kept coefficient is also scaled
+    by ``ρ_ij = |m̂_ij|/√v̂_ij`` from SOAP's moments of ``γ_ij`` (opt-in; it helps
+    noisy problems and costs small ones). :class:`GramBasis` instead steps
     along the leading eigenvectors of the whole block from its Gram matrix (ViViT):
     ``s = Σ_k −φ γ̄_k/(λ̄_k + δ_k) e_k − (ḡ − Σ_k γ̄_k e_k)/ρ`` with the Newton
     fraction ``φ``, the complement curvature ``ρ`` and a trust region on
