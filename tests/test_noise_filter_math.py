@@ -68,7 +68,7 @@ def test_a_steady_coefficient_keeps_its_whole_step_and_a_flipping_one_loses_it()
     scales = signal_fraction(moments, 0.0)
     assert scales[0, 0] == 1.0  # |m̂| = √v̂ up to rounding: clamped to 1
     assert scales[0, 1] < 0.1
-    assert scales[0, 2] == 1.0  # never a component: no evidence of noise
+    assert scales[0, 2] == 0.0  # never a component (its step is zero): the floor
 
 
 def test_rotated_moments_are_the_dense_change_of_basis():

@@ -131,6 +131,7 @@ def group_step(
                 coefficients,
                 stored_moments(state[basis.first], basis),
                 noise_filter,
+                with_curvature,
             )
             moments.append((basis.first, advanced))
         layer = kronecker_direction(

@@ -83,6 +83,7 @@ def filtered_layer(
     coefficients: LayerCoefficients,
     moments: DirectionMoments | None,
     noise_filter: NoiseFilter,
+    with_curvature: bool,
 ) -> tuple[LayerCoefficients, tuple[Tensor, Tensor], DirectionMoments]:
     """A layer's coefficients scaled by ``ρ`` after this step's ``Γ``.
 
@@ -92,6 +93,7 @@ def filtered_layer(
         coefficients: Its unfiltered coefficients.
         moments: Its moments so far, in ``basis`` (:func:`stored_moments`).
         noise_filter: The filter's settings.
+        with_curvature: Whether the step computes its curvature.
 
     Returns:
         The scaled coefficients, the projections ``(ḠV, Γ)`` for the direction and
@@ -101,7 +103,7 @@ def filtered_layer(
     beta1, beta2 = noise_filter.beta1, noise_filter.beta2
     moments = advanced(moments, projected[1], beta1, beta2)
     scales = signal_fraction(moments, noise_filter.floor)
-    return filtered(coefficients, scales), projected, moments
+    return filtered(coefficients, scales, with_curvature), projected, moments
 
 
 def moment_entries(moments: DirectionMoments) -> dict[str, Tensor]:

@@ -15,8 +15,9 @@ and each kept direction's Newton coefficient is scaled by
     \rho_{ij} = \max\Bigl(\mathrm{floor}, \min\Bigl(1,
     \frac{|M_{ij}| / (1 - \beta_1^t)}{\sqrt{W_{ij} / (1 - \beta_2^t)}}\Bigr)\Bigr)
 
-(``ρ = 1`` where ``W = 0``: the gradient never had a component there); the bias
-corrections ``1 − βᵗ`` are kept as tensors next to the moments (no host reads). When the
+(where ``W = 0`` the gradient never had a component and the step is zero whatever
+``ρ``); the bias corrections ``1 − βᵗ`` are kept as tensors next to the moments (no
+host reads). When the
 eigenvectors change to ``U'``, ``V'``, the moments move with the rotations
 ``R = U'ᵀU`` and ``Q = VᵀV'``: ``M ← R M Q`` (exact within the kept subspaces) and
 ``W ← (R⊙R) W (Q⊙Q)`` (exact when the coefficients' fluctuations are uncorrelated
@@ -107,6 +108,9 @@ def rotated(
 def signal_fraction(moments: DirectionMoments, floor: float) -> Tensor:
     """``ρ``: each direction's bias-corrected ``|m̂|/√v̂`` within ``[floor, 1]``.
 
+    Where ``W = 0`` the gradient never had a component (this step's included), so
+    the direction's step is zero whatever ``ρ``: there ``ρ = floor``.
+
     Args:
         moments: The moments (after at least one update).
         floor: The least ``ρ``.
@@ -114,13 +118,15 @@ def signal_fraction(moments: DirectionMoments, floor: float) -> Tensor:
     Returns:
         ``ρ`` ``[r_out, r_in]``.
     """
-    mean = moments.first.abs() / moments.first_weight
-    spread = (moments.second / moments.second_weight).sqrt()
-    ratio = torch.where(spread > 0, mean / spread, torch.ones_like(mean))
+    second = moments.second.clamp_min(torch.finfo(moments.second.dtype).tiny)
+    correction = moments.second_weight.sqrt() / moments.first_weight
+    ratio = moments.first.abs() * second.rsqrt() * correction
     return ratio.clamp(min=floor, max=1.0)
 
 
-def filtered(coefficients: LayerCoefficients, scales: Tensor) -> LayerCoefficients:
+def filtered(
+    coefficients: LayerCoefficients, scales: Tensor, with_curvature: bool = True
+) -> LayerCoefficients:
     """The coefficients with the kept block's Newton coefficients scaled by ``ρ``.
 
     The kept block's total coefficient ``−c_kk`` becomes ``−ρ c_kk`` (its slope
@@ -129,13 +135,19 @@ def filtered(coefficients: LayerCoefficients, scales: Tensor) -> LayerCoefficien
     Args:
         coefficients: :func:`~dampednewton.math.kronecker.layer_coefficients`.
         scales: ``ρ`` ``[r_out, r_in]``.
+        with_curvature: Also scale the curvatures (otherwise left as they were: a
+            step that does not compute its curvature does not read them).
 
     Returns:
         The scaled coefficients.
     """
+    slopes = coefficients.slopes * scales
+    full = coefficients.rows is None and coefficients.columns is None
+    # Without residual blocks the core is the kept block's −c_kk itself.
+    core = slopes if full else coefficients.core - coefficients.slopes + slopes
+    curvatures = coefficients.curvatures
+    if with_curvature:
+        curvatures = curvatures * scales.square()
     return dataclasses.replace(
-        coefficients,
-        core=coefficients.core - (1 - scales) * coefficients.slopes,
-        slopes=coefficients.slopes * scales,
-        curvatures=coefficients.curvatures * scales.square(),
+        coefficients, core=core, slopes=slopes, curvatures=curvatures
     )
