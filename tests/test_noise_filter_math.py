@@ -130,3 +130,12 @@ def test_the_filter_scales_the_kept_block_of_the_damped_solve(
     assert_close(
         step.curvature, expected @ undamped @ expected, rtol=1e-9, name="curvature"
     )
+
+
+def test_a_step_without_its_curvature_leaves_the_curvatures():
+    output, inputs = truncated_eigen(5, 3, seed=11), truncated_eigen(7, 2, seed=12)
+    coefficients = layer_coefficients(output, inputs, 1e-2)
+    scales = torch.full((3, 2), 0.5, dtype=DTYPE)
+    without = filtered(coefficients, scales, with_curvature=False)
+    assert without.curvatures is coefficients.curvatures
+    assert_close(without.core, filtered(coefficients, scales).core, rtol=0)

@@ -20,6 +20,7 @@ from dampednewton import (
     DampedNewton,
     GramBasis,
     KroneckerBasis,
+    LevenbergMarquardt,
     NoiseFilter,
 )
 from dampednewton._step.kronecker_moments import MOMENT_KEYS
@@ -145,17 +146,25 @@ def twins(request) -> tuple[Case, Case]:
     return build_case(request.param), build_case(request.param)
 
 
-def test_a_floor_of_one_is_the_plain_step(twins):
-    """``ρ ≥ 1`` everywhere: the same parameters as without the filter."""
+@pytest.mark.parametrize("damping", ["constant", "lm"])
+def test_a_floor_of_one_is_the_plain_step(twins, damping):
+    """``ρ ≥ 1`` everywhere: the same parameters as without the filter.
+
+    Levenberg-Marquardt's damping reads the step's curvature (scaled by ``ρ²``).
+    """
     case, plain = twins
-    settings = {"damping": DAMPING, "averaging": CurvatureAveraging(interval=2)}
+
+    def settings() -> dict:  # Levenberg-Marquardt adapts: one policy per optimizer
+        rule = DAMPING if damping == "constant" else LevenbergMarquardt(0.1, interval=1)
+        return {"damping": rule, "averaging": CurvatureAveraging(interval=2)}
+
     filtered = DampedNewton(
         case.model.parameters(),
         basis=KroneckerBasis(noise_filter=NoiseFilter(floor=1.0)),
         seed=0,
-        **settings,
+        **settings(),
     )
-    unfiltered = DampedNewton(plain.model.parameters(), seed=0, **settings)
+    unfiltered = DampedNewton(plain.model.parameters(), seed=0, **settings())
     for optimizer, run in ((filtered, case), (unfiltered, plain)):
         closure = make_closure(optimizer, run.model, run.loss_fn, run.X, run.y)
         for _ in range(4):
