@@ -14,8 +14,10 @@ from torch.optim import Optimizer
 from dampednewton._step.checkpoint import (
     check_state_dict,
     mark_unpicklable,
+    restore_parameter_tensors,
     unwrap_settings,
     with_basis,
+    without_parameter_tensors,
 )
 from dampednewton._step.closure import CLOSURE_PATTERN
 from dampednewton._step.options import (
@@ -375,7 +377,11 @@ class DampedNewton(Optimizer):
         state_dict["param_groups"] = unwrap_settings(state_dict["param_groups"])
         for group in state_dict["param_groups"]:
             GroupOptions.from_group(group)
+        state_dict, tensors = without_parameter_tensors(state_dict)
         super().load_state_dict(state_dict)
+        restore_parameter_tensors(
+            self.state, state_dict["param_groups"], self.param_groups, tensors
+        )
         # torch.optim keeps entries that are not per-parameter by reference: copy them,
         # so that this optimizer's counters are not shared with the source's.
         for key in (GLOBAL, GROUPS):

@@ -13,6 +13,10 @@ group nor the setting. :meth:`DampedNewton.state_dict` therefore puts such a val
 an :class:`UnpicklableSetting`: in memory it travels as the value itself
 (``load_state_dict``, ``copy.deepcopy``), and pickling it raises an error that names
 the group, the key and the picklable alternatives.
+
+Per-parameter tensors keep the dtype the optimizer computes in: torch's loader would
+cast a half-precision model's float32 state to the model's dtype
+(:func:`without_parameter_tensors`, :func:`restore_parameter_tensors`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dampednewton._step.kronecker_moments import MOMENT_KEYS
 from dampednewton._step.kronecker_state import STATE_KEYS as KRONECKER_STATE_KEYS
 from dampednewton._step.records import BASIS
 from dampednewton._step.update import MOMENTUM
+from dampednewton.math.precision import computation_dtype
 from dampednewton.policies.basis import GramBasis
 
 PICKLABLE_ALTERNATIVES = {
@@ -268,3 +273,68 @@ def check_state_dict(
         isinstance(generator, Mapping) and {"seed", "generator"} <= set(generator)
     ):
         raise _refuse("its 'dampednewton' entry must hold 'seed' and 'generator'")
+
+
+def without_parameter_tensors(
+    state_dict: dict[str, Any],
+) -> tuple[dict[str, Any], dict[int, dict[str, Tensor]]]:
+    """The state dict without its per-parameter floating tensors, and those tensors.
+
+    ``torch.optim.Optimizer.load_state_dict`` casts every floating tensor of a
+    parameter's state to the parameter's dtype: a bfloat16 model's float32 factors,
+    eigenvectors, momentum and moments would come back rounded to bfloat16 (and the
+    next refresh would mix dtypes). :func:`restore_parameter_tensors` puts them back
+    in the dtype the optimizer computes in.
+
+    Args:
+        state_dict: A validated state dict (``check_state_dict``).
+
+    Returns:
+        The state dict to hand to torch, and per parameter index its tensors.
+    """
+    kept: dict[int, dict[str, Tensor]] = {}
+    state = {}
+    for key, entry in state_dict["state"].items():
+        if isinstance(key, int) and isinstance(entry, Mapping):
+            tensors = {
+                name: value
+                for name, value in entry.items()
+                if isinstance(value, Tensor) and value.is_floating_point()
+            }
+            kept[key] = tensors
+            entry = {name: v for name, v in entry.items() if name not in tensors}
+        state[key] = entry
+    return {**state_dict, "state": state}, kept
+
+
+def restore_parameter_tensors(
+    state: Any,
+    saved_groups: Sequence[Mapping[str, Any]],
+    param_groups: Sequence[Mapping[str, Any]],
+    kept: Mapping[int, Mapping[str, Tensor]],
+) -> None:
+    """Put :func:`without_parameter_tensors`' tensors back, copied to the device.
+
+    Each goes to its parameter's device in the dtype the optimizer computes that
+    parameter's curvature and momentum in (float32 for half precisions).
+
+    Args:
+        state: The optimizer's state after torch's ``load_state_dict``.
+        saved_groups: The saved param groups (their ``params`` are indices).
+        param_groups: The optimizer's param groups.
+        kept: Per saved parameter index, its tensors.
+    """
+    params = {
+        index: param
+        for saved, group in zip(saved_groups, param_groups, strict=True)
+        for index, param in zip(saved["params"], group["params"], strict=True)
+    }
+    for index, tensors in kept.items():
+        param = params[index]
+        dtype = computation_dtype(param.dtype)
+        state[param].update(
+            {
+                name: value.to(device=param.device, dtype=dtype, copy=True)
+                for name, value in tensors.items()
+            }
+        )

@@ -8,13 +8,14 @@ passes round to bfloat16 (unit round-off ``u = 2⁻⁸``), and so does the updat
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
 from backpack import extend
 from torch import nn
 
-from dampednewton import DampedNewton
+from dampednewton import DampedNewton, KroneckerBasis, NoiseFilter
 from tests.assertions import assert_close
 from tests.utils import EXACT_VIVIT_STEP, flat, make_closure, reference_step
 
@@ -86,6 +87,50 @@ def test_a_bfloat16_model_trains():
     # No divergence: below the untrained loss. The ratio over seeds 0-9 of this
     # problem: 0.013-0.26, log10 -1.2 ± 0.4 (a fixed factor would sit 2.4 std away).
     assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize(
+    "basis",
+    [KroneckerBasis(), KroneckerBasis(noise_filter=NoiseFilter())],
+    ids=["kronecker", "noise-filter"],
+)
+def test_a_bfloat16_checkpoint_keeps_the_float32_state_and_resumes_bitwise(basis):
+    """The float32 factors and moments, which torch's loader would round to bfloat16."""
+    runs = []
+    for _ in range(2):
+        model, inputs, targets = _bfloat16_problem()
+        model, loss_fn = extend(model), extend(nn.CrossEntropyLoss())
+        runs.append((model, loss_fn, inputs, targets))
+    (first, *rest), (second, *_) = runs
+
+    def optimizer_of(model: nn.Module) -> DampedNewton:
+        return DampedNewton(model.parameters(), basis=basis, seed=0)
+
+    uninterrupted = optimizer_of(first)
+    closure = make_closure(uninterrupted, first, *rest)
+    saved = optimizer_of(second)
+    for _ in range(5):
+        uninterrupted.step(closure)
+        saved.step(make_closure(saved, second, *rest))
+    buffer = io.BytesIO()
+    torch.save(saved.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = optimizer_of(second)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    expected = {
+        name: value.dtype
+        for name, value in saved.state[second[0].weight].items()
+        if isinstance(value, torch.Tensor)
+    }
+    assert set(expected.values()) == {torch.float32}
+    actual = resumed.state[second[0].weight]
+    assert {name: actual[name].dtype for name in expected} == expected
+    other = make_closure(resumed, second, *rest)
+    for _ in range(6):  # across the refresh at step 7
+        uninterrupted.step(closure)
+        resumed.step(other)
+    for mine, theirs in zip(first.parameters(), second.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
 
 
 def test_autocast_is_refused_with_the_half_precision_model_instead():
