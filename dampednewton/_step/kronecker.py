@@ -40,6 +40,8 @@ from dampednewton._step.guard import (
 )
 from dampednewton._step.kronecker_checks import loss_rose, read_checks, refusal
 from dampednewton._step.kronecker_moments import (
+    MOMENTS_REFRESH,
+    current_moments,
     filtered_layer,
     moment_entries,
     stored_moments,
@@ -101,6 +103,7 @@ def group_step(
     with_curvature: bool,
     noise_filter: NoiseFilter | None = None,
     state: Any = None,
+    moments_current: bool = False,
 ) -> KroneckerGroupStep:
     """A group's step along its layers' Kronecker eigenbases.
 
@@ -112,6 +115,8 @@ def group_step(
         noise_filter: Scale the kept directions by their gradient's steadiness
             (its moments read from ``state``; the advanced ones returned).
         state: The optimizer's per-parameter state (with a filter).
+        moments_current: Whether the stored moments are in the stored eigenbases
+            (:func:`current_moments`; otherwise they start anew).
 
     Returns:
         The directions of every parameter, the group's quadratic model and, with a
@@ -129,7 +134,7 @@ def group_step(
                 gradient,
                 basis,
                 coefficients,
-                stored_moments(state[basis.first], basis),
+                stored_moments(state[basis.first], basis) if moments_current else None,
                 noise_filter,
                 with_curvature,
             )
@@ -271,6 +276,7 @@ class KroneckerSteps:
                         with_curvature,
                         _noise_filter(options[index]),
                         state,
+                        current_moments(stats[index]),
                     )
             values = read_checks(loss, steps, deferred, finite)
             problem = refusal(values, deferred)
@@ -299,13 +305,17 @@ class KroneckerSteps:
         elif loss_rose(options, global_state, values["loss"]):
             global_state[REFRESH_DUE] = True
         scales = []
-        for option, result, slope in zip(options, steps, values["slopes"], strict=True):
+        for option, result, slope, group_stats in zip(
+            options, steps, values["slopes"], stats, strict=True
+        ):
             scale = _trust_scale(option, slope)
             scales.append(scale)
             if result is not None:
                 _apply(result, option, state, scale)
                 for first, moments in result.moments:
                     state[first].update(moment_entries(moments))
+                if result.moments:
+                    group_stats[MOMENTS_REFRESH] = group_stats[UPDATES]
         return KroneckerPass(loss, steps, scales, record, True)
 
     def largest_curvatures(self, index: int) -> Any:

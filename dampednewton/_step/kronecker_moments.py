@@ -15,7 +15,12 @@ from typing import Any
 
 from torch import Tensor
 
-from dampednewton._step.kronecker_state import INPUT_EIGEN, OUTPUT_EIGEN, LayerBasis
+from dampednewton._step.kronecker_state import (
+    INPUT_EIGEN,
+    OUTPUT_EIGEN,
+    UPDATES,
+    LayerBasis,
+)
 from dampednewton.math.kronecker import LayerCoefficients, projections
 from dampednewton.math.noise_filter import (
     DirectionMoments,
@@ -32,6 +37,21 @@ FIRST_WEIGHT = "noise_filter_first_weight"
 SECOND_WEIGHT = "noise_filter_second_weight"
 MOMENT_KEYS = frozenset({FIRST_MOMENT, SECOND_MOMENT, FIRST_WEIGHT, SECOND_WEIGHT})
 """Every per-parameter entry the noise filter writes."""
+MOMENTS_REFRESH = "noise_filter_refresh"
+"""Group statistics: the refresh count whose eigenbases the moments were last
+advanced in (moments of an earlier one, e.g. after the filter was off, are stale)."""
+
+
+def current_moments(stats: Mapping[str, Any]) -> bool:
+    """Whether the group's stored moments are in its stored eigenbases.
+
+    Args:
+        stats: The group's statistics (before this step's refresh is committed).
+
+    Returns:
+        ``True`` when the moments were advanced since the last committed refresh.
+    """
+    return MOMENTS_REFRESH in stats and stats[MOMENTS_REFRESH] == stats.get(UPDATES)
 
 
 def stored_moments(

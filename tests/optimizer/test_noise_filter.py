@@ -230,6 +230,36 @@ def test_a_saved_filter_resumes_bitwise(tmp_path):
     assert_same_state(snapshot(second), snapshot(first))
 
 
+def test_moments_start_anew_after_steps_without_the_filter():
+    """Switched off across a refresh and on again: stale moments are not rotated."""
+    case = build_case(case_by_id("mlp-ce"))
+    optimizer = DampedNewton(
+        case.model.parameters(),
+        basis=KroneckerBasis(noise_filter=FILTER),
+        averaging=CurvatureAveraging(interval=2, ramp=False),
+        seed=0,
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    (group,) = optimizer.param_groups
+    weight = case.model[0].weight
+    for basis in (group["basis"], KroneckerBasis(), KroneckerBasis()):
+        group["basis"] = basis
+        optimizer.step(closure)  # step 0 filtered; 1 and 2 (a refresh) plain
+    assert optimizer.state[weight]["noise_filter_first_weight"] == pytest.approx(
+        1 - FILTER.beta1**1, rel=1e-14
+    )
+    optimizer.step(closure)  # step 3, plain
+    group["basis"] = KroneckerBasis(noise_filter=FILTER)
+    optimizer.step(closure)  # step 4 refreshes: the filter starts again
+    assert optimizer.state[weight]["noise_filter_first_weight"] == pytest.approx(
+        1 - FILTER.beta1, rel=1e-14
+    )
+    optimizer.step(closure)
+    assert optimizer.state[weight]["noise_filter_first_weight"] == pytest.approx(
+        1 - FILTER.beta1**2, rel=1e-14
+    )
+
+
 def test_noise_filter_settings_say_what_to_do():
     for name in ("beta1", "beta2"):
         with pytest.raises(ValueError, match=f"0 <= {name} < 1"):
