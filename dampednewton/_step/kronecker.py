@@ -11,13 +11,15 @@ step runs the closure with BackPACK's hooks suspended and reuses the layers'
 eigenpairs.
 
 Each layer's direction is :func:`~dampednewton.math.kronecker.kronecker_direction` of
-its gradient; a group's quadratic model sums its layers' slopes (and curvatures, when
-adaptive damping reads them), and its trust region ``ν`` bounds ``½ ν² (−ḡᵀs)`` by
-``kl_clip`` (the learning rate scales the bounded step). One host read per step
-carries the loss, every group's slope (a non-finite gradient or direction makes it
-non-finite), the hooks' checks and the new factors' finiteness
-(:mod:`._step.kronecker_checks`). A refused step leaves parameters, state and
-generator untouched: the new factors are committed only with an accepted step.
+its gradient (with a :class:`~dampednewton.NoiseFilter`, its kept coefficients scaled
+by :mod:`._step.kronecker_moments`); a group's quadratic model sums its layers'
+slopes (and curvatures, when adaptive damping reads them), and its trust region
+``ν`` bounds ``½ ν² (−ḡᵀs)`` by ``kl_clip`` (the learning rate scales the bounded
+step). One host read per step carries the loss, every group's slope (a non-finite
+gradient or direction makes it non-finite), the hooks' checks and the new factors'
+finiteness (:mod:`._step.kronecker_checks`). A refused step leaves parameters, state
+and generator untouched: the new factors (and moments) are committed only with an
+accepted step.
 """
 
 from __future__ import annotations
@@ -89,6 +91,8 @@ class KroneckerGroupStep:
         directions: ``(parameter, its direction s)`` pairs.
         slope: ``ḡᵀs`` (0-dim).
         curvature: ``sᵀ(S ⊗ A)s`` summed over the layers (0-dim).
+        moments: With a noise filter, ``(layer's first parameter, its advanced
+            moments)`` to commit with the accepted step.
     """
 
     directions: list[tuple[Tensor, Tensor]]
