@@ -119,6 +119,22 @@ def full_spectrum_matrix(eigen: FactorEigen, shift: torch.Tensor) -> torch.Tenso
     return (basis * (values + shift)) @ basis.T
 
 
+def dense_kronecker(
+    output: FactorEigen, inputs: FactorEigen, damping: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The damped and undamped Kronecker products, dense, with K-FAC's ``π``."""
+    pi = damping_pi(output, inputs)
+    root = math.sqrt(damping)
+    damped = torch.kron(
+        full_spectrum_matrix(output, root / pi), full_spectrum_matrix(inputs, root * pi)
+    )
+    undamped = torch.kron(
+        full_spectrum_matrix(output, torch.zeros(())),
+        full_spectrum_matrix(inputs, torch.zeros(())),
+    )
+    return damped, undamped
+
+
 def truncated_eigen(dim: int, rank: int, seed: int) -> FactorEigen:
     factor = psd(dim, seed, decay=0.6)
     eigen = factor_eigen(factor, rank)
@@ -142,15 +158,7 @@ def test_direction_inverts_the_damped_kronecker_product(out_rank, in_rank, dampi
         gradient, output, inputs, layer_coefficients(output, inputs, damping)
     )
 
-    pi = damping_pi(output, inputs)
-    root = math.sqrt(damping)
-    damped = torch.kron(
-        full_spectrum_matrix(output, root / pi), full_spectrum_matrix(inputs, root * pi)
-    )
-    undamped = torch.kron(
-        full_spectrum_matrix(output, torch.zeros(())),
-        full_spectrum_matrix(inputs, torch.zeros(())),
-    )
+    damped, undamped = dense_kronecker(output, inputs, damping)
     flat_gradient = gradient.flatten()
     expected = -torch.linalg.solve(damped, flat_gradient)
     assert_close(step.direction.flatten(), expected, rtol=1e-9, atol=1e-11)

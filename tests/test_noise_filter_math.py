@@ -7,14 +7,11 @@ against a dense solve with the damped Kronecker product (kept and residual block
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
 from dampednewton.math.kronecker import (
-    damping_pi,
     kronecker_direction,
     layer_coefficients,
     projections,
@@ -27,7 +24,7 @@ from dampednewton.math.noise_filter import (
     signal_fraction,
 )
 from tests.assertions import assert_close
-from tests.test_kronecker_math import full_spectrum_matrix, truncated_eigen
+from tests.test_kronecker_math import dense_kronecker, truncated_eigen
 
 DTYPE = torch.float64
 
@@ -109,15 +106,7 @@ def test_the_filter_scales_the_kept_block_of_the_damped_solve(
     projected = projections(gradient, output, inputs)
     step = kronecker_direction(gradient, output, inputs, coefficients, True, projected)
 
-    pi = damping_pi(output, inputs)
-    root = math.sqrt(damping)
-    damped = torch.kron(
-        full_spectrum_matrix(output, root / pi), full_spectrum_matrix(inputs, root * pi)
-    )
-    undamped = torch.kron(
-        full_spectrum_matrix(output, torch.zeros(())),
-        full_spectrum_matrix(inputs, torch.zeros(())),
-    )
+    damped, undamped = dense_kronecker(output, inputs, damping)
     # u_i ⊗ v_j in the row-major order (i, j) of Γ
     kept = torch.kron(output.vectors.contiguous(), inputs.vectors.contiguous())
     flat_gradient = gradient.flatten()

@@ -45,6 +45,7 @@ from dampednewton._step.kronecker_moments import (
     MOMENTS_REFRESH,
     current_moments,
     filtered_layer,
+    group_noise_filter,
     moment_entries,
     stored_moments,
 )
@@ -79,7 +80,6 @@ from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
 from dampednewton.math.kronecker import kronecker_direction
 from dampednewton.math.noise_filter import DirectionMoments
-from dampednewton.policies.basis import KroneckerBasis
 from dampednewton.policies.noise_filter import NoiseFilter
 
 
@@ -274,13 +274,14 @@ class KroneckerSteps:
                 )
                 if bases:
                     damping = damping_value(options[index])
+                    noise_filter = group_noise_filter(options[index])
                     steps[index] = group_step(
                         bases,
                         damping,
                         with_curvature,
-                        _noise_filter(options[index]),
+                        noise_filter,
                         state,
-                        current_moments(stats[index]),
+                        noise_filter is not None and current_moments(stats[index]),
                     )
             values = read_checks(loss, steps, deferred, finite)
             problem = refusal(values, deferred)
@@ -377,11 +378,6 @@ class KroneckerPass:
     scales: list[float]
     record: dict | None
     accepted: bool
-
-
-def _noise_filter(option: GroupOptions) -> NoiseFilter | None:
-    basis = option.basis
-    return basis.noise_filter if isinstance(basis, KroneckerBasis) else None
 
 
 def _trust_scale(option: GroupOptions, slope: float) -> float:

@@ -21,6 +21,7 @@ from dampednewton._step.kronecker_state import (
     UPDATES,
     LayerBasis,
 )
+from dampednewton._step.options import GroupOptions
 from dampednewton.math.kronecker import LayerCoefficients, projections
 from dampednewton.math.noise_filter import (
     DirectionMoments,
@@ -29,6 +30,7 @@ from dampednewton.math.noise_filter import (
     rotated,
     signal_fraction,
 )
+from dampednewton.policies.basis import KroneckerBasis
 from dampednewton.policies.noise_filter import NoiseFilter
 
 FIRST_MOMENT = "noise_filter_first_moment"
@@ -40,6 +42,12 @@ MOMENT_KEYS = frozenset({FIRST_MOMENT, SECOND_MOMENT, FIRST_WEIGHT, SECOND_WEIGH
 MOMENTS_REFRESH = "noise_filter_refresh"
 """Group statistics: the refresh count whose eigenbases the moments were last
 advanced in (moments of an earlier one, e.g. after the filter was off, are stale)."""
+
+
+def group_noise_filter(option: GroupOptions) -> NoiseFilter | None:
+    """The group's noise filter (``None``: none, or not the Kronecker basis)."""
+    basis = option.basis
+    return basis.noise_filter if isinstance(basis, KroneckerBasis) else None
 
 
 def current_moments(stats: Mapping[str, Any]) -> bool:
@@ -57,11 +65,11 @@ def current_moments(stats: Mapping[str, Any]) -> bool:
 def stored_moments(
     entry: Mapping[str, Any], basis: LayerBasis
 ) -> DirectionMoments | None:
-    """A layer's moments, in ``basis``' eigenvectors (``None``: none that fit).
+    """A layer's moments, in ``basis``' eigenvectors (``None``: none stored).
 
-    Moments stored with other eigenvectors (``basis`` comes from this step's
-    refresh) are rotated into ``basis``; moments of another shape (another rank)
-    are dropped.
+    Call only when the moments are in the stored eigenvectors
+    (:func:`current_moments`). When ``basis`` comes from this step's refresh, they
+    are rotated into it (``R = U'ᵀU`` is ``r_out' × r_out``: a new rank fits too).
 
     Args:
         entry: The state of the layer's first parameter (eigenpairs and moments).
@@ -70,7 +78,9 @@ def stored_moments(
     Returns:
         The moments, or ``None``.
     """
-    if FIRST_MOMENT not in entry:
+    old_output = entry.get(f"{OUTPUT_EIGEN}_vectors")
+    old_inputs = entry.get(f"{INPUT_EIGEN}_vectors")
+    if FIRST_MOMENT not in entry or old_output is None or old_inputs is None:
         return None
     moments = DirectionMoments(
         entry[FIRST_MOMENT],
@@ -78,23 +88,10 @@ def stored_moments(
         entry[FIRST_WEIGHT],
         entry[SECOND_WEIGHT],
     )
-    old_output = entry.get(f"{OUTPUT_EIGEN}_vectors")
-    old_inputs = entry.get(f"{INPUT_EIGEN}_vectors")
     new_output, new_inputs = basis.output.vectors, basis.inputs.vectors
-    if old_output is None or old_inputs is None:
-        return None
-    if moments.first.shape != (new_output.shape[1], new_inputs.shape[1]):
-        return None
     if old_output is new_output and old_inputs is new_inputs:
         return moments
-    if old_output.shape != new_output.shape or old_inputs.shape != new_inputs.shape:
-        return None
-    dtype = moments.first.dtype
-    return rotated(
-        moments,
-        new_output.T.to(dtype) @ old_output.to(dtype),
-        old_inputs.T.to(dtype) @ new_inputs.to(dtype),
-    )
+    return rotated(moments, new_output.T @ old_output, old_inputs.T @ new_inputs)
 
 
 def filtered_layer(

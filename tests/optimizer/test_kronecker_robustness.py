@@ -6,7 +6,7 @@ and settings, and what the exact size keeps.
 
 from __future__ import annotations
 
-import copy
+import io
 import math
 
 import pytest
@@ -19,7 +19,9 @@ from dampednewton import (
     GramBasis,
     KroneckerBasis,
     NoiseAwareDamping,
+    NoiseFilter,
 )
+from dampednewton._step.kronecker_moments import MOMENT_KEYS
 from dampednewton._step.kronecker_state import OUTPUT_FACTOR
 from tests.assertions import assert_close
 from tests.cases import case_by_id
@@ -110,27 +112,39 @@ def test_gradient_accumulation_gives_the_batch_factors_and_step():
         assert_close(actual, expected, rtol=1e-9, atol=1e-12)
 
 
-def test_state_dict_resumes_between_refreshes_bitwise():
+BASES = [KroneckerBasis(), KroneckerBasis(noise_filter=NoiseFilter(0.9, 0.8))]
+"""The default basis and, with its moments in the state, the noise filter."""
+BASIS_IDS = ["kronecker", "noise-filter"]
+
+
+@pytest.mark.parametrize("basis", BASES, ids=BASIS_IDS)
+def test_state_dict_resumes_between_refreshes_bitwise(basis):
     runs = [build_case(case_by_id("cnn-wide-ce")) for _ in range(2)]
     averaging = CurvatureAveraging(decay=0.9, interval=4, ramp=False)
 
     def optimizer_of(case: Case) -> DampedNewton:
         return DampedNewton(
-            case.model.parameters(), averaging=averaging, momentum=0.5, seed=3
+            case.model.parameters(),
+            basis=basis,
+            averaging=averaging,
+            momentum=0.5,
+            seed=3,
         )
 
     first = optimizer_of(runs[0])
     closure = make_closure(first, runs[0].model, runs[0].loss_fn, runs[0].X, runs[0].y)
     for _ in range(2):
         first.step(closure)
-    saved = copy.deepcopy(first.state_dict())
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
     with torch.no_grad():
         for target, source in zip(
             runs[1].model.parameters(), runs[0].model.parameters(), strict=True
         ):
             target.copy_(source)
     second = optimizer_of(runs[1])
-    second.load_state_dict(saved)
+    second.load_state_dict(torch.load(buffer, weights_only=True))
     other = make_closure(second, runs[1].model, runs[1].loss_fn, runs[1].X, runs[1].y)
     for _ in range(5):  # across the refresh at step 4
         first.step(closure)
@@ -141,18 +155,25 @@ def test_state_dict_resumes_between_refreshes_bitwise():
     assert_same_state(snapshot(second), snapshot(first))
 
 
+@pytest.mark.parametrize("basis", BASES, ids=BASIS_IDS)
 @pytest.mark.parametrize("refresh", [True, False], ids=["refresh", "between"])
-def test_a_non_finite_batch_leaves_no_trace(refresh):
+def test_a_non_finite_batch_leaves_no_trace(refresh, basis):
     case = build_case(case_by_id("mlp-ce"))
     averaging = CurvatureAveraging(interval=2, ramp=False)
     optimizer = DampedNewton(
-        case.model.parameters(), averaging=averaging, nonfinite="skip", seed=0
+        case.model.parameters(),
+        basis=basis,
+        averaging=averaging,
+        nonfinite="skip",
+        seed=0,
     )
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     optimizer.step(closure)  # step 0 refreshes, step 1 does not, step 2 does
     if refresh:
         optimizer.step(closure)
     before = snapshot(optimizer)
+    if basis.noise_filter is not None:
+        assert MOMENT_KEYS <= set(before["state"][0])
     params = [p.detach().clone() for p in case.model.parameters()]
     bad = case.X.clone()
     bad[0, 0] = math.nan
