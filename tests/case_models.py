@@ -61,6 +61,21 @@ def mlp_tanh_scalar(generator: torch.Generator) -> nn.Module:
     return initialize(model, generator)
 
 
+def mlp_repeated(generator: torch.Generator) -> nn.Module:
+    # Two hidden Linear(4, 4) of one shape: the Kronecker step batches them.
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Linear(5, 4),
+            nn.Tanh(),
+            nn.Linear(4, 4),
+            nn.Tanh(),
+            nn.Linear(4, 4),
+            nn.Tanh(),
+            nn.Linear(4, NUM_CLASSES),
+        )
+    return initialize(model, generator)
+
+
 def cnn(generator: torch.Generator) -> nn.Module:
     # [N, 1, 6, 6] -> conv [N, 2, 4, 4] -> pool [N, 2, 2, 2] -> flatten [N, 8]
     with torch.device("meta"):

@@ -225,6 +225,15 @@ CASES: list[Problem] = [
         seed=8,
         tags=frozenset({KRONECKER}),
     ),
+    # N=5, C=3, D=75: tanh MLP 5-4-4-4-3 whose hidden layers share a shape.
+    Problem(
+        "deep-mlp-ce",
+        models.mlp_repeated,
+        _cross_entropy,
+        Classification((5, 5)),
+        seed=9,
+        tags=frozenset({KRONECKER}),
+    ),
     # Diagnostics: N ≥ 6, ReLU or sigmoid MLPs and a small CNN.
     Problem(
         "mlp-relu-ce-n8",

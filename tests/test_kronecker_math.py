@@ -11,6 +11,8 @@ from dampednewton.math.kronecker import (
     damping_pi,
     kronecker_direction,
     layer_coefficients,
+    stacked_coefficients,
+    stacked_eigen,
 )
 from dampednewton.math.kronecker_factors import (
     FactorEigen,
@@ -166,6 +168,40 @@ def test_direction_inverts_the_damped_kronecker_product(out_rank, in_rank, dampi
     assert_close(
         step.curvature, expected @ undamped @ expected, rtol=1e-9, name="curvature"
     )
+
+
+@pytest.mark.parametrize(
+    "out_rank, in_rank",
+    [(5, 7), (3, 7), (5, 2), (2, 3)],
+    ids=["full", "output-truncated", "input-truncated", "both-truncated"],
+)
+def test_stacked_layers_step_as_each_layer_alone(out_rank, in_rank):
+    """Three layers of one shape in one batched call: each layer's own step."""
+    outputs = [truncated_eigen(5, out_rank, seed=20 + k) for k in range(3)]
+    inputs = [truncated_eigen(7, in_rank, seed=30 + k) for k in range(3)]
+    generator = torch.Generator().manual_seed(40)
+    gradients = torch.randn(3, 5, 7, generator=generator, dtype=DTYPE)
+    coefficients = [
+        layer_coefficients(output, eigen, 0.01)
+        for output, eigen in zip(outputs, inputs, strict=True)
+    ]
+    batched = kronecker_direction(
+        gradients,
+        stacked_eigen(outputs),
+        stacked_eigen(inputs),
+        stacked_coefficients(coefficients),
+    )
+    assert batched.direction.shape == (3, 5, 7)
+    assert batched.slope.shape == batched.curvature.shape == (3,)
+    for k in range(3):
+        alone = kronecker_direction(gradients[k], outputs[k], inputs[k], coefficients[k])
+        damped, undamped = dense_kronecker(outputs[k], inputs[k], 0.01)
+        expected = -torch.linalg.solve(damped, gradients[k].flatten())
+        assert_close(alone.direction.flatten(), expected, rtol=1e-9, atol=1e-11)
+        assert_close(batched.direction[k], alone.direction, rtol=1e-12, atol=1e-14)
+        assert_close(batched.slope[k], alone.slope, rtol=1e-12, name="slope")
+        assert_close(batched.curvature[k], alone.curvature, rtol=1e-12)
+        assert_close(alone.curvature, expected @ undamped @ expected, rtol=1e-9)
 
 
 @pytest.mark.parametrize("damping", [1e-4, 0.1])

@@ -61,6 +61,7 @@ def deepobs_3c3d() -> nn.Module:
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": flat_mlp((128, 128)),
     "mlp-large": flat_mlp((512, 512)),
+    "mlp-deep": flat_mlp((128,) * 16),
     "cnn": cnn,
     "3c3d": deepobs_3c3d,
 }

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,13 +41,17 @@ from dampednewton._step.guard import (
     refuse,
 )
 from dampednewton._step.kronecker_checks import loss_rose, read_checks, refusal
+from dampednewton._step.kronecker_group import (
+    KroneckerGroupStep,
+    LayerBatch,
+    group_step,
+    layer_batches,
+)
 from dampednewton._step.kronecker_moments import (
     MOMENTS_REFRESH,
     current_moments,
-    filtered_layer,
     group_noise_filter,
     moment_entries,
-    stored_moments,
 )
 from dampednewton._step.kronecker_refresh import (
     Refreshed,
@@ -59,7 +63,6 @@ from dampednewton._step.kronecker_refresh import (
 from dampednewton._step.kronecker_state import (
     LAYERS,
     UPDATES,
-    LayerBasis,
     stored_bases,
 )
 from dampednewton._step.options import GroupOptions, SharedOptions
@@ -78,89 +81,6 @@ from dampednewton.backpack.loss_checks import DeferredChecks
 from dampednewton.backpack.savefields import sqrt_ggn_savefield
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
-from dampednewton.math.kronecker import kronecker_direction
-from dampednewton.math.noise_filter import DirectionMoments
-from dampednewton.policies.noise_filter import NoiseFilter
-
-
-@dataclass(frozen=True)
-class KroneckerGroupStep:
-    """A group's direction and quadratic model (what adaptive damping reads).
-
-    Attributes:
-        directions: ``(parameter, its direction s)`` pairs.
-        slope: ``ḡᵀs`` (0-dim).
-        curvature: ``sᵀ(S ⊗ A)s`` summed over the layers (0-dim).
-        moments: With a noise filter, ``(layer's first parameter, its advanced
-            moments)`` to commit with the accepted step.
-    """
-
-    directions: list[tuple[Tensor, Tensor]]
-    slope: Tensor
-    curvature: Tensor
-    moments: list[tuple[Tensor, DirectionMoments]] = field(default_factory=list)
-
-
-def group_step(
-    bases: Sequence[LayerBasis],
-    damping: float,
-    with_curvature: bool,
-    noise_filter: NoiseFilter | None = None,
-    state: Any = None,
-    moments_current: bool = False,
-) -> KroneckerGroupStep:
-    """A group's step along its layers' Kronecker eigenbases.
-
-    Args:
-        bases: The group's layers with their eigenpairs.
-        damping: ``δ``.
-        with_curvature: Also sum the layers' curvatures (adaptive damping reads
-            them); otherwise the curvature is NaN.
-        noise_filter: Scale the kept directions by their gradient's steadiness
-            (its moments read from ``state``; the advanced ones returned).
-        state: The optimizer's per-parameter state (with a filter).
-        moments_current: Whether the stored moments are in the stored eigenbases
-            (:func:`current_moments`; otherwise they start anew).
-
-    Returns:
-        The directions of every parameter, the group's quadratic model and, with a
-        filter, every layer's advanced moments (uncommitted).
-    """
-    directions: list[tuple[Tensor, Tensor]] = []
-    slopes, curvatures = [], []
-    moments: list[tuple[Tensor, DirectionMoments]] = []
-    for basis in bases:
-        gradient = basis.gradient(basis.output.vectors)
-        coefficients = basis.coefficients(damping)
-        projected = None
-        if noise_filter is not None:
-            coefficients, projected, advanced = filtered_layer(
-                gradient,
-                basis,
-                coefficients,
-                stored_moments(state[basis.first], basis) if moments_current else None,
-                noise_filter,
-                with_curvature,
-            )
-            moments.append((basis.first, advanced))
-        layer = kronecker_direction(
-            gradient,
-            basis.output,
-            basis.inputs,
-            coefficients,
-            with_curvature,
-            projected,
-        )
-        directions += basis.split(layer.direction)
-        slopes.append(layer.slope)
-        if layer.curvature is not None:
-            curvatures.append(layer.curvature)
-    slope = slopes[0] if len(slopes) == 1 else torch.stack(slopes).sum()
-    if not with_curvature:
-        curvature = slope.new_full((), math.nan)
-    else:
-        curvature = torch.stack(curvatures).sum()
-    return KroneckerGroupStep(directions, slope, curvature, moments)
 
 
 def damping_value(options: GroupOptions) -> float:
@@ -173,14 +93,14 @@ class KroneckerSteps:
 
     def __init__(self) -> None:
         """Start without cached bases."""
-        self._bases: dict[int, list[LayerBasis]] = {}
+        self._batches: dict[int, tuple[bool, list[LayerBatch]]] = {}
         self._cached_extension: (
             tuple[tuple, ExactSqrtGGN | MonteCarloSqrtGGN] | None
         ) = None
 
     def clear(self) -> None:
         """Forget the cached bases (after loading a state)."""
-        self._bases.clear()
+        self._batches.clear()
 
     def run(
         self,
@@ -266,17 +186,23 @@ class KroneckerSteps:
                     fresh.clear()
                     finite = torch.zeros((), dtype=torch.bool)
             steps: list[KroneckerGroupStep | None] = [None] * len(groups)
+            fresh_batches: dict[int, list[LayerBatch]] = {}
             for index, group in enumerate(groups):
-                bases = (
-                    [refreshed.basis for refreshed in fresh[index]]
-                    if index in fresh
-                    else self._bases_of(index, group, stats[index], state)
-                )
-                if bases:
+                noise_filter = group_noise_filter(options[index])
+                batches: list[LayerBatch] | None
+                if index in fresh:
+                    batches = fresh_batches[index] = layer_batches(
+                        [refreshed.basis for refreshed in fresh[index]],
+                        together=noise_filter is None,
+                    )
+                else:
+                    batches = self._batches_of(
+                        index, group, stats[index], state, noise_filter is None
+                    )
+                if batches:
                     damping = damping_value(options[index])
-                    noise_filter = group_noise_filter(options[index])
                     steps[index] = group_step(
-                        bases,
+                        batches,
                         damping,
                         with_curvature,
                         noise_filter,
@@ -302,9 +228,9 @@ class KroneckerSteps:
                 stacklevel=STACKLEVEL_OF_CALLER + 1,
             )
         for index, layers in fresh.items():
-            self._bases[index] = commit_layers(
-                layers, groups[index], stats[index], state
-            )
+            commit_layers(layers, groups[index], stats[index], state)
+            together = group_noise_filter(options[index]) is None
+            self._batches[index] = (together, fresh_batches[index])
         if fresh:
             global_state.update({REFRESH_DUE: False, REFRESH_LOSS: values["loss"]})
         elif loss_rose(options, global_state, values["loss"]):
@@ -328,10 +254,10 @@ class KroneckerSteps:
 
         Reads the device: for diagnostics records only.
         """
-        bases = self._bases.get(index) or []
         values = [
-            (basis.output.values.max() * basis.inputs.values.max()).double()
-            for basis in bases
+            (layer.output.values.max() * layer.inputs.values.max()).double()
+            for batch in self._batches.get(index, (True, []))[1]
+            for layer in batch.layers
         ]
         return torch.stack(values).cpu().numpy() if values else torch.zeros(0).numpy()
 
@@ -350,15 +276,35 @@ class KroneckerSteps:
             self._cached_extension = (key, extension)
         return self._cached_extension[1]
 
-    def _bases_of(
-        self, index: int, group: dict[str, Any], stats: dict[str, Any], state: Any
-    ) -> list[LayerBasis] | None:
-        bases = self._bases.get(index)
-        if bases is None:
+    def _batches_of(
+        self,
+        index: int,
+        group: dict[str, Any],
+        stats: dict[str, Any],
+        state: Any,
+        together: bool,
+    ) -> list[LayerBatch] | None:
+        """Group ``index``'s batches: cached, re-batched or read from the state.
+
+        Args:
+            index: The group's index.
+            group: The param group.
+            stats: Its statistics.
+            state: The optimizer's state.
+            together: Whether layers of equal shapes share a batch (no filter).
+        """
+        cached = self._batches.get(index)
+        if cached is not None and cached[0] == together:
+            return cached[1]
+        if cached is None:
             bases = stored_bases(state, stats, group["params"])
-            if bases is not None:
-                self._bases[index] = bases
-        return bases
+        else:  # the noise filter was switched on or off
+            bases = [layer for batch in cached[1] for layer in batch.layers]
+        if bases is None:
+            return None
+        batches = layer_batches(bases, together)
+        self._batches[index] = (together, batches)
+        return batches
 
 
 @dataclass(frozen=True)

@@ -10,14 +10,14 @@ indices and the number of refreshes. Everything is tensors, numbers and tuples, 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from dampednewton.math.kronecker import LayerCoefficients, layer_coefficients
-from dampednewton.math.kronecker_factors import FactorEigen
+from dampednewton.math.kronecker_factors import EIGEN_FIELDS, FactorEigen
 
 LAYERS = "kronecker_layers"
 """Group statistics: each layer as ``(weight index, bias index)`` (``None``: absent)."""
@@ -27,7 +27,6 @@ INPUT_EIGEN = "kronecker_input"
 OUTPUT_EIGEN = "kronecker_output"
 """Prefixes of a factor's eigenpairs: ``<prefix>_values``, ``_vectors``, ``_residual``,
 ``_mean`` (the fields of :class:`~dampednewton.math.kronecker.FactorEigen`)."""
-EIGEN_FIELDS = tuple(f.name for f in fields(FactorEigen))
 STATE_KEYS = frozenset(
     {INPUT_FACTOR, OUTPUT_FACTOR}
     | {
@@ -109,9 +108,11 @@ class LayerBasis:
         """
         parts = []
         if self.weight is not None:
-            parts.append(_grad(self.weight, like).reshape(self.weight.shape[0], -1))
+            parts.append(
+                parameter_gradient(self.weight, like).reshape(self.weight.shape[0], -1)
+            )
         if self.bias is not None:
-            parts.append(_grad(self.bias, like)[:, None])
+            parts.append(parameter_gradient(self.bias, like)[:, None])
         return parts[0] if len(parts) == 1 else _concatenated(parts)
 
     def split(self, direction: Tensor) -> list[tuple[Tensor, Tensor]]:
@@ -123,16 +124,19 @@ class LayerBasis:
         Returns:
             ``(parameter, direction of its shape)`` for the weight and the bias.
         """
-        pairs = []
-        if self.weight is not None:
-            width = self.weight[0].numel()
-            pairs.append((self.weight, direction[:, :width].reshape(self.weight.shape)))
-        if self.bias is not None:
-            pairs.append((self.bias, direction[:, -1]))
-        return pairs
+        if self.weight is None:
+            assert self.bias is not None
+            return [(self.bias, direction[:, -1])]
+        if self.bias is None:
+            return [(self.weight, direction.reshape(self.weight.shape))]
+        weight = direction[:, :-1]
+        if self.weight.dim() > 2:  # a convolution's filters
+            weight = weight.reshape(self.weight.shape)
+        return [(self.weight, weight), (self.bias, direction[:, -1])]
 
 
-def _grad(param: Tensor, like: Tensor) -> Tensor:
+def parameter_gradient(param: Tensor, like: Tensor) -> Tensor:
+    """A parameter's ``.grad`` in ``like``'s dtype (zeros where there is none)."""
     if param.grad is None or not param.requires_grad:
         return like.new_zeros(param.shape)
     return param.grad.to(like.dtype)

@@ -102,6 +102,9 @@ class ExtendedModules:
 def _pop(hooks: dict, function: object) -> dict:
     """Remove the entries of ``hooks`` that are ``function``; return them."""
     found = {key: hook for key, hook in hooks.items() if hook is function}
+    if len(found) == len(hooks):
+        hooks.clear()
+        return found
     for key in found:
         del hooks[key]
     return found
@@ -110,6 +113,9 @@ def _pop(hooks: dict, function: object) -> dict:
 def _restore(hooks: dict, removed: dict) -> None:
     """Put ``removed`` back into ``hooks`` in the order of their (increasing) keys."""
     if not removed:
+        return
+    if not hooks:  # nothing else was registered: no order to merge into
+        hooks.update(removed)
         return
     merged = sorted([*hooks.items(), *removed.items()], key=lambda item: item[0])
     hooks.clear()

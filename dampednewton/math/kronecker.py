@@ -41,12 +41,13 @@ with the ``rank`` kept vectors: :func:`kronecker_direction`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from dampednewton.math.kronecker_factors import FactorEigen
+from dampednewton.math.kronecker_factors import EIGEN_FIELDS, FactorEigen
 
 
 def damping_pi(output: FactorEigen, inputs: FactorEigen) -> Tensor:
@@ -154,6 +155,54 @@ def layer_coefficients(
     )
 
 
+def stacked_eigen(eigen: Sequence[FactorEigen]) -> FactorEigen:
+    """Eigenpairs of factors of one shape stacked along a new first dimension.
+
+    Args:
+        eigen: Each layer's eigenpairs (equal shapes and kept ranks).
+
+    Returns:
+        ``values [L, r]``, ``vectors [L, d, r]``, ``residual [L]``, ``mean [L]``.
+    """
+    return FactorEigen(
+        *(torch.stack([getattr(e, name) for e in eigen]) for name in EIGEN_FIELDS)
+    )
+
+
+def stacked_coefficients(
+    coefficients: Sequence[LayerCoefficients],
+) -> LayerCoefficients:
+    """Coefficients of layers of one shape stacked along a new first dimension.
+
+    Args:
+        coefficients: Each layer's :func:`layer_coefficients` (the same blocks).
+
+    Returns:
+        Every present field stacked (``[L, ...]``).
+    """
+
+    def stack(name: str) -> Tensor | None:
+        values = [getattr(c, name) for c in coefficients]
+        return None if values[0] is None else torch.stack(values)
+
+    def stack_present(name: str) -> Tensor:
+        return torch.stack([getattr(c, name) for c in coefficients])
+
+    return LayerCoefficients(
+        slopes=stack_present("slopes"),
+        curvatures=stack_present("curvatures"),
+        core=stack_present("core"),
+        rows=stack("rows"),
+        columns=stack("columns"),
+        both=stack("both"),
+        row_curvatures=stack("row_curvatures"),
+        column_curvatures=stack("column_curvatures"),
+        both_curvature=stack("both_curvature"),
+        row_weights=stack("row_weights"),
+        column_weights=stack("column_weights"),
+    )
+
+
 @dataclass(frozen=True)
 class KroneckerStep:
     """A layer's step and its quadratic model.
@@ -176,7 +225,7 @@ def projections(
     """``R = ḠV`` and the kept coefficients ``Γ = UᵀḠV`` of a layer's gradient.
 
     Args:
-        gradient: ``Ḡ`` ``[d_out, d_in (+1)]``.
+        gradient: ``Ḡ`` ``[..., d_out, d_in (+1)]``.
         output: Eigenpairs of ``S``.
         inputs: Eigenpairs of ``A``.
 
@@ -184,7 +233,7 @@ def projections(
         ``(R, Γ)``.
     """
     projected_in = gradient @ inputs.vectors
-    return projected_in, output.vectors.T @ projected_in
+    return projected_in, output.vectors.mT @ projected_in
 
 
 def kronecker_direction(
@@ -208,8 +257,12 @@ def kronecker_direction(
     side without residual vanish. A layer whose factors keep their whole spaces
     costs four matrix products.
 
+    Every tensor may carry the same leading batch dimensions (layers of one shape
+    stacked, :func:`stacked_eigen` and :func:`stacked_coefficients`): the step, its
+    slope and curvature then carry them too, one per layer.
+
     Args:
-        gradient: ``Ḡ`` ``[d_out, d_in (+1)]``.
+        gradient: ``Ḡ`` ``[..., d_out, d_in (+1)]``.
         output: Eigenpairs of ``S``.
         inputs: Eigenpairs of ``A``.
         coefficients: :func:`layer_coefficients` of the eigenpairs and ``δ``.
@@ -220,7 +273,7 @@ def kronecker_direction(
         The step and its model.
     """
     u, v, c = output.vectors, inputs.vectors, coefficients
-    # R [d_out, r_in], Γ [r_out, r_in]
+    # R [..., d_out, r_in], Γ [..., r_out, r_in]
     projected_in, gamma = projected or projections(gradient, output, inputs)
     # s = left·Vᵀ + U·right − c_⊥⊥ Ḡ with the core and the column blocks gathered in
     # left [d_out, r_in], the row blocks in right [r_out, d_in]: two products of size
@@ -228,23 +281,23 @@ def kronecker_direction(
     left = u @ (gamma * c.core)
     if c.rows is None and c.columns is None:
         squares = gamma.square()
-        slope = torch.dot(squares.flatten(), c.slopes.flatten())
-        curvature = (
-            torch.dot(squares.flatten(), c.curvatures.flatten())
-            if with_curvature
-            else None
-        )
-        return KroneckerStep(left @ v.T, slope, curvature)
+        slope = _inner(squares, c.slopes)
+        curvature = _inner(squares, c.curvatures) if with_curvature else None
+        return KroneckerStep(left @ v.mT, slope, curvature)
     if c.column_weights is not None:
-        left.addcmul_(projected_in, c.column_weights)
-    direction = left @ v.T
+        left.addcmul_(projected_in, c.column_weights.unsqueeze(-2))
+    direction = left @ v.mT
     projected_out = None
     if c.row_weights is not None:
-        projected_out = u.T @ gradient  # T [r_out, d_in]
-        direction.addmm_(u, c.row_weights[:, None] * projected_out)
+        projected_out = u.mT @ gradient  # T [..., r_out, d_in]
+        right = c.row_weights.unsqueeze(-1) * projected_out
+        if direction.dim() == 2:
+            direction.addmm_(u, right)
+        else:
+            direction.baddbmm_(u, right)
     if c.both is not None:
-        direction.addcmul_(gradient, -c.both)
-    slope = torch.dot(gradient.flatten(), direction.flatten())
+        direction.addcmul_(gradient, -c.both[..., None, None])
+    slope = _inner(gradient, direction)
     curvature = (
         _truncated_curvature(gradient, gamma, projected_in, projected_out, c)
         if with_curvature
@@ -262,21 +315,29 @@ def _truncated_curvature(
 ) -> Tensor:
     """``sᵀ(S ⊗ A)s`` of a step with residual blocks, block by block."""
     squares = gamma.square()
-    curvature = torch.dot(squares.flatten(), c.curvatures.flatten())
+    curvature = _inner(squares, c.curvatures)
     if c.column_curvatures is not None:
-        column_squares = (projected_in.square().sum(0) - squares.sum(0)).clamp_min(0)
-        curvature = curvature + torch.dot(c.column_curvatures, column_squares)
+        column_squares = (projected_in.square().sum(-2) - squares.sum(-2)).clamp_min(0)
+        curvature = curvature + (c.column_curvatures * column_squares).sum(-1)
     if c.row_curvatures is not None:
         assert projected_out is not None
-        row_squares = (projected_out.square().sum(1) - squares.sum(1)).clamp_min(0)
-        curvature = curvature + torch.dot(c.row_curvatures, row_squares)
+        row_squares = (projected_out.square().sum(-1) - squares.sum(-1)).clamp_min(0)
+        curvature = curvature + (c.row_curvatures * row_squares).sum(-1)
     if c.both_curvature is not None:
         assert projected_out is not None
+        matrices = (-2, -1)
         rest = (
-            gradient.square().sum()
-            - projected_out.square().sum()
-            - projected_in.square().sum()
-            + squares.sum()
+            gradient.square().sum(matrices)
+            - projected_out.square().sum(matrices)
+            - projected_in.square().sum(matrices)
+            + squares.sum(matrices)
         ).clamp_min(0)
         curvature = curvature + c.both_curvature * rest
     return curvature
+
+
+def _inner(first: Tensor, second: Tensor) -> Tensor:
+    """``Σ first ⊙ second`` over the last two dimensions (one per batch entry)."""
+    if first.dim() == 2:
+        return torch.dot(first.flatten(), second.flatten())
+    return (first * second).sum((-2, -1))

@@ -10,7 +10,7 @@ updates the eigenvalues along kept eigenvectors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -77,7 +77,7 @@ class FactorEigen:
     @property
     def truncated(self) -> bool:
         """Whether some directions share the residual eigenvalue (``r < d``)."""
-        return self.vectors.shape[1] < self.vectors.shape[0]
+        return self.vectors.shape[-1] < self.vectors.shape[-2]
 
     def scaled(self, factor: float) -> FactorEigen:
         """The eigenpairs of ``factor`` times the matrix (same eigenvectors).
@@ -94,6 +94,10 @@ class FactorEigen:
             self.residual * factor,
             self.mean * factor,
         )
+
+
+EIGEN_FIELDS = tuple(f.name for f in fields(FactorEigen))
+"""The fields of :class:`FactorEigen`, in order."""
 
 
 def factor_eigen(

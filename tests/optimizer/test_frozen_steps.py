@@ -92,6 +92,7 @@ def test_backpack_hooks_are_off_between_refreshes_and_back_after():
     user_hook_calls: list[int] = []
     first = next(m for m in case.model.modules() if isinstance(m, torch.nn.Linear))
     first.register_forward_hook(lambda *args: user_hook_calls.append(1))
+    order = [list(m._forward_hooks.items()) for m in case.model.modules()]
 
     def closure():
         optimizer.zero_grad()
@@ -106,6 +107,7 @@ def test_backpack_hooks_are_off_between_refreshes_and_back_after():
     refreshes = [step % INTERVAL == 0 for step in range(STEPS)]
     assert during == [installed if r else 0 for r in refreshes]
     assert len(user_hook_calls) == STEPS
+    assert [list(m._forward_hooks.items()) for m in case.model.modules()] == order
 
 
 def test_refused_and_failed_frozen_steps_change_nothing():

@@ -1,0 +1,181 @@
+"""Layers of one shape stepped together: the same steps as layer by layer.
+
+The batched step's math is checked against a dense solve in
+``tests/test_kronecker_math.py``; here the optimizer's batched steps (the deep MLP's
+two hidden ``Linear(4, 4)`` share a batch) are compared with its layer-by-layer
+steps, which a noise filter with ``floor=1`` takes without changing any step
+(``test_noise_filter.py``). The first step of every Kronecker problem, this one
+included, is checked against the exact GGN's K-FAC step in ``test_kronecker_step.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backpack import extend
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dampednewton import (
+    CurvatureAveraging,
+    DampedNewton,
+    KroneckerBasis,
+    LevenbergMarquardt,
+    NoiseFilter,
+)
+from dampednewton._step.kronecker_group import layer_batches
+from dampednewton._step.kronecker_state import stored_bases
+from tests.cases import case_by_id
+from tests.utils import Case, build_case, make_closure
+
+BASES = {
+    "exact": {},
+    "truncated": {"rank": 2, "exact_size": 0},
+    "mixed": {"rank": 3, "exact_size": 4},
+}
+
+
+def deep_mlp() -> Case:
+    return build_case(case_by_id("deep-mlp-ce"))
+
+
+def test_layers_of_one_shape_share_a_batch():
+    case = deep_mlp()
+    optimizer = DampedNewton(case.model.parameters())
+    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
+    params = list(case.model.parameters())
+    bases = stored_bases(optimizer.state, optimizer.state["groups"][0], params)
+    assert bases is not None
+    batches = layer_batches(bases, together=True)
+    assert [len(batch.layers) for batch in batches] == [1, 2, 1]
+    middle = batches[1]
+    assert middle.stacked and middle.output.vectors.shape == (2, 4, 4)
+    assert middle.inputs.vectors.shape == (2, 5, 5)
+    assert [len(batch.layers) for batch in layer_batches(bases, False)] == [1] * 4
+
+
+@pytest.mark.parametrize("damping", ["constant", "lm"])
+@pytest.mark.parametrize("basis", list(BASES.values()), ids=list(BASES))
+def test_batched_steps_are_the_layer_by_layer_steps(basis, damping):
+    """Refreshes and steps between them; LM reads the batched curvatures."""
+    batched, alone = deep_mlp(), deep_mlp()
+
+    def settings() -> dict:  # Levenberg-Marquardt adapts: one policy per optimizer
+        rule = 1e-2 if damping == "constant" else LevenbergMarquardt(0.1, interval=1)
+        return {"damping": rule, "averaging": CurvatureAveraging(interval=3)}
+
+    optimizers = [
+        DampedNewton(
+            batched.model.parameters(),
+            basis=KroneckerBasis(**basis),
+            seed=0,
+            **settings(),
+        ),
+        DampedNewton(
+            alone.model.parameters(),
+            basis=KroneckerBasis(**basis, noise_filter=NoiseFilter(floor=1.0)),
+            seed=0,
+            **settings(),
+        ),
+    ]
+    for optimizer, case in zip(optimizers, (batched, alone), strict=True):
+        closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+        for _ in range(7):
+            optimizer.step(closure)
+    for actual, expected in zip(
+        batched.model.parameters(), alone.model.parameters(), strict=True
+    ):
+        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14)
+    first, second = (o.state["groups"][0] for o in optimizers)
+    assert first["damping"] == pytest.approx(second["damping"], rel=1e-12)
+
+
+def test_switching_the_noise_filter_between_refreshes_regroups_the_layers():
+    """The filter keeps moments per layer: switched on, every layer steps alone."""
+    case = deep_mlp()
+    optimizer = DampedNewton(
+        case.model.parameters(),
+        averaging=CurvatureAveraging(interval=10, ramp=False),
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    (group,) = optimizer.param_groups
+    for basis in (KroneckerBasis(), KroneckerBasis(noise_filter=NoiseFilter())):
+        group["basis"] = basis
+        optimizer.step(closure)  # a refresh (batched), then a step between refreshes
+    layers = [m for m in case.model if isinstance(m, torch.nn.Linear)]
+    assert all("noise_filter_first_moment" in optimizer.state[m.weight] for m in layers)
+    group["basis"] = KroneckerBasis()
+    before = [p.detach().clone() for p in case.model.parameters()]
+    optimizer.step(closure)
+    assert all(
+        not torch.equal(p, old)
+        for p, old in zip(case.model.parameters(), before, strict=True)
+    )
+
+
+class ComputingOperators(TorchDispatchMode):
+    """Counts the ATen operators that compute (views excluded)."""
+
+    VIEWS = frozenset(
+        {"alias", "as_strided", "detach", "expand", "permute", "reshape", "select"}
+        | {"slice", "squeeze", "t", "transpose", "unbind", "unsqueeze", "view"}
+        | {"_reshape_alias", "_unsafe_view", "lift_fresh"}
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] not in self.VIEWS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operators_between_refreshes(hidden: int, basis: KroneckerBasis) -> tuple[int, int]:
+    """Operators of a step between refreshes, and of its plain forward and backward.
+
+    A tanh MLP 6-8-…-8-3 with ``hidden`` layers ``Linear(8, 8)`` of one shape.
+    """
+    generator = torch.Generator().manual_seed(0)
+    X = torch.randn(10, 6, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,), generator=generator)
+
+    def mlp() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(6, 8), torch.nn.Tanh()]
+        for _ in range(hidden):
+            layers += [torch.nn.Linear(8, 8), torch.nn.Tanh()]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(8, 3)).double()
+
+    model, loss_fn = extend(mlp()), extend(torch.nn.CrossEntropyLoss())
+    optimizer = DampedNewton(
+        model.parameters(),
+        basis=basis,
+        averaging=CurvatureAveraging(interval=100, ramp=False),
+    )
+    closure = make_closure(optimizer, model, loss_fn, X, y)
+    for _ in range(3):  # a refresh, then steps between refreshes (buffers made)
+        optimizer.step(closure)
+    plain, plain_loss = mlp(), torch.nn.CrossEntropyLoss()
+
+    def forward_backward() -> None:
+        plain.zero_grad()
+        plain_loss(plain(X), y).backward()
+
+    counts = []
+    for step in (lambda: optimizer.step(closure), forward_backward):
+        with ComputingOperators() as operators:
+            step()
+        counts.append(operators.count)
+    return counts[0], counts[1]
+
+
+def test_operators_between_refreshes_do_not_grow_with_layers_of_one_shape():
+    """Two hidden layers of one shape or six: the step adds no operator of its own."""
+    shallow, plain_shallow = operators_between_refreshes(2, KroneckerBasis())
+    deep, plain_deep = operators_between_refreshes(6, KroneckerBasis())
+    assert deep - shallow == plain_deep - plain_shallow, (shallow, deep)
+    filtered = KroneckerBasis(noise_filter=NoiseFilter())
+    alone, _ = operators_between_refreshes(2, filtered)
+    more, _ = operators_between_refreshes(6, filtered)
+    assert more - alone > plain_deep - plain_shallow  # per layer: its own moments
