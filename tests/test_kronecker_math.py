@@ -194,7 +194,9 @@ def test_stacked_layers_step_as_each_layer_alone(out_rank, in_rank):
     assert batched.direction.shape == (3, 5, 7)
     assert batched.slope.shape == batched.curvature.shape == (3,)
     for k in range(3):
-        alone = kronecker_direction(gradients[k], outputs[k], inputs[k], coefficients[k])
+        alone = kronecker_direction(
+            gradients[k], outputs[k], inputs[k], coefficients[k]
+        )
         damped, undamped = dense_kronecker(outputs[k], inputs[k], 0.01)
         expected = -torch.linalg.solve(damped, gradients[k].flatten())
         assert_close(alone.direction.flatten(), expected, rtol=1e-9, atol=1e-11)
