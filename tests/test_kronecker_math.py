@@ -11,7 +11,6 @@ from dampednewton.math.kronecker import (
     damping_pi,
     kronecker_direction,
     layer_coefficients,
-    stacked_coefficients,
     stacked_eigen,
 )
 from dampednewton.math.kronecker_factors import (
@@ -185,11 +184,16 @@ def test_stacked_layers_step_as_each_layer_alone(out_rank, in_rank):
         layer_coefficients(output, eigen, 0.01)
         for output, eigen in zip(outputs, inputs, strict=True)
     ]
+    stacked_output, stacked_input = stacked_eigen(outputs), stacked_eigen(inputs)
+    stacked_coefficients = layer_coefficients(stacked_output, stacked_input, 0.01)
+    for name, value in vars(stacked_coefficients).items():
+        each = [getattr(c, name) for c in coefficients]
+        if value is None:
+            assert each[0] is None, name
+        else:
+            assert_close(value, torch.stack(each), rtol=1e-14, name=name)
     batched = kronecker_direction(
-        gradients,
-        stacked_eigen(outputs),
-        stacked_eigen(inputs),
-        stacked_coefficients(coefficients),
+        gradients, stacked_output, stacked_input, stacked_coefficients
     )
     assert batched.direction.shape == (3, 5, 7)
     assert batched.slope.shape == batched.curvature.shape == (3,)

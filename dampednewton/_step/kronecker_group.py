@@ -10,7 +10,7 @@ A Kronecker step costs a fixed number of small products per layer, and on a deep
 network of repeated blocks the Python and dispatch overhead of those products grows
 with the number of layers. :func:`layer_batches` groups a group's layers by their
 shapes (weight, bias, kept eigenvectors, dtype and device): a batch of several layers
-stacks their eigenpairs once per refresh and their coefficients once per damping,
+stacks their eigenpairs once per refresh (their coefficients follow, once per damping),
 stacks their gradients on every step, and computes every layer's direction in one
 call of :func:`~dampednewton.math.kronecker.kronecker_direction` (batched products).
 A layer of a shape of its own is a batch of one and takes the unbatched path.
@@ -32,7 +32,6 @@ from dampednewton.math.kronecker import (
     LayerCoefficients,
     kronecker_direction,
     layer_coefficients,
-    stacked_coefficients,
     stacked_eigen,
 )
 from dampednewton.math.kronecker_factors import FactorEigen
@@ -65,15 +64,8 @@ class LayerBatch:
 
     def coefficients(self, damping: float) -> LayerCoefficients:
         """The layers' step coefficients for ``δ = damping`` (kept while it holds)."""
-        if not self.stacked:
-            return self.layers[0].coefficients(damping)
         if self._coefficients is None or self._coefficients[0] != damping:
-            coefficients = stacked_coefficients(
-                [
-                    layer_coefficients(layer.output, layer.inputs, damping)
-                    for layer in self.layers
-                ]
-            )
+            coefficients = layer_coefficients(self.output, self.inputs, damping)
             self._coefficients = (damping, coefficients)
         return self._coefficients[1]
 

@@ -10,13 +10,12 @@ indices and the number of refreshes. Everything is tensors, numbers and tuples, 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from dampednewton.math.kronecker import LayerCoefficients, layer_coefficients
 from dampednewton.math.kronecker_factors import EIGEN_FIELDS, FactorEigen
 
 LAYERS = "kronecker_layers"
@@ -83,16 +82,6 @@ class LayerBasis:
     bias: Tensor | None
     output: FactorEigen
     inputs: FactorEigen
-    _coefficients: tuple[float, LayerCoefficients] | None = field(
-        default=None, repr=False
-    )
-
-    def coefficients(self, damping: float) -> LayerCoefficients:
-        """The step's coefficients for ``δ = damping`` (kept while ``δ`` holds)."""
-        if self._coefficients is None or self._coefficients[0] != damping:
-            coefficients = layer_coefficients(self.output, self.inputs, damping)
-            self._coefficients = (damping, coefficients)
-        return self._coefficients[1]
 
     @property
     def first(self) -> Tensor:

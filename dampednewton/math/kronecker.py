@@ -108,7 +108,8 @@ def layer_coefficients(
     """The blocks' ``c = 1/(λ + δ)`` with K-FAC's factored damping.
 
     ``λ_ij + δ_ij = (τ_i + √δ/π)(σ_j + π√δ)``, a residual side using its residual
-    eigenvalue.
+    eigenvalue. Eigenpairs of layers of one shape stacked (:func:`stacked_eigen`)
+    give every layer's coefficients, stacked likewise.
 
     Args:
         output: Eigenpairs of ``S``.
@@ -118,28 +119,36 @@ def layer_coefficients(
     Returns:
         The coefficients.
     """
-    pi = damping_pi(output, inputs)
+    # π, the residuals and ``both`` keep a trailing 1 to broadcast over a factor's
+    # values; every tensor may carry leading batch dimensions (stacked layers).
+    pi = damping_pi(output, inputs).unsqueeze(-1)
     root = math.sqrt(damping)
     out_damped = output.values + root / pi  # τ_i + √δ/π
     in_damped = inputs.values + root * pi  # σ_j + π√δ
-    kept = 1 / (out_damped[:, None] * in_damped[None, :])
-    curvatures = kept.square() * output.values[:, None] * inputs.values
+    out_rest = output.residual.unsqueeze(-1) + root / pi
+    in_rest = inputs.residual.unsqueeze(-1) + root * pi
+    kept = 1 / (out_damped.unsqueeze(-1) * in_damped.unsqueeze(-2))
+    curvatures = (
+        kept.square() * output.values.unsqueeze(-1) * inputs.values.unsqueeze(-2)
+    )
     core = kept
     rows = columns = both = None
     row_curvatures = column_curvatures = both_curvature = None
     if inputs.truncated:
-        rows = 1 / (out_damped * (inputs.residual + root * pi))
-        row_curvatures = rows.square() * output.values * inputs.residual
-        core = core - rows[:, None]
+        rows = 1 / (out_damped * in_rest)
+        row_curvatures = rows.square() * output.values * inputs.residual.unsqueeze(-1)
+        core = core - rows.unsqueeze(-1)
     if output.truncated:
-        columns = 1 / ((output.residual + root / pi) * in_damped)
-        column_curvatures = columns.square() * output.residual * inputs.values
-        core = core - columns[None, :]
+        columns = 1 / (out_rest * in_damped)
+        column_curvatures = (
+            columns.square() * output.residual.unsqueeze(-1) * inputs.values
+        )
+        core = core - columns.unsqueeze(-2)
     if inputs.truncated and output.truncated:
-        both = 1 / ((output.residual + root / pi) * (inputs.residual + root * pi))
+        both = (1 / (out_rest * in_rest)).squeeze(-1)
         both_curvature = both.square() * output.residual * inputs.residual
-        core = core + both
-    shared = 0.0 if both is None else both
+        core = core + both[..., None, None]
+    shared = 0.0 if both is None else both.unsqueeze(-1)
     return LayerCoefficients(
         slopes=-kept,
         curvatures=curvatures,
@@ -166,40 +175,6 @@ def stacked_eigen(eigen: Sequence[FactorEigen]) -> FactorEigen:
     """
     return FactorEigen(
         *(torch.stack([getattr(e, name) for e in eigen]) for name in EIGEN_FIELDS)
-    )
-
-
-def stacked_coefficients(
-    coefficients: Sequence[LayerCoefficients],
-) -> LayerCoefficients:
-    """Coefficients of layers of one shape stacked along a new first dimension.
-
-    Args:
-        coefficients: Each layer's :func:`layer_coefficients` (the same blocks).
-
-    Returns:
-        Every present field stacked (``[L, ...]``).
-    """
-
-    def stack(name: str) -> Tensor | None:
-        values = [getattr(c, name) for c in coefficients]
-        return None if values[0] is None else torch.stack(values)
-
-    def stack_present(name: str) -> Tensor:
-        return torch.stack([getattr(c, name) for c in coefficients])
-
-    return LayerCoefficients(
-        slopes=stack_present("slopes"),
-        curvatures=stack_present("curvatures"),
-        core=stack_present("core"),
-        rows=stack("rows"),
-        columns=stack("columns"),
-        both=stack("both"),
-        row_curvatures=stack("row_curvatures"),
-        column_curvatures=stack("column_curvatures"),
-        both_curvature=stack("both_curvature"),
-        row_weights=stack("row_weights"),
-        column_weights=stack("column_weights"),
     )
 
 
@@ -258,8 +233,8 @@ def kronecker_direction(
     costs four matrix products.
 
     Every tensor may carry the same leading batch dimensions (layers of one shape
-    stacked, :func:`stacked_eigen` and :func:`stacked_coefficients`): the step, its
-    slope and curvature then carry them too, one per layer.
+    stacked, :func:`stacked_eigen`, and their :func:`layer_coefficients`): the step,
+    its slope and curvature then carry them too, one per layer.
 
     Args:
         gradient: ``Ḡ`` ``[..., d_out, d_in (+1)]``.
