@@ -22,6 +22,8 @@ from dampednewton.math.noise_filter import (
     filtered,
     rotated,
     signal_fraction,
+    stacked_moments,
+    unstacked_moments,
 )
 from tests.assertions import assert_close
 from tests.test_kronecker_math import dense_kronecker, truncated_eigen
@@ -128,3 +130,27 @@ def test_a_step_without_its_curvature_leaves_the_curvatures():
     without = filtered(coefficients, scales, with_curvature=False)
     assert without.curvatures is coefficients.curvatures
     assert_close(without.core, filtered(coefficients, scales).core, rtol=0)
+
+
+def test_stacked_layers_advance_and_scale_as_each_layer_alone():
+    """Two layers, one without moments yet (zero moments, zero corrections)."""
+    generator = torch.Generator().manual_seed(5)
+    gammas = torch.randn(2, 3, 4, generator=generator, dtype=DTYPE)
+    earlier = advanced(
+        None, torch.randn(3, 4, generator=generator, dtype=DTYPE), 0.9, 0.8
+    )
+    zero = torch.zeros(3, 4, dtype=DTYPE)
+    fresh = DirectionMoments(zero, zero, zero.new_zeros(()), zero.new_zeros(()))
+    stacked = advanced(stacked_moments([earlier, fresh]), gammas, 0.9, 0.8)
+    alone = [
+        advanced(earlier, gammas[0], 0.9, 0.8),
+        advanced(None, gammas[1], 0.9, 0.8),
+    ]
+    for layer, reference in zip(unstacked_moments(stacked), alone, strict=True):
+        for name in ("first", "second", "first_weight", "second_weight"):
+            assert torch.equal(getattr(layer, name), getattr(reference, name)), name
+    scales = signal_fraction(stacked, 0.1)
+    for k, reference in enumerate(alone):
+        assert torch.equal(scales[k], signal_fraction(reference, 0.1))
+    first_only = advanced(None, gammas, 0.9, 0.8)
+    assert first_only.first_weight.shape == (2,)

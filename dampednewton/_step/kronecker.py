@@ -93,7 +93,7 @@ class KroneckerSteps:
 
     def __init__(self) -> None:
         """Start without cached bases."""
-        self._batches: dict[int, tuple[bool, list[LayerBatch]]] = {}
+        self._batches: dict[int, list[LayerBatch]] = {}
         self._cached_extension: (
             tuple[tuple, ExactSqrtGGN | MonteCarloSqrtGGN] | None
         ) = None
@@ -192,13 +192,10 @@ class KroneckerSteps:
                 batches: list[LayerBatch] | None
                 if index in fresh:
                     batches = fresh_batches[index] = layer_batches(
-                        [refreshed.basis for refreshed in fresh[index]],
-                        together=noise_filter is None,
+                        [refreshed.basis for refreshed in fresh[index]]
                     )
                 else:
-                    batches = self._batches_of(
-                        index, group, stats[index], state, noise_filter is None
-                    )
+                    batches = self._batches_of(index, group, stats[index], state)
                 if batches:
                     damping = damping_value(options[index])
                     steps[index] = group_step(
@@ -229,8 +226,7 @@ class KroneckerSteps:
             )
         for index, layers in fresh.items():
             commit_layers(layers, groups[index], stats[index], state)
-            together = group_noise_filter(options[index]) is None
-            self._batches[index] = (together, fresh_batches[index])
+            self._batches[index] = fresh_batches[index]
         if fresh:
             global_state.update({REFRESH_DUE: False, REFRESH_LOSS: values["loss"]})
         elif loss_rose(options, global_state, values["loss"]):
@@ -256,7 +252,7 @@ class KroneckerSteps:
         """
         values = [
             (layer.output.values.max() * layer.inputs.values.max()).double()
-            for batch in self._batches.get(index, (True, []))[1]
+            for batch in self._batches.get(index) or []
             for layer in batch.layers
         ]
         return torch.stack(values).cpu().numpy() if values else torch.zeros(0).numpy()
@@ -277,33 +273,14 @@ class KroneckerSteps:
         return self._cached_extension[1]
 
     def _batches_of(
-        self,
-        index: int,
-        group: dict[str, Any],
-        stats: dict[str, Any],
-        state: Any,
-        together: bool,
+        self, index: int, group: dict[str, Any], stats: dict[str, Any], state: Any
     ) -> list[LayerBatch] | None:
-        """Group ``index``'s batches: cached, re-batched or read from the state.
-
-        Args:
-            index: The group's index.
-            group: The param group.
-            stats: Its statistics.
-            state: The optimizer's state.
-            together: Whether layers of equal shapes share a batch (no filter).
-        """
-        cached = self._batches.get(index)
-        if cached is not None and cached[0] == together:
-            return cached[1]
-        if cached is None:
+        """Group ``index``'s batches: cached, or read from the state after a load."""
+        batches = self._batches.get(index)
+        if batches is None:
             bases = stored_bases(state, stats, group["params"])
-        else:  # the noise filter was switched on or off
-            bases = [layer for batch in cached[1] for layer in batch.layers]
-        if bases is None:
-            return None
-        batches = layer_batches(bases, together)
-        self._batches[index] = (together, batches)
+            if bases is not None:
+                batches = self._batches[index] = layer_batches(bases)
         return batches
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dampednewton._step.kronecker_moments import filtered_layer, stored_moments
+from dampednewton._step.kronecker_moments import batch_moments, filtered_layer
 from dampednewton._step.kronecker_state import LayerBasis, parameter_gradient
 from dampednewton.math.kronecker import (
     LayerCoefficients,
@@ -35,7 +35,7 @@ from dampednewton.math.kronecker import (
     stacked_eigen,
 )
 from dampednewton.math.kronecker_factors import FactorEigen
-from dampednewton.math.noise_filter import DirectionMoments
+from dampednewton.math.noise_filter import DirectionMoments, unstacked_moments
 from dampednewton.policies.noise_filter import NoiseFilter
 
 
@@ -117,21 +117,18 @@ class LayerBatch:
         return pairs
 
 
-def layer_batches(layers: Sequence[LayerBasis], together: bool) -> list[LayerBatch]:
+def layer_batches(layers: Sequence[LayerBasis]) -> list[LayerBatch]:
     """Group layers of equal shapes into batches (in the order of first appearance).
 
     Args:
         layers: A group's layers with their eigenpairs.
-        together: Batch layers of equal shapes; otherwise every layer alone (the
-            noise filter keeps moments per layer).
 
     Returns:
         The batches.
     """
     groups: dict[tuple, list[LayerBasis]] = {}
-    for index, layer in enumerate(layers):
-        key = _shape_key(layer) if together else (index,)
-        groups.setdefault(key, []).append(layer)
+    for layer in layers:
+        groups.setdefault(_shape_key(layer), []).append(layer)
     return [_batch(members) for members in groups.values()]
 
 
@@ -188,8 +185,7 @@ def group_step(
 
     Args:
         batches: The group's layers with their eigenpairs, batched by shape
-            (:func:`~._step.kronecker_batches.layer_batches`; one layer per batch
-            with a filter).
+            (:func:`layer_batches`).
         damping: ``δ``.
         with_curvature: Also sum the layers' curvatures (adaptive damping reads
             them); otherwise the curvature is NaN.
@@ -211,16 +207,20 @@ def group_step(
         coefficients = batch.coefficients(damping)
         projected = None
         if noise_filter is not None:
-            (basis,) = batch.layers
             coefficients, projected, advanced = filtered_layer(
                 gradient,
-                basis,
+                batch.output,
+                batch.inputs,
                 coefficients,
-                stored_moments(state[basis.first], basis) if moments_current else None,
+                batch_moments(batch.layers, state, moments_current),
                 noise_filter,
                 with_curvature,
             )
-            moments.append((basis.first, advanced))
+            each = unstacked_moments(advanced) if batch.stacked else [advanced]
+            moments += [
+                (layer.first, layer_moments)
+                for layer, layer_moments in zip(batch.layers, each, strict=True)
+            ]
         layer = kronecker_direction(
             gradient,
             batch.output,

@@ -10,7 +10,7 @@ like the refreshed factors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -23,12 +23,14 @@ from dampednewton._step.kronecker_state import (
 )
 from dampednewton._step.options import GroupOptions
 from dampednewton.math.kronecker import LayerCoefficients, projections
+from dampednewton.math.kronecker_factors import FactorEigen
 from dampednewton.math.noise_filter import (
     DirectionMoments,
     advanced,
     filtered,
     rotated,
     signal_fraction,
+    stacked_moments,
 )
 from dampednewton.policies.basis import KroneckerBasis
 from dampednewton.policies.noise_filter import NoiseFilter
@@ -94,21 +96,61 @@ def stored_moments(
     return rotated(moments, new_output.T @ old_output, old_inputs.T @ new_inputs)
 
 
+def batch_moments(
+    layers: Sequence[LayerBasis], state: Any, current: bool
+) -> DirectionMoments | None:
+    """The stored moments of layers of one shape (stacked for several; ``None``: none).
+
+    A layer without stored moments in a batch with some starts from zero moments
+    with zero bias corrections, as it would alone.
+
+    Args:
+        layers: The batch's layers with this step's eigenpairs.
+        state: The optimizer's per-parameter state.
+        current: Whether the stored moments are in the stored eigenbases
+            (:func:`current_moments`; otherwise every layer starts anew).
+    """
+    each = [
+        stored_moments(state[layer.first], layer) if current else None
+        for layer in layers
+    ]
+    if all(moments is None for moments in each):
+        return None
+    if len(each) == 1:
+        return each[0]
+    return stacked_moments(
+        [
+            _zero_moments(layer) if moments is None else moments
+            for layer, moments in zip(layers, each, strict=True)
+        ]
+    )
+
+
+def _zero_moments(layer: LayerBasis) -> DirectionMoments:
+    like = layer.output.values.new_zeros(
+        layer.output.values.shape[-1], layer.inputs.values.shape[-1]
+    )
+    zero = like.new_zeros(())
+    return DirectionMoments(like, like, zero, zero)
+
+
 def filtered_layer(
     gradient: Tensor,
-    basis: LayerBasis,
+    output: FactorEigen,
+    inputs: FactorEigen,
     coefficients: LayerCoefficients,
     moments: DirectionMoments | None,
     noise_filter: NoiseFilter,
     with_curvature: bool,
 ) -> tuple[LayerCoefficients, tuple[Tensor, Tensor], DirectionMoments]:
-    """A layer's coefficients scaled by ``ρ`` after this step's ``Γ``.
+    """A layer's (or stacked layers') coefficients scaled by ``ρ`` after ``Γ``.
 
     Args:
-        gradient: The layer's gradient matrix ``Ḡ``.
-        basis: The layer's basis of this step.
-        coefficients: Its unfiltered coefficients.
-        moments: Its moments so far, in ``basis`` (:func:`stored_moments`).
+        gradient: The gradient matrix ``Ḡ`` (stacked for several layers).
+        output: The eigenpairs of ``S`` of this step.
+        inputs: The eigenpairs of ``A`` of this step.
+        coefficients: The unfiltered coefficients.
+        moments: The moments so far, in these eigenpairs (:func:`batch_moments`).
         noise_filter: The filter's settings.
         with_curvature: Whether the step computes its curvature.
 
@@ -116,7 +158,7 @@ def filtered_layer(
         The scaled coefficients, the projections ``(ḠV, Γ)`` for the direction and
         the advanced (uncommitted) moments.
     """
-    projected = projections(gradient, basis.output, basis.inputs)
+    projected = projections(gradient, output, inputs)
     beta1, beta2 = noise_filter.beta1, noise_filter.beta2
     moments = advanced(moments, projected[1], beta1, beta2)
     scales = signal_fraction(moments, noise_filter.floor)

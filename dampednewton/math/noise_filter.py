@@ -21,13 +21,15 @@ host reads). When the
 eigenvectors change to ``U'``, ``V'``, the moments move with the rotations
 ``R = U'ᵀU`` and ``Q = VᵀV'``: ``M ← R M Q`` (exact within the kept subspaces) and
 ``W ← (R⊙R) W (Q⊙Q)`` (exact when the coefficients' fluctuations are uncorrelated
-across directions; SOAP's approximation). Pure tensor functions; the optimizer keeps
-the moments in its state.
+across directions; SOAP's approximation). Pure tensor functions (moments of layers of
+one shape may be stacked along a first dimension); the optimizer keeps the moments in
+its state.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +55,9 @@ class DirectionMoments:
     second_weight: Tensor
 
 
+MOMENT_FIELDS = tuple(f.name for f in dataclasses.fields(DirectionMoments))
+
+
 def advanced(
     moments: DirectionMoments | None, gamma: Tensor, beta1: float, beta2: float
 ) -> DirectionMoments:
@@ -68,7 +73,7 @@ def advanced(
         The updated moments.
     """
     if moments is None:
-        zero = gamma.new_zeros(())
+        zero = gamma.new_zeros(gamma.shape[:-2])  # a bias correction per layer
         moments = DirectionMoments(
             torch.zeros_like(gamma), torch.zeros_like(gamma), zero, zero
         )
@@ -82,6 +87,19 @@ def advanced(
             moments.second_weight, torch.ones_like(moments.second_weight), 1 - beta2
         ),
     )
+
+
+def stacked_moments(moments: Sequence[DirectionMoments]) -> DirectionMoments:
+    """Moments of layers of one shape stacked along a new first dimension."""
+    return DirectionMoments(
+        *(torch.stack([getattr(m, name) for m in moments]) for name in MOMENT_FIELDS)
+    )
+
+
+def unstacked_moments(moments: DirectionMoments) -> list[DirectionMoments]:
+    """Each layer's moments from :func:`stacked_moments`' stack."""
+    parts = [getattr(moments, name).unbind(0) for name in MOMENT_FIELDS]
+    return [DirectionMoments(*layer) for layer in zip(*parts, strict=True)]
 
 
 def rotated(
@@ -119,7 +137,7 @@ def signal_fraction(moments: DirectionMoments, floor: float) -> Tensor:
         ``ρ`` ``[r_out, r_in]``.
     """
     second = moments.second.clamp_min(torch.finfo(moments.second.dtype).tiny)
-    correction = moments.second_weight.sqrt() / moments.first_weight
+    correction = (moments.second_weight.sqrt() / moments.first_weight)[..., None, None]
     ratio = moments.first.abs() * second.rsqrt() * correction
     return ratio.clamp(min=floor, max=1.0)
 

@@ -90,9 +90,13 @@ class DenseFilter:
         return step.reshape(gradient.shape)
 
 
-def test_filtered_steps_and_refreshes_match_the_dense_reference():
-    """Refreshes with new eigenvectors at steps 0, 2, 4; steps 1, 3 in between."""
-    case = build_case(case_by_id("mlp-ce"))
+@pytest.mark.parametrize("problem_id", ["mlp-ce", "deep-mlp-ce"])
+def test_filtered_steps_and_refreshes_match_the_dense_reference(problem_id):
+    """Refreshes with new eigenvectors at steps 0, 2, 4; steps 1, 3 in between.
+
+    The deep MLP's two hidden layers of one shape keep their moments stacked.
+    """
+    case = build_case(case_by_id(problem_id))
     basis = KroneckerBasis(exact_size=1000, rotation_interval=1, noise_filter=FILTER)
     optimizer = DampedNewton(
         case.model.parameters(),
@@ -115,11 +119,12 @@ def test_filtered_steps_and_refreshes_match_the_dense_reference():
                 twin.weight += direction[:, :width].reshape(twin.weight.shape)
                 twin.bias += direction[:, width]
         assert_models_close(case, rtol=1e-9)
-        entry = optimizer.state[layers[0].weight]
-        assert entry["noise_filter_first_weight"] == pytest.approx(
-            1 - FILTER.beta1 ** (step + 1), rel=1e-14
-        )
-        assert_close_moments(entry, dense[0])
+        for layer, reference in zip(layers, dense, strict=True):
+            entry = optimizer.state[layer.weight]
+            assert entry["noise_filter_first_weight"] == pytest.approx(
+                1 - FILTER.beta1 ** (step + 1), rel=1e-14
+            )
+            assert_close_moments(entry, reference)
 
 
 def assert_close_moments(entry: dict, reference: DenseFilter) -> None:
