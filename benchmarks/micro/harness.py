@@ -2,9 +2,9 @@
 
 :data:`MODELS` are the networks of the performance issue on random inputs;
 :func:`make_step` builds one closure-driven step of a variant (``sgd``, ``adam``,
-``fast:<ggn>``, ``dense:<ggn>``, ``default``); :func:`time_blocks` and
-:func:`round_robin_medians` time variants in alternating blocks of consecutive
-steps, synchronized by :class:`benchmarks.measure.Stopwatch`.
+the peers ``soap`` and ``kron``, ``fast:<ggn>``, ``dense:<ggn>``, ``default``);
+:func:`time_blocks` and :func:`round_robin_medians` time variants in alternating
+blocks of consecutive steps, synchronized by :class:`benchmarks.measure.Stopwatch`.
 """
 
 from __future__ import annotations
@@ -155,6 +155,21 @@ def closure_step(
     return lambda: optimizer.step(closure)
 
 
+PEERS = ("soap", "kron")
+"""Curvature peers from ``pytorch-optimizer`` (the ``bench`` extra)."""
+
+
+def peer(name: str, model: nn.Module) -> Optimizer:
+    """SOAP (eigenbasis every 10 steps) or PSGD-Kron, as the sweeps configure them."""
+    import pytorch_optimizer
+
+    if name == "soap":
+        return pytorch_optimizer.SOAP(
+            model.parameters(), lr=1e-3, weight_decay=0.0, precondition_frequency=10
+        )
+    return pytorch_optimizer.Kron(model.parameters(), lr=1e-3, weight_decay=0.0)
+
+
 def make_step(variant: str, model_name: str, batch_size: int, device: torch.device):
     """Build model, data and a closure-driven step for one variant."""
     generator = torch.Generator().manual_seed(0)
@@ -173,6 +188,8 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
             else torch.optim.Adam(model.parameters(), lr=1e-3)
         )
         return plain_step(plain, model, loss_fn, X, y)
+    if kind in PEERS:
+        return plain_step(peer(kind, model), model, loss_fn, X, y)
     model, loss_fn = extend(model), extend(loss_fn)
     if kind in ("fast", "default"):
         vivit = {

@@ -17,6 +17,8 @@ Step times are medians of steps timed in alternating blocks (as ``step_cost``), 
 the ratio to SGD's. Not a test: run it where the numbers are wanted::
 
     python -m benchmarks.micro.step_profile --models mlp 3c3d --ggn mc1 exact
+
+``--peers soap kron`` adds the curvature peers of the sweeps.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.measure import synchronize
-from benchmarks.micro.harness import MODELS, make_step, round_robin_medians
+from benchmarks.micro.harness import MODELS, PEERS, make_step, round_robin_medians
 from benchmarks.micro.host_reads import HostReads
 
 # ATen operators that only describe memory (no kernel on a GPU).
@@ -147,6 +149,7 @@ def table(
     repeats: int,
     warmup: int = 3,
     steps: int = 1,
+    peers: Sequence[str] = (),
 ) -> list[str]:
     """Markdown rows of every model, GGN and variant (SGD and Adam first).
 
@@ -158,6 +161,7 @@ def table(
         repeats: Timed steps per variant.
         warmup: Steps of each variant before timing and counting.
         steps: Steps the CPU counts are averaged over (see :func:`profile_step`).
+        peers: Curvature peers to add (``soap``, ``kron``: :data:`PEERS`).
 
     Returns:
         The table's lines.
@@ -168,7 +172,13 @@ def table(
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model in models:
-        variants = ["sgd", "adam", *(f"fast:{ggn}" for ggn in ggns), "default"]
+        variants = [
+            "sgd",
+            "adam",
+            *peers,
+            *(f"fast:{ggn}" for ggn in ggns),
+            "default",
+        ]
         step_of = {v: make_step(v, model, batch_size, device) for v in variants}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -212,6 +222,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=1,
         help="CPU: average the counts over this many steps (amortized refreshes)",
     )
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        default=[],
+        choices=PEERS,
+        help="curvature peers to add (pytorch-optimizer, the bench extra)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -226,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.repeats,
         warmup=args.warmup,
         steps=args.steps,
+        peers=args.peers,
     )
     for line in lines:
         print(line)

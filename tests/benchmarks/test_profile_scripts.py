@@ -75,3 +75,21 @@ def test_an_amortized_default_step_stays_within_the_launch_budget(model):
     adam, default = rows["adam"], rows["default"]
     assert int(default[4]) <= 2 * int(adam[4]), (default, adam)
     assert int(default[5]) <= 1
+
+
+@pytest.mark.slow
+def test_step_profile_counts_the_curvature_peers():
+    """SOAP and PSGD-Kron from pytorch-optimizer, as the sweeps configure them."""
+    lines = table(
+        ["mlp"],
+        [],
+        16,
+        torch.device("cpu"),
+        repeats=1,
+        warmup=2,
+        peers=("soap", "kron"),
+    )
+    rows = _rows(lines)
+    assert list(rows) == ["sgd", "adam", "soap", "kron", "default"]
+    for peer in ("soap", "kron"):
+        assert int(rows[peer][4]) > int(rows["adam"][4]) > 0
