@@ -108,6 +108,22 @@ def make_closure(
     return closure
 
 
+def train_twins(runs: Sequence[tuple[DampedNewton, Case]], steps: int) -> None:
+    """Take ``steps`` steps of each optimizer on its case's fixed batch."""
+    for optimizer, case in runs:
+        closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+        for _ in range(steps):
+            optimizer.step(closure)
+
+
+def assert_same_parameters(
+    first: nn.Module, second: nn.Module, rtol: float, atol: float
+) -> None:
+    """Two models' parameters agree, pair by pair."""
+    for actual, expected in zip(first.parameters(), second.parameters(), strict=True):
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
 def layer_groups(model: nn.Module) -> list[list[nn.Parameter]]:
     """One group per layer with parameters; a lone layer is split into its tensors."""
     layers = [

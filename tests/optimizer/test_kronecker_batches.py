@@ -24,7 +24,14 @@ from dampednewton import (
 from dampednewton._step.kronecker_group import layer_batches
 from dampednewton._step.kronecker_state import stored_bases
 from tests.cases import case_by_id
-from tests.utils import Case, build_case, make_closure
+from tests.utils import (
+    Case,
+    assert_same_parameters,
+    build_case,
+    layer_groups,
+    make_closure,
+    train_twins,
+)
 
 BASES = {
     "exact": {},
@@ -51,15 +58,6 @@ def test_layers_of_one_shape_share_a_batch():
     assert middle.inputs.vectors.shape == (2, 5, 5)
 
 
-def one_group_per_layer(model: torch.nn.Module) -> list[dict]:
-    """Param groups that keep every layer alone (batches never span groups)."""
-    return [
-        {"params": list(module.parameters())}
-        for module in model
-        if isinstance(module, torch.nn.Linear)
-    ]
-
-
 @pytest.mark.parametrize("noise_filter", [None, NoiseFilter(0.9, 0.8, floor=0.1)])
 @pytest.mark.parametrize("basis", list(BASES.values()), ids=list(BASES))
 def test_batched_steps_are_the_layer_by_layer_steps(basis, noise_filter):
@@ -78,17 +76,13 @@ def test_batched_steps_are_the_layer_by_layer_steps(basis, noise_filter):
     }
     optimizers = [
         DampedNewton(batched.model.parameters(), **settings),
-        DampedNewton(one_group_per_layer(alone.model), **settings),
+        DampedNewton(
+            [{"params": group} for group in layer_groups(alone.model)], **settings
+        ),
     ]
-    for optimizer, case in zip(optimizers, (batched, alone), strict=True):
-        closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
-        for _ in range(7):
-            optimizer.step(closure)
-    for actual, expected in zip(
-        batched.model.parameters(), alone.model.parameters(), strict=True
-    ):
-        # Batched and single products round differently.
-        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-13)
+    train_twins(list(zip(optimizers, (batched, alone), strict=True)), steps=7)
+    # Batched and single products round differently.
+    assert_same_parameters(batched.model, alone.model, rtol=1e-12, atol=1e-13)
     if noise_filter is not None:
         for first, second in zip(
             batched.model.parameters(), alone.model.parameters(), strict=True

@@ -35,8 +35,10 @@ from tests.optimizer.kronecker_twin import (
 )
 from tests.utils import (
     Case,
+    assert_same_parameters,
     build_case,
     make_closure,
+    train_twins,
 )
 
 FILTER = NoiseFilter(beta1=0.9, beta2=0.8, floor=0.1)
@@ -168,14 +170,8 @@ def test_a_floor_of_one_is_the_plain_step(twins, damping):
         **settings(),
     )
     unfiltered = DampedNewton(plain.model.parameters(), seed=0, **settings())
-    for optimizer, run in ((filtered, case), (unfiltered, plain)):
-        closure = make_closure(optimizer, run.model, run.loss_fn, run.X, run.y)
-        for _ in range(4):
-            optimizer.step(closure)
-    for actual, expected in zip(
-        case.model.parameters(), plain.model.parameters(), strict=True
-    ):
-        torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-14)
+    train_twins([(filtered, case), (unfiltered, plain)], steps=4)
+    assert_same_parameters(case.model, plain.model, rtol=1e-12, atol=1e-14)
 
 
 def test_moments_start_anew_after_steps_without_the_filter():
