@@ -99,22 +99,11 @@ class LayerBatch:
         """
         if not self.stacked:
             return self.layers[0].split(direction)
-        first = self.layers[0]
-        if first.weight is None or first.bias is None:
-            return [
-                pair
-                for layer, matrix in zip(self.layers, direction.unbind(0), strict=True)
-                for pair in layer.split(matrix)
-            ]
-        weights = direction[..., :-1].unbind(0)
-        biases = direction[..., -1].unbind(0)
-        pairs: list[tuple[Tensor, Tensor]] = []
-        for layer, weight, bias in zip(self.layers, weights, biases, strict=True):
-            assert layer.weight is not None and layer.bias is not None
-            if layer.weight.dim() > 2:  # a convolution's filters
-                weight = weight.reshape(layer.weight.shape)
-            pairs += ((layer.weight, weight), (layer.bias, bias))
-        return pairs
+        return [
+            pair
+            for layer, matrix in zip(self.layers, direction.unbind(0), strict=True)
+            for pair in layer.split(matrix)
+        ]
 
 
 def layer_batches(layers: Sequence[LayerBasis]) -> list[LayerBatch]:
