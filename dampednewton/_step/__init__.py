@@ -8,7 +8,7 @@
 2. :mod:`.seeding`: the optimizer's own generator for Monte-Carlo sampling.
    Groups with the Kronecker basis (the default) then take :mod:`.kronecker`'s step:
    a BackPACK refresh pass (:mod:`.kronecker_refresh`: averaged factors and their
-   eigenpairs) or a plain backward pass, the layers' directions
+   eigenpairs, layers of one shape batched) or a plain backward pass, the layers' directions
    (:mod:`.kronecker_group`: layers of one shape batched; the noise filter's moments
    in :mod:`.kronecker_moments`), one host read (:mod:`.kronecker_checks`), the
    update; :mod:`.kronecker_state` is what they keep.

@@ -54,7 +54,7 @@ from dampednewton._step.kronecker_moments import (
     moment_entries,
 )
 from dampednewton._step.kronecker_refresh import (
-    Refreshed,
+    RefreshedBatch,
     commit_layers,
     factors_finite,
     mean_over_ranks,
@@ -165,12 +165,11 @@ class KroneckerSteps:
             check_loss_type(loss)
             if communicator is not None:
                 loss = communicator.mean_loss_of_pass(loss, None)
-            fresh: dict[int, list[Refreshed]] = {}
+            fresh: dict[int, list[RefreshedBatch]] = {}
             finite = None
             if collector is not None:
                 if communicator is not None:
                     mean_over_ranks(collector.layers, communicator)
-                finite = factors_finite(collector.layers)
                 try:
                     for index, refresh in enumerate(refreshing):
                         if refresh:
@@ -181,19 +180,19 @@ class KroneckerSteps:
                                 state,
                                 collector.layers,
                             )
+                    finite = factors_finite(
+                        [batch for batches in fresh.values() for batch in batches]
+                    )
                 except torch.linalg.LinAlgError:
                     # LAPACK fails on non-finite factors; else the read refuses.
                     fresh.clear()
                     finite = torch.zeros((), dtype=torch.bool)
             steps: list[KroneckerGroupStep | None] = [None] * len(groups)
-            fresh_batches: dict[int, list[LayerBatch]] = {}
             for index, group in enumerate(groups):
                 noise_filter = group_noise_filter(options[index])
                 batches: list[LayerBatch] | None
                 if index in fresh:
-                    batches = fresh_batches[index] = layer_batches(
-                        [refreshed.basis for refreshed in fresh[index]]
-                    )
+                    batches = [refreshed.batch for refreshed in fresh[index]]
                 else:
                     batches = self._batches_of(index, group, stats[index], state)
                 if batches:
@@ -224,9 +223,10 @@ class KroneckerSteps:
                 modified_loss_warning(deferred.loss_name, len(deferred.loss_weights)),
                 stacklevel=STACKLEVEL_OF_CALLER + 1,
             )
-        for index, layers in fresh.items():
-            commit_layers(layers, groups[index], stats[index], state)
-            self._batches[index] = fresh_batches[index]
+        for index, refreshed in fresh.items():
+            self._batches[index] = commit_layers(
+                refreshed, groups[index], stats[index], state
+            )
         if fresh:
             global_state.update({REFRESH_DUE: False, REFRESH_LOSS: values["loss"]})
         elif loss_rose(options, global_state, values["loss"]):

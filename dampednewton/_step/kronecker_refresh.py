@@ -2,20 +2,26 @@
 
 A refresh pass's hook (:class:`~dampednewton.backpack.kronecker_hook.FactorCollector`)
 leaves each layer's factors of the batch; :func:`refreshed_layers` averages them into
-the stored ones and decomposes them (uncommitted, :class:`Refreshed`);
-:func:`commit_layers` stores them with an accepted step. Under data parallelism
-:func:`mean_over_ranks` averages the batch's factors over the ranks first.
+the stored ones and decomposes them (uncommitted, :class:`RefreshedBatch`);
+:func:`commit_layers` stores them with an accepted step. Layers of one shape (weight,
+bias, factor dimensions, dtype, device) are refreshed together: their factors are
+stacked once, and the averages, eigensolvers and Rayleigh quotients run batched, so
+the refresh's operators grow with the distinct layer shapes, not with the layers.
+The stacked eigenpairs are the :class:`~._step.kronecker_group.LayerBatch` the steps
+until the next refresh use. Under data parallelism :func:`mean_over_ranks` averages
+the batch's factors over the ranks first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from dampednewton._step.kronecker_group import LayerBatch
 from dampednewton._step.kronecker_state import (
     INPUT_EIGEN,
     INPUT_FACTOR,
@@ -30,6 +36,7 @@ from dampednewton._step.kronecker_state import (
 from dampednewton._step.options import GroupOptions
 from dampednewton.backpack.kronecker_hook import LayerFactors
 from dampednewton.distributed import Communicator
+from dampednewton.math.kronecker import stacked_eigen, unstacked_eigen
 from dampednewton.math.kronecker_factors import (
     FactorEigen,
     factor_eigen,
@@ -45,10 +52,16 @@ COMPILE_HINT = (
 
 
 @dataclass(frozen=True)
-class Refreshed:
-    """A layer's new (uncommitted) averages and the basis decomposed from them."""
+class RefreshedBatch:
+    """Layers of one shape with their new (uncommitted) averages and eigenpairs.
 
-    basis: LayerBasis
+    Attributes:
+        batch: The layers and their eigenpairs (stacked for several layers).
+        inputs: The new averaged ``A`` factors ``[(L,) d_in (+1), d_in (+1)]``.
+        outputs: The new averaged ``S`` factors ``[(L,) d_out, d_out]``.
+    """
+
+    batch: LayerBatch
     inputs: Tensor
     outputs: Tensor
 
@@ -59,8 +72,8 @@ def refreshed_layers(
     stats: dict[str, Any],
     state: Any,
     factors: dict[int, LayerFactors],
-) -> list[Refreshed]:
-    """The group's layers with their updated averages and bases.
+) -> list[RefreshedBatch]:
+    """The group's layers with their updated averages and bases, batched by shape.
 
     Raises:
         RuntimeError: For a trainable parameter that no curvature reached.
@@ -68,31 +81,14 @@ def refreshed_layers(
     basis_policy = option.basis
     assert isinstance(basis_policy, KroneckerBasis)
     decay = 0.0 if option.averaging is None else option.averaging.decay
-    correction = 1 - decay ** (stats.get(UPDATES, 0) + 1)
-    layers = []
+    shapes: dict[tuple, list[LayerFactors]] = {}
     covered: set[int] = set()
     for param in group["params"]:
         layer = factors.get(id(param))
         if layer is None:
             continue
         covered.update(id(p) for p in (layer.weight, layer.bias) if p is not None)
-        stored = state[param]
-        inputs, outputs = layer.mean()
-        if decay > 0 and INPUT_FACTOR in stored:
-            inputs = torch.lerp(inputs, stored[INPUT_FACTOR], decay)
-            outputs = torch.lerp(outputs, stored[OUTPUT_FACTOR], decay)
-        elif decay > 0:
-            inputs, outputs = (1 - decay) * inputs, (1 - decay) * outputs
-        output_eigen, input_eigen = decomposed(
-            basis_policy, stored, inputs, outputs, stats.get(UPDATES, 0)
-        )
-        basis = LayerBasis(
-            layer.weight,
-            layer.bias,
-            output_eigen.scaled(1 / correction),
-            input_eigen.scaled(1 / correction),
-        )
-        layers.append(Refreshed(basis, inputs, outputs))
+        shapes.setdefault(_shape_key(layer), []).append(layer)
     for param in group["params"]:
         if param.requires_grad and id(param) not in covered:
             raise RuntimeError(
@@ -102,71 +98,193 @@ def refreshed_layers(
                 "loss_fn)`), call `loss.backward()` in the closure and use every "
                 "parameter in the forward pass. " + COMPILE_HINT
             )
-    return layers
+    return [
+        _refreshed_batch(members, state, basis_policy, decay, stats.get(UPDATES, 0))
+        for members in shapes.values()
+    ]
+
+
+def _shape_key(layer: LayerFactors) -> tuple:
+    """What layers must share to be refreshed (and then stepped) together."""
+    return (
+        None if layer.weight is None else tuple(layer.weight.shape),
+        None if layer.bias is None else tuple(layer.bias.shape),
+        tuple(layer.inputs.shape),
+        tuple(layer.outputs.shape),
+        layer.inputs.dtype,
+        layer.inputs.device,
+    )
+
+
+def _refreshed_batch(
+    members: list[LayerFactors],
+    state: Any,
+    basis: KroneckerBasis,
+    decay: float,
+    refreshes: int,
+) -> RefreshedBatch:
+    """Average and decompose the factors of layers of one shape together."""
+    stored = [
+        state[layer.weight if layer.weight is not None else layer.bias]
+        for layer in members
+    ]
+    if len(members) == 1:
+        inputs, outputs = members[0].mean()
+    else:
+        totals = torch.stack([layer.total for layer in members])[:, None, None]
+        inputs = torch.stack([layer.inputs for layer in members]) / totals
+        outputs = torch.stack([layer.outputs for layer in members]) / totals
+    if decay > 0:
+        inputs = _averaged(inputs, stored, INPUT_FACTOR, decay)
+        outputs = _averaged(outputs, stored, OUTPUT_FACTOR, decay)
+    output_eigen, input_eigen = decomposed(basis, stored, inputs, outputs, refreshes)
+    correction = 1 - decay ** (refreshes + 1)
+    output_eigen = output_eigen.scaled(1 / correction)
+    input_eigen = input_eigen.scaled(1 / correction)
+    if len(members) == 1:
+        each = [(output_eigen, input_eigen)]
+    else:
+        each = list(
+            zip(
+                unstacked_eigen(output_eigen), unstacked_eigen(input_eigen), strict=True
+            )
+        )
+    layers = [
+        LayerBasis(layer.weight, layer.bias, output, input_side)
+        for layer, (output, input_side) in zip(members, each, strict=True)
+    ]
+    return RefreshedBatch(
+        LayerBatch(layers, output_eigen, input_eigen), inputs, outputs
+    )
+
+
+def _averaged(
+    new: Tensor, stored: list[dict[str, Any]], key: str, decay: float
+) -> Tensor:
+    """``βF + (1 − β)F_batch`` of stacked factors (``F = 0`` where none is stored)."""
+    old = [entry.get(key) for entry in stored]
+    present = [factor for factor in old if factor is not None]
+    if not present:
+        return (1 - decay) * new
+    if len(present) == len(old):
+        previous = present[0] if len(present) == 1 else torch.stack(present)
+        return torch.lerp(new, previous, decay)
+    return torch.stack(
+        [
+            (1 - decay) * factor
+            if stored_factor is None
+            else torch.lerp(factor, stored_factor, decay)
+            for factor, stored_factor in zip(new.unbind(0), old, strict=True)
+        ]
+    )
 
 
 def decomposed(
     basis: KroneckerBasis,
-    stored: dict[str, Any],
+    stored: Sequence[Mapping[str, Any]],
     inputs: Tensor,
     outputs: Tensor,
     refreshes: int,
 ) -> tuple[FactorEigen, FactorEigen]:
-    """Eigenpairs of a layer's averaged factors ``(S, A)`` for this refresh.
+    """Eigenpairs of layers' averaged factors ``(S, A)`` for this refresh.
 
     Rotating refreshes (:meth:`KroneckerBasis.rotates`) decompose the factors anew;
-    the others refresh the eigenvalues along the stored eigenvectors.
+    the others refresh the eigenvalues along the stored eigenvectors. ``stored``
+    holds each layer's state; with several layers the factors are stacked
+    ``[L, d, d]`` and decomposed together, unless the layers' stored eigenpairs
+    differ in kind (some stored, some not, or of other shapes): then each layer is
+    decomposed alone and the results stacked.
     """
-    output = stored_eigen(stored, OUTPUT_EIGEN)
-    input_eigen = stored_eigen(stored, INPUT_EIGEN)
+    previous = [
+        (stored_eigen(entry, OUTPUT_EIGEN), stored_eigen(entry, INPUT_EIGEN))
+        for entry in stored
+    ]
+    if len(previous) > 1 and not _alike(previous):
+        each = [
+            decomposed(basis, [entry], input_side, output, refreshes)
+            for entry, output, input_side in zip(
+                stored, outputs.unbind(0), inputs.unbind(0), strict=True
+            )
+        ]
+        return (
+            stacked_eigen([output for output, _ in each]),
+            stacked_eigen([input_side for _, input_side in each]),
+        )
+    output, input_eigen = previous[0]
+    if len(previous) > 1 and output is not None and input_eigen is not None:
+        outputs_before = [pair[0] for pair in previous if pair[0] is not None]
+        inputs_before = [pair[1] for pair in previous if pair[1] is not None]
+        output, input_eigen = (
+            stacked_eigen(outputs_before),
+            stacked_eigen(inputs_before),
+        )
     if output is None or input_eigen is None or basis.rotates(refreshes):
         return (
             factor_eigen(
                 outputs,
-                basis.kept(outputs.shape[0]),
+                basis.kept(outputs.shape[-1]),
                 None if output is None else output.vectors,
             ),
             factor_eigen(
                 inputs,
-                basis.kept(inputs.shape[0]),
+                basis.kept(inputs.shape[-1]),
                 None if input_eigen is None else input_eigen.vectors,
             ),
         )
     return refreshed_values(outputs, output), refreshed_values(inputs, input_eigen)
 
 
+def _alike(previous: list[tuple[FactorEigen | None, FactorEigen | None]]) -> bool:
+    """Whether every layer's stored eigenpairs are absent, or present in one shape."""
+    kinds = {
+        tuple(None if eigen is None else tuple(eigen.vectors.shape) for eigen in pair)
+        for pair in previous
+    }
+    return len(kinds) == 1
+
+
 def commit_layers(
-    layers: Sequence[Refreshed],
+    refreshed: Sequence[RefreshedBatch],
     group: dict[str, Any],
     stats: dict[str, Any],
     state: Any,
-) -> list[LayerBasis]:
-    """Store a group's refreshed layers; return their bases."""
+) -> list[LayerBatch]:
+    """Store a group's refreshed layers; return their batches."""
     position = {id(p): i for i, p in enumerate(group["params"])}
     pairs = []
-    for layer in layers:
-        basis = layer.basis
-        state[basis.first].update(
-            {
-                INPUT_FACTOR: layer.inputs,
-                OUTPUT_FACTOR: layer.outputs,
-                **eigen_entries(INPUT_EIGEN, basis.inputs),
-                **eigen_entries(OUTPUT_EIGEN, basis.output),
-            }
-        )
-        pairs.append(
-            (
-                None if basis.weight is None else position[id(basis.weight)],
-                None if basis.bias is None else position[id(basis.bias)],
+    for entry in refreshed:
+        batch = entry.batch
+        stacked = batch.stacked
+        inputs = entry.inputs.unbind(0) if stacked else (entry.inputs,)
+        outputs = entry.outputs.unbind(0) if stacked else (entry.outputs,)
+        for basis, input_factor, output_factor in zip(
+            batch.layers, inputs, outputs, strict=True
+        ):
+            state[basis.first].update(
+                {
+                    INPUT_FACTOR: input_factor,
+                    OUTPUT_FACTOR: output_factor,
+                    **eigen_entries(INPUT_EIGEN, basis.inputs),
+                    **eigen_entries(OUTPUT_EIGEN, basis.output),
+                }
             )
-        )
-    stats[LAYERS] = tuple(pairs)
+            pairs.append(
+                (
+                    None if basis.weight is None else position[id(basis.weight)],
+                    None if basis.bias is None else position[id(basis.bias)],
+                )
+            )
+    # In the group's order of the parameters that hold each layer's state.
+    stats[LAYERS] = tuple(
+        sorted(pairs, key=lambda pair: pair[1] if pair[0] is None else pair[0])
+    )
     stats[UPDATES] = stats.get(UPDATES, 0) + 1
     stats["num_directions"] = sum(
-        layer.basis.output.values.numel() * layer.basis.inputs.values.numel()
-        for layer in layers
+        basis.output.values.numel() * basis.inputs.values.numel()
+        for entry in refreshed
+        for basis in entry.batch.layers
     )
-    return [layer.basis for layer in layers]
+    return [entry.batch for entry in refreshed]
 
 
 def mean_over_ranks(
@@ -192,12 +310,13 @@ def mean_over_ranks(
         layer.total = total
 
 
-def factors_finite(factors: dict[int, LayerFactors]) -> Tensor | None:
-    """Whether every factor is finite (0-dim, read with the step's checks).
+def factors_finite(refreshed: Sequence[RefreshedBatch]) -> Tensor | None:
+    """Whether every new averaged factor is finite (0-dim, read with the step's checks).
 
-    ``None`` without factors.
+    The averages carry a non-finite factor of the batch on; one sum per stack of
+    layers. ``None`` without factors.
     """
-    if not factors:
+    if not refreshed:
         return None
-    sums = [layer.inputs.sum() + layer.outputs.sum() for layer in factors.values()]
+    sums = [entry.inputs.sum() + entry.outputs.sum() for entry in refreshed]
     return torch.isfinite(torch.stack(sums)).all()

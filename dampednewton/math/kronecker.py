@@ -178,6 +178,19 @@ def stacked_eigen(eigen: Sequence[FactorEigen]) -> FactorEigen:
     )
 
 
+def unstacked_eigen(eigen: FactorEigen) -> list[FactorEigen]:
+    """Each layer's eigenpairs of :func:`stacked_eigen`'s result (views, no copies).
+
+    Args:
+        eigen: Eigenpairs stacked along the first dimension.
+
+    Returns:
+        One :class:`FactorEigen` per layer.
+    """
+    fields = (getattr(eigen, name).unbind(0) for name in EIGEN_FIELDS)
+    return [FactorEigen(*parts) for parts in zip(*fields, strict=True)]
+
+
 @dataclass(frozen=True)
 class KroneckerStep:
     """A layer's step and its quadratic model.

@@ -112,21 +112,24 @@ def factor_eigen(
     Shampoo's eigenbasis updates. The symmetric eigenproblems (at most
     ``rank × rank``) need no check of their result (no host read): a failure raises
     and is solved again in float64; a non-finite factor must not reach them.
+    Factors of one shape stacked along leading dimensions are decomposed together
+    (batched products and solvers), each as it would be alone.
 
     Args:
-        factor: Symmetric PSD ``[d, d]``.
+        factor: Symmetric PSD ``[..., d, d]``.
         rank: Eigenpairs to keep.
-        previous: Eigenvectors ``[d, rank]`` of the last refresh, or ``None``.
+        previous: Eigenvectors ``[..., d, rank]`` of the last refresh, or ``None``.
 
     Returns:
         The eigenpairs (ascending) and the residual.
     """
-    dim = factor.shape[0]
-    mean = torch.diagonal(factor).sum() / dim
+    dim = factor.shape[-1]
+    mean = _trace(factor) / dim
     if dim <= rank:
         values, vectors = _eigh(factor)
-        return FactorEigen(values.clamp_min(0), vectors, factor.new_zeros(()), mean)
-    if previous is None or previous.shape != (dim, rank):
+        residual = factor.new_zeros(factor.shape[:-2])
+        return FactorEigen(values.clamp_min(0), vectors, residual, mean)
+    if previous is None or previous.shape != (*factor.shape[:-1], rank):
         start = _fixed_start(dim, rank, factor)
         iterations = POWER_ITERATIONS_FROM_SCRATCH
     else:
@@ -134,10 +137,10 @@ def factor_eigen(
     subspace = start
     for _ in range(iterations):
         subspace = torch.linalg.qr(factor @ subspace).Q
-    projected = subspace.T @ factor @ subspace
-    values, rotation = _eigh((projected + projected.T) / 2)
+    projected = subspace.mT @ factor @ subspace
+    values, rotation = _eigh((projected + projected.mT) / 2)
     values = values.clamp_min(0)
-    residual = ((mean * dim - values.sum()) / (dim - rank)).clamp_min(0)
+    residual = ((mean * dim - values.sum(-1)) / (dim - rank)).clamp_min(0)
     return FactorEigen(values, subspace @ rotation, residual, mean)
 
 
@@ -146,44 +149,54 @@ def refreshed_values(factor: Tensor, eigen: FactorEigen) -> FactorEigen:
 
     The Rayleigh quotients ``σ_j = v_jᵀ F v_j`` (and the residual and mean of the new
     factor): two products instead of an eigendecomposition, for refreshes between
-    those that rotate the basis. Exact when ``F`` kept its eigenvectors.
+    those that rotate the basis. Exact when ``F`` kept its eigenvectors. Stacked
+    factors (``[..., d, d]``, their eigenpairs likewise) are refreshed together.
 
     Args:
-        factor: The new factor ``F`` ``[d, d]``.
+        factor: The new factor ``F`` ``[..., d, d]``.
         eigen: Its previous eigenpairs.
 
     Returns:
         The eigenpairs along the previous vectors.
     """
     vectors = eigen.vectors
-    values = ((factor @ vectors) * vectors).sum(0).clamp_min(0)
-    dim, rank = vectors.shape
-    mean = torch.diagonal(factor).sum() / dim
+    values = ((factor @ vectors) * vectors).sum(-2).clamp_min(0)
+    dim, rank = vectors.shape[-2:]
+    mean = _trace(factor) / dim
     residual = (
-        ((mean * dim - values.sum()) / (dim - rank)).clamp_min(0)
+        ((mean * dim - values.sum(-1)) / (dim - rank)).clamp_min(0)
         if rank < dim
-        else factor.new_zeros(())
+        else factor.new_zeros(factor.shape[:-2])
     )
     return FactorEigen(values, vectors, residual, mean)
 
 
-def _eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """``eigh`` of a power-of-two-scaled matrix, in float64 if LAPACK fails.
+def _trace(factor: Tensor) -> Tensor:
+    """``tr F`` of each of stacked matrices ``[..., d, d]``."""
+    return torch.diagonal(factor, dim1=-2, dim2=-1).sum(-1)
 
-    The factors are PSD and scaled to unit magnitude; a failure to converge raises
-    (no host read of the result is needed) and is solved again in float64.
+
+def _eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """``eigh`` of power-of-two-scaled matrices, in float64 if LAPACK fails.
+
+    The factors are PSD and each scaled to unit magnitude; a failure to converge
+    raises (no host read of the result is needed) and is solved again in float64.
     """
     scale = power_of_two_scale(matrix)
-    scaled = matrix / scale
+    scaled = matrix / scale[..., None, None]
     try:
         values, vectors = torch.linalg.eigh(scaled)
     except torch.linalg.LinAlgError:
         values, vectors = torch.linalg.eigh(scaled.to(torch.float64))
-    return values.to(matrix.dtype) * scale, vectors.to(matrix.dtype)
+    return values.to(matrix.dtype) * scale[..., None], vectors.to(matrix.dtype)
 
 
 def _fixed_start(dim: int, rank: int, like: Tensor) -> Tensor:
-    """A deterministic Gaussian ``[dim, rank]`` start (a local generator)."""
+    """A deterministic Gaussian ``[..., dim, rank]`` start (a local generator).
+
+    One start for every matrix stacked in ``like`` (``[..., dim, dim]``).
+    """
     generator = torch.Generator().manual_seed(dim * 7919 + rank)
     start = torch.randn(dim, rank, generator=generator, dtype=torch.float64)
-    return start.to(device=like.device, dtype=like.dtype)
+    start = start.to(device=like.device, dtype=like.dtype)
+    return start.expand(*like.shape[:-2], dim, rank)

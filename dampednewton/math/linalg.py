@@ -86,11 +86,12 @@ def power_of_two_scale(matrix: Tensor) -> Tensor:
     """The power of two nearest the largest entry's magnitude (1 for 0 or inf).
 
     Dividing by it is exact and brings the entries to unit magnitude; it stays a
-    0-dim tensor on the matrix's device (no host sync).
+    tensor on the matrix's device (no host sync): 0-dim for a matrix, one scale per
+    matrix (the leading shape) for matrices stacked as ``[..., m, n]``.
     """
     if matrix.numel() == 0:
-        return matrix.new_ones(())
-    largest = matrix.abs().max()
+        return matrix.new_ones(matrix.shape[:-2])
+    largest = matrix.abs().amax(dim=(-2, -1))
     usable = (largest > 0) & torch.isfinite(largest)
     exponent = torch.log2(largest.where(usable, 1.0)).round()
     return torch.exp2(exponent).where(usable, 1.0)

@@ -21,6 +21,7 @@ from dampednewton import (
     KroneckerBasis,
     NoiseFilter,
 )
+from dampednewton._step import kronecker, kronecker_refresh
 from dampednewton._step.kronecker_group import layer_batches
 from dampednewton._step.kronecker_state import stored_bases
 from tests.cases import case_by_id
@@ -69,7 +70,9 @@ def test_batched_steps_are_the_layer_by_layer_steps(basis, noise_filter):
     batched, alone = deep_mlp(), deep_mlp()
     settings = {
         "basis": KroneckerBasis(**basis, noise_filter=noise_filter),
-        "averaging": CurvatureAveraging(interval=3),
+        # Refreshes at steps 0, 1, 3, …, 13: the eigenvectors recomputed on the
+        # first six, Rayleigh quotients on the last two; steps between them.
+        "averaging": CurvatureAveraging(interval=2),
         "damping": 0.1,  # 1e-2 without a trust region lets the weights grow 400-fold
         "kl_clip": None,
         "seed": 0,
@@ -80,7 +83,8 @@ def test_batched_steps_are_the_layer_by_layer_steps(basis, noise_filter):
             [{"params": group} for group in layer_groups(alone.model)], **settings
         ),
     ]
-    train_twins(list(zip(optimizers, (batched, alone), strict=True)), steps=7)
+    train_twins(list(zip(optimizers, (batched, alone), strict=True)), steps=14)
+    assert optimizers[0].state["groups"][0]["curvature_updates"] == 8
     # Batched and single products round differently.
     assert_same_parameters(batched.model, alone.model, rtol=1e-12, atol=1e-13)
     if noise_filter is not None:
@@ -92,6 +96,80 @@ def test_batched_steps_are_the_layer_by_layer_steps(basis, noise_filter):
                     reference = optimizers[1].state[second][key]
                     assert value.shape == reference.shape, key
                     torch.testing.assert_close(value, reference, rtol=1e-9, atol=1e-14)
+
+
+def test_a_layer_unfrozen_between_refreshes_joins_its_batch():
+    """A layer of one shape without stored factors is refreshed alone, then batched.
+
+    The deep MLP's second hidden layer is frozen for the first refreshes: at the
+    refresh after it thaws, its batch mixes a layer with stored factors and one
+    without, as one param group per layer does it.
+    """
+    batched, alone = deep_mlp(), deep_mlp()
+    settings = {
+        "averaging": CurvatureAveraging(interval=2),
+        "damping": 0.1,
+        "kl_clip": None,
+        "seed": 0,
+    }
+    optimizers = [
+        DampedNewton(batched.model.parameters(), **settings),
+        DampedNewton(
+            [{"params": group} for group in layer_groups(alone.model)], **settings
+        ),
+    ]
+    for optimizer, case in zip(optimizers, (batched, alone), strict=True):
+        thawing = [m for m in case.model if isinstance(m, torch.nn.Linear)][2]
+        thawing.requires_grad_(False)
+        train_twins([(optimizer, case)], steps=4)
+        assert "kronecker_input_factor" not in optimizer.state[thawing.weight]
+        thawing.requires_grad_(True)
+        train_twins([(optimizer, case)], steps=6)
+        assert "kronecker_input_factor" in optimizer.state[thawing.weight]
+    assert_same_parameters(batched.model, alone.model, rtol=1e-12, atol=1e-13)
+
+
+def operators_of_refreshes(hidden: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Operators of each refresh's own math (averages, eigenpairs), 8 refreshes.
+
+    The tanh MLP of :func:`operators_between_refreshes`, refreshed on every step:
+    the eigenvectors recomputed on the first six refreshes (from a fixed start on
+    the first), Rayleigh quotients on the last two.
+    """
+    counts: list[int] = []
+    refresh = kronecker_refresh.refreshed_layers  # unwrapped by any earlier patch
+
+    def counted(*args, **kwargs):
+        with ComputingOperators() as operators:
+            result = refresh(*args, **kwargs)
+        counts.append(operators.count)
+        return result
+
+    monkeypatch.setattr(kronecker, "refreshed_layers", counted)
+    generator = torch.Generator().manual_seed(0)
+    X = torch.randn(10, 6, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,), generator=generator)
+    layers = [torch.nn.Linear(6, 8), torch.nn.Tanh()]
+    for _ in range(hidden):
+        layers += [torch.nn.Linear(8, 8), torch.nn.Tanh()]
+    model = extend(torch.nn.Sequential(*layers, torch.nn.Linear(8, 3)).double())
+    optimizer = DampedNewton(
+        model.parameters(),
+        basis=KroneckerBasis(rank=4, exact_size=4),  # truncated: subspace iteration
+        averaging=CurvatureAveraging(interval=1, ramp=False),
+    )
+    closure = make_closure(optimizer, model, extend(torch.nn.CrossEntropyLoss()), X, y)
+    for _ in range(8):
+        optimizer.step(closure)
+    return counts
+
+
+def test_refreshes_do_not_grow_with_layers_of_one_shape(monkeypatch):
+    """Two hidden layers of one shape or six: a refresh's math costs the same."""
+    shallow = operators_of_refreshes(2, monkeypatch)
+    deep = operators_of_refreshes(6, monkeypatch)
+    assert len(shallow) == 8 and shallow == deep, (shallow, deep)
+    assert shallow[-1] < shallow[-3], shallow  # Rayleigh quotients are cheaper
 
 
 def test_switching_the_noise_filter_on_between_refreshes():
