@@ -8,10 +8,10 @@
 2. :mod:`.seeding`: the optimizer's own generator for Monte-Carlo sampling.
    Groups with the Kronecker basis (the default) then take :mod:`.kronecker`'s step:
    a BackPACK refresh pass (:mod:`.kronecker_refresh`: averaged factors and their
-   eigenpairs, layers of one shape batched) or a plain backward pass, the layers' directions
-   (:mod:`.kronecker_group`: layers of one shape batched; the noise filter's moments
-   in :mod:`.kronecker_moments`), one host read (:mod:`.kronecker_checks`), the
-   update; :mod:`.kronecker_state` is what they keep.
+   eigenpairs, layers of one shape batched) or a plain backward pass, the layers'
+   directions (:mod:`.kronecker_group`: layers of one shape batched; the noise
+   filter's moments in :mod:`.kronecker_moments`), one host read
+   (:mod:`.kronecker_checks`), the update; :mod:`.kronecker_state` is what they keep.
    Groups with the Gram basis go on:
 3. :mod:`.amortized`: between curvature refreshes, the lean step along a frozen
    basis after a plain backward pass; it ends the step there.
