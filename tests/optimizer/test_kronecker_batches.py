@@ -59,43 +59,57 @@ def test_layers_of_one_shape_share_a_batch():
     assert middle.inputs.vectors.shape == (2, 5, 5)
 
 
+def batched_and_layer_by_layer(**settings) -> list[tuple[DampedNewton, Case]]:
+    """The deep MLP twice: one group (batched) and one group per layer.
+
+    Refreshes at steps 0, 1, 3, 5, …; without a trust region (which bounds each
+    group's step) both take the same steps.
+    """
+    batched, alone = deep_mlp(), deep_mlp()
+    settings = {
+        "averaging": CurvatureAveraging(interval=2),
+        "damping": 0.1,  # 1e-2 without a trust region lets the weights grow 400-fold
+        "kl_clip": None,
+        "seed": 0,
+        **settings,
+    }
+    return [
+        (DampedNewton(batched.model.parameters(), **settings), batched),
+        (
+            DampedNewton(
+                [{"params": group} for group in layer_groups(alone.model)],
+                **settings,
+            ),
+            alone,
+        ),
+    ]
+
+
 @pytest.mark.parametrize("noise_filter", [None, NoiseFilter(0.9, 0.8, floor=0.1)])
 @pytest.mark.parametrize("basis", list(BASES.values()), ids=list(BASES))
 def test_batched_steps_are_the_layer_by_layer_steps(basis, noise_filter):
     """Refreshes and steps between them, the noise filter's moments included.
 
-    Without a trust region (which bounds each group's step) one group per layer
-    takes the same steps as one group, layer by layer.
+    14 steps refresh 8 times: the eigenvectors recomputed on the first six,
+    Rayleigh quotients on the last two.
     """
-    batched, alone = deep_mlp(), deep_mlp()
-    settings = {
-        "basis": KroneckerBasis(**basis, noise_filter=noise_filter),
-        # Refreshes at steps 0, 1, 3, …, 13: the eigenvectors recomputed on the
-        # first six, Rayleigh quotients on the last two; steps between them.
-        "averaging": CurvatureAveraging(interval=2),
-        "damping": 0.1,  # 1e-2 without a trust region lets the weights grow 400-fold
-        "kl_clip": None,
-        "seed": 0,
-    }
-    optimizers = [
-        DampedNewton(batched.model.parameters(), **settings),
-        DampedNewton(
-            [{"params": group} for group in layer_groups(alone.model)], **settings
-        ),
-    ]
-    train_twins(list(zip(optimizers, (batched, alone), strict=True)), steps=14)
-    assert optimizers[0].state["groups"][0]["curvature_updates"] == 8
+    runs = batched_and_layer_by_layer(
+        basis=KroneckerBasis(**basis, noise_filter=noise_filter)
+    )
+    train_twins(runs, steps=14)
+    (optimizer, batched), (reference, alone) = runs
+    assert optimizer.state["groups"][0]["curvature_updates"] == 8
     # Batched and single products round differently.
     assert_same_parameters(batched.model, alone.model, rtol=1e-12, atol=1e-13)
     if noise_filter is not None:
         for first, second in zip(
             batched.model.parameters(), alone.model.parameters(), strict=True
         ):
-            for key, value in optimizers[0].state[first].items():
+            for key, value in optimizer.state[first].items():
                 if key.startswith("noise_filter"):
-                    reference = optimizers[1].state[second][key]
-                    assert value.shape == reference.shape, key
-                    torch.testing.assert_close(value, reference, rtol=1e-9, atol=1e-14)
+                    expected = reference.state[second][key]
+                    assert value.shape == expected.shape, key
+                    torch.testing.assert_close(value, expected, rtol=1e-9, atol=1e-14)
 
 
 def test_a_layer_unfrozen_between_refreshes_joins_its_batch():
@@ -105,20 +119,8 @@ def test_a_layer_unfrozen_between_refreshes_joins_its_batch():
     refresh after it thaws, its batch mixes a layer with stored factors and one
     without, as one param group per layer does it.
     """
-    batched, alone = deep_mlp(), deep_mlp()
-    settings = {
-        "averaging": CurvatureAveraging(interval=2),
-        "damping": 0.1,
-        "kl_clip": None,
-        "seed": 0,
-    }
-    optimizers = [
-        DampedNewton(batched.model.parameters(), **settings),
-        DampedNewton(
-            [{"params": group} for group in layer_groups(alone.model)], **settings
-        ),
-    ]
-    for optimizer, case in zip(optimizers, (batched, alone), strict=True):
+    runs = batched_and_layer_by_layer()
+    for optimizer, case in runs:
         thawing = [m for m in case.model if isinstance(m, torch.nn.Linear)][2]
         thawing.requires_grad_(False)
         train_twins([(optimizer, case)], steps=4)
@@ -126,7 +128,7 @@ def test_a_layer_unfrozen_between_refreshes_joins_its_batch():
         thawing.requires_grad_(True)
         train_twins([(optimizer, case)], steps=6)
         assert "kronecker_input_factor" in optimizer.state[thawing.weight]
-    assert_same_parameters(batched.model, alone.model, rtol=1e-12, atol=1e-13)
+    assert_same_parameters(runs[0][1].model, runs[1][1].model, rtol=1e-12, atol=1e-13)
 
 
 def operators_of_refreshes(hidden: int, monkeypatch: pytest.MonkeyPatch) -> list[int]:
