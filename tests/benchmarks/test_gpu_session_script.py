@@ -1,0 +1,40 @@
+"""The GPU session script: its parts under one budget, and what it says when misused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "gpu_session.sh"
+
+
+def run_script(*args: str, budget: int, out: Path) -> subprocess.CompletedProcess:
+    # The script calls `python3`: this interpreter's directory first on the path.
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "PATH": path, "BUDGET": str(budget), "OUT": str(out)}
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=SCRIPT.parents[1],
+    )
+
+
+def test_a_spent_budget_skips_every_part_and_says_so(tmp_path):
+    result = run_script("all", budget=10, out=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for name in ("profile.md", "adam.txt", "dampednewton.txt", "cuda-tests.txt"):
+        assert (tmp_path / name).read_text() == "skipped: budget spent\n", name
+    assert (tmp_path / "critical.md").read_text() == "skipped: budget spent\n"
+    assert "torch" in (tmp_path / "gpu.txt").read_text()  # the versions it ran with
+
+
+def test_an_unknown_part_prints_the_usage(tmp_path):
+    result = run_script("everything", budget=10, out=tmp_path)
+    assert result.returncode == 2
+    assert "usage: bash benchmarks/gpu_session.sh all | PART" in result.stderr
+    assert run_script(budget=10, out=tmp_path).returncode == 2  # no part at all
