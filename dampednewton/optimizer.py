@@ -70,7 +70,7 @@ def basis_defaults(basis: Basis) -> dict[str, Any]:
         return {
             "damping": 3e-3,
             "newton_fraction": 1.0,
-            "averaging": CurvatureAveraging(decay=0.95, interval=10),
+            "averaging": CurvatureAveraging(decay=0.95, interval=15),
             "kl_clip": 1e-3,
             "momentum": 0.5,
             "weight_decay": 1e-3,
@@ -170,7 +170,7 @@ class DampedNewton(Optimizer):
         newton_fraction: ``φ`` in ``(0, 1]`` (*basis*: 1.0 / 0.3).
         averaging: :class:`CurvatureAveraging` (needs a constant or
             Levenberg-Marquardt damping), or ``None`` for this batch's curvature
-            (*basis*: ``CurvatureAveraging(decay=0.95, interval=10)`` /
+            (*basis*: ``CurvatureAveraging(decay=0.95, interval=15)`` /
             ``CurvatureAveraging()``).
         kl_clip: ``κ > 0`` of the trust region, or ``None`` for none (*basis*:
             1e-3 / 1.0).

@@ -120,7 +120,7 @@ def test_the_defaults_follow_the_basis():
     assert (kronecker["damping"], kronecker["kl_clip"]) == (3e-3, 1e-3)
     assert (kronecker["newton_fraction"], kronecker["weight_decay"]) == (1.0, 1e-3)
     assert kronecker["momentum"] == 0.5
-    assert kronecker["averaging"] == CurvatureAveraging(decay=0.95, interval=10)
+    assert kronecker["averaging"] == CurvatureAveraging(decay=0.95, interval=15)
     first, second = (
         DampedNewton([param], basis=GramBasis()).param_groups[0] for _ in range(2)
     )
