@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dampednewton.math.kronecker import (
+    LayerCoefficients,
     damping_pi,
     kronecker_direction,
     layer_coefficients,
@@ -250,6 +251,37 @@ def test_the_curvature_is_left_out_when_not_asked_for():
     assert torch.equal(lean.slope, full.slope)
 
 
+@pytest.mark.parametrize(
+    "out_rank, in_rank",
+    [(5, 7), (3, 7), (5, 2), (3, 2)],
+    ids=["full", "output-truncated", "input-truncated", "both-truncated"],
+)
+def test_coefficients_without_curvature_leave_only_the_curvature_out(out_rank, in_rank):
+    output = truncated_eigen(5, out_rank, seed=21)
+    inputs = truncated_eigen(7, in_rank, seed=22)
+    full = layer_coefficients(output, inputs, 0.01)
+    lean = layer_coefficients(output, inputs, 0.01, with_curvature=False)
+    curvature_fields = {
+        "curvatures",
+        "row_curvatures",
+        "column_curvatures",
+        "both_curvature",
+    }
+    for name in LayerCoefficients.__dataclass_fields__:
+        kept, computed = getattr(full, name), getattr(lean, name)
+        if name in curvature_fields:
+            assert computed is None, name
+        elif kept is None:
+            assert computed is None, name
+        else:
+            assert torch.equal(computed, kept), name
+    gradient = torch.randn(5, 7, generator=torch.Generator().manual_seed(23)).double()
+    step = kronecker_direction(gradient, output, inputs, lean, with_curvature=False)
+    assert torch.equal(
+        step.direction, kronecker_direction(gradient, output, inputs, full).direction
+    )
+
+
 def test_refreshed_values_are_the_rayleigh_quotients_along_the_kept_vectors():
     old, new = psd(9, seed=14), psd(9, seed=15)
     for rank in (9, 4):
@@ -266,14 +298,3 @@ def test_refreshed_values_are_the_rayleigh_quotients_along_the_kept_vectors():
     # Where the factor kept its eigenvectors, the refresh is its decomposition.
     exact = factor_eigen(new, 9)
     assert_close(refreshed_values(2 * new, exact).values, 2 * exact.values, atol=1e-12)
-
-
-def test_scaled_eigenpairs_are_those_of_the_scaled_factor():
-    factor = psd(8, seed=16)
-    for rank in (8, 3):
-        eigen = factor_eigen(factor, rank)
-        scaled = eigen.scaled(4.0)
-        assert scaled.vectors is eigen.vectors
-        assert_close(scaled.values, 4 * eigen.values)
-        assert_close(scaled.residual, 4 * eigen.residual)
-        assert_close(scaled.mean, torch.trace(4 * factor) / 8)

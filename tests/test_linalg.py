@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dampednewton.math.linalg import symmetric_eigh, symmetric_eigvalsh, top_eigh
+from dampednewton.math.linalg import (
+    power_of_two_scale,
+    symmetric_eigh,
+    symmetric_eigvalsh,
+    top_eigh,
+)
 from tests.assertions import assert_close, assert_close_up_to_sign
 
 SPECTRA = {
@@ -70,3 +75,28 @@ def test_symmetric_eigh_retries_in_float64_on_failure():
     evals, _ = symmetric_eigh(matrix)
     assert torch.isfinite(evals).all()
     assert_close(evals.double(), torch.tensor([1.0, 3e38, 3e38], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_power_of_two_scale_brings_the_largest_entry_into_a_half_to_one(dtype):
+    largest = [3.0, 1.0, 0.7, 0.5, 1e-30, 2.0**-149, 1e30, -5.0]
+    matrices = torch.zeros(len(largest), 2, 3, dtype=dtype)
+    matrices[:, 1, 2] = torch.tensor(largest, dtype=dtype)
+    matrices[:, 0, 0] = matrices[:, 1, 2] / 4
+    scales = power_of_two_scale(matrices)
+    assert scales.shape == (len(largest),) and scales.dtype == dtype
+    for matrix, scale, value in zip(matrices, scales, largest, strict=True):
+        exponent = torch.log2(scale.double())
+        assert exponent == exponent.round(), f"{scale} is no power of two"
+        ratio = (matrix / scale).abs().max().item()
+        assert 0.5 <= ratio < 1, value
+        # Dividing by a power of two is exact.
+        assert torch.equal(matrix / scale * scale, matrix)
+        assert power_of_two_scale(matrix) == scale
+
+
+@pytest.mark.parametrize("value", [0.0, float("inf"), float("nan")])
+def test_power_of_two_scale_is_one_for_zero_or_non_finite_matrices(value):
+    for dtype in (torch.float32, torch.float64):
+        assert power_of_two_scale(torch.full((3, 3), value, dtype=dtype)) == 1
+    assert power_of_two_scale(torch.zeros(2, 0, 0)).tolist() == [1.0, 1.0]

@@ -62,12 +62,22 @@ class LayerBatch:
         """Whether the batch holds several layers (its tensors are stacked)."""
         return len(self.layers) > 1
 
-    def coefficients(self, damping: float) -> LayerCoefficients:
-        """The layers' step coefficients for ``δ = damping`` (kept while it holds)."""
-        if self._coefficients is None or self._coefficients[0] != damping:
-            coefficients = layer_coefficients(self.output, self.inputs, damping)
-            self._coefficients = (damping, coefficients)
-        return self._coefficients[1]
+    def coefficients(self, damping: float, with_curvature: bool) -> LayerCoefficients:
+        """The layers' step coefficients for ``δ = damping`` (kept while it holds).
+
+        Their curvature fields are computed when ``with_curvature`` first asks.
+        """
+        cached = self._coefficients
+        if (
+            cached is None
+            or cached[0] != damping
+            or (with_curvature and cached[1].curvatures is None)
+        ):
+            coefficients = layer_coefficients(
+                self.output, self.inputs, damping, with_curvature
+            )
+            self._coefficients = cached = (damping, coefficients)
+        return cached[1]
 
     def gradient(self, like: Tensor) -> Tensor:
         """The layers' gradient matrices ``[(L,) d_out, d_in (+1)]`` (``like``'s dtype).
@@ -193,7 +203,7 @@ def group_step(
     moments: list[tuple[Tensor, DirectionMoments]] = []
     for batch in batches:
         gradient = batch.gradient(batch.output.vectors)
-        coefficients = batch.coefficients(damping)
+        coefficients = batch.coefficients(damping, with_curvature)
         projected = None
         if noise_filter is not None:
             coefficients, projected, advanced = filtered_layer(

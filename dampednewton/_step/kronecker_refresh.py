@@ -131,16 +131,22 @@ def _refreshed_batch(
     if len(members) == 1:
         inputs, outputs = members[0].mean()
     else:
-        totals = torch.stack([layer.total for layer in members])[:, None, None]
-        inputs = torch.stack([layer.inputs for layer in members]) / totals
-        outputs = torch.stack([layer.outputs for layer in members]) / totals
+        means = [layer.mean() for layer in members]
+        inputs = torch.stack([mean[0] for mean in means])
+        outputs = torch.stack([mean[1] for mean in means])
     if decay > 0:
         inputs = _averaged(inputs, stored, INPUT_FACTOR, decay)
         outputs = _averaged(outputs, stored, OUTPUT_FACTOR, decay)
-    output_eigen, input_eigen = decomposed(basis, stored, inputs, outputs, refreshes)
+    # The eigenpairs are those of the bias-corrected averages (the eigenvectors of
+    # the averages themselves): one division per factor.
     correction = 1 - decay ** (refreshes + 1)
-    output_eigen = output_eigen.scaled(1 / correction)
-    input_eigen = input_eigen.scaled(1 / correction)
+    output_eigen, input_eigen = decomposed(
+        basis,
+        stored,
+        inputs if correction == 1 else inputs / correction,
+        outputs if correction == 1 else outputs / correction,
+        refreshes,
+    )
     if len(members) == 1:
         each = [(output_eigen, input_eigen)]
     else:
@@ -294,9 +300,10 @@ def mean_over_ranks(
     layers = list(factors.values())
     if not layers:  # nothing reached the hook (not extended): refused after
         return
+    totals = torch.stack([layer.weigh() for layer in layers])
     flat = torch.cat(
         [t.reshape(-1) for layer in layers for t in (layer.inputs, layer.outputs)]
-        + [torch.stack([layer.total for layer in layers])]
+        + [totals]
     )
     summed = communicator.sum_over_ranks(flat)
     offset = 0

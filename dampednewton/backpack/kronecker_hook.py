@@ -40,23 +40,54 @@ UNSUPPORTED_LAYER = (
 class LayerFactors:
     """A layer's parameters and its factors' weighted sums over a pass's micro-batches.
 
+    After one micro-batch (the usual closure) the factors are that micro-batch's own,
+    unweighted (``total`` is ``None``): a second one first weighs them with
+    ``first_weight``.
+
     Attributes:
         weight: The layer's weight, ``None`` where it is not collected.
         bias: Its bias, ``None`` where it is not collected (or absent).
-        inputs: ``Σ_m w_m A_m`` ``[d_in (+1), d_in (+1)]``.
-        outputs: ``Σ_m w_m S_m`` ``[d_out, d_out]``.
-        total: ``Σ_m w_m`` (0-dim).
+        inputs: ``Σ_m w_m A_m`` ``[d_in (+1), d_in (+1)]`` (one micro-batch: ``A``).
+        outputs: ``Σ_m w_m S_m`` ``[d_out, d_out]`` (one micro-batch: ``S``).
+        total: ``Σ_m w_m`` (0-dim; ``None`` after one micro-batch).
+        first_weight: The first micro-batch's loss weight ``w_1`` (``None``: 1).
     """
 
     weight: Tensor | None
     bias: Tensor | None
     inputs: Tensor
     outputs: Tensor
-    total: Tensor
+    total: Tensor | None = None
+    first_weight: Tensor | None = None
+
+    def weigh(self) -> Tensor:
+        """Turn one micro-batch's factors into weighted sums; return ``Σ_m w_m``."""
+        if self.total is None:
+            scale = _as_scale(self.first_weight, self.inputs)
+            self.inputs, self.outputs = self.inputs * scale, self.outputs * scale
+            self.total = scale
+        return self.total
+
+    def add(self, inputs: Tensor, outputs: Tensor, loss_weight: Tensor | None) -> None:
+        """Add a further micro-batch's factors with its loss weight."""
+        total = self.weigh()
+        scale = _as_scale(loss_weight, inputs)
+        self.inputs += inputs * scale
+        self.outputs += outputs * scale
+        self.total = total + scale
 
     def mean(self) -> tuple[Tensor, Tensor]:
         """``(A, S)`` of the pass: the micro-batches' weighted means."""
+        if self.total is None:
+            return self.inputs, self.outputs
         return self.inputs / self.total, self.outputs / self.total
+
+
+def _as_scale(loss_weight: Tensor | None, like: Tensor) -> Tensor:
+    """A micro-batch's loss weight as a 0-dim tensor like ``like`` (``1``: unknown)."""
+    if loss_weight is None:
+        return like.new_ones(())
+    return loss_weight.detach().to(like).reshape(())
 
 
 class FactorCollector:
@@ -123,22 +154,13 @@ class FactorCollector:
         inputs, outputs = layer_factors(
             buffers, bias is not None, weight is None, self._batch_size
         )
-        scale = self._scale(inputs)
         layer = self.layers.get(id(first))
         if layer is None:
             self.layers[id(first)] = LayerFactors(
-                weight, bias, inputs * scale, outputs * scale, scale
+                weight, bias, inputs, outputs, first_weight=self._loss_weight
             )
         else:
-            layer.inputs += inputs * scale
-            layer.outputs += outputs * scale
-            layer.total = layer.total + scale
-
-    def _scale(self, like: Tensor) -> Tensor:
-        """The current micro-batch's loss weight (``1`` where none is known)."""
-        if self._loss_weight is None:
-            return like.new_ones(())
-        return self._loss_weight.detach().to(like).reshape(())
+            layer.add(inputs, outputs, self._loss_weight)
 
 
 def _collected(param: object, params: set[int]) -> Tensor | None:

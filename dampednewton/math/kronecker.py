@@ -75,7 +75,8 @@ class LayerCoefficients:
     Attributes:
         slopes: ``−c_kk`` ``[r_out, r_in]``: ``ḡᵀs = Σ Γ² ⊙ slopes + …``.
         curvatures: ``λ_kk c_kk²`` ``[r_out, r_in]``: ``sᵀ(S ⊗ A)s = Σ Γ² ⊙
-            curvatures + …``.
+            curvatures + …`` (this and the other ``*curvature*`` fields are ``None``
+            when computed without curvatures).
         core: ``−(c_kk − c_k⊥ − c_⊥k + c_⊥⊥)`` ``[r_out, r_in]``.
         rows: ``c_k⊥`` ``[r_out]`` (``None``: ``A`` keeps its whole space).
         columns: ``c_⊥k`` ``[r_in]`` (``None``: ``S`` keeps its whole space).
@@ -90,7 +91,7 @@ class LayerCoefficients:
     """
 
     slopes: Tensor
-    curvatures: Tensor
+    curvatures: Tensor | None
     core: Tensor
     rows: Tensor | None = None
     columns: Tensor | None = None
@@ -103,7 +104,10 @@ class LayerCoefficients:
 
 
 def layer_coefficients(
-    output: FactorEigen, inputs: FactorEigen, damping: float
+    output: FactorEigen,
+    inputs: FactorEigen,
+    damping: float,
+    with_curvature: bool = True,
 ) -> LayerCoefficients:
     """The blocks' ``c = 1/(λ + δ)`` with K-FAC's factored damping.
 
@@ -115,6 +119,8 @@ def layer_coefficients(
         output: Eigenpairs of ``S``.
         inputs: Eigenpairs of ``A``.
         damping: ``δ ≥ 0``.
+        with_curvature: Also the fields of ``sᵀ(S ⊗ A)s`` (adaptive damping reads
+            it); without, they are ``None`` and the refresh saves their products.
 
     Returns:
         The coefficients.
@@ -123,30 +129,37 @@ def layer_coefficients(
     # values; every tensor may carry leading batch dimensions (stacked layers).
     pi = damping_pi(output, inputs).unsqueeze(-1)
     root = math.sqrt(damping)
-    out_damped = output.values + root / pi  # τ_i + √δ/π
-    in_damped = inputs.values + root * pi  # σ_j + π√δ
-    out_rest = output.residual.unsqueeze(-1) + root / pi
-    in_rest = inputs.residual.unsqueeze(-1) + root * pi
-    kept = 1 / (out_damped.unsqueeze(-1) * in_damped.unsqueeze(-2))
-    curvatures = (
-        kept.square() * output.values.unsqueeze(-1) * inputs.values.unsqueeze(-2)
-    )
+    out_shift, in_shift = root / pi, root * pi  # √δ/π and π√δ
+    out_damped = output.values + out_shift  # τ_i + √δ/π
+    in_damped = inputs.values + in_shift  # σ_j + π√δ
+    kept = (out_damped.unsqueeze(-1) * in_damped.unsqueeze(-2)).reciprocal()
+    curvatures = row_curvatures = column_curvatures = both_curvature = None
+    if with_curvature:
+        curvatures = (
+            kept.square() * output.values.unsqueeze(-1) * inputs.values.unsqueeze(-2)
+        )
     core = kept
     rows = columns = both = None
-    row_curvatures = column_curvatures = both_curvature = None
     if inputs.truncated:
-        rows = 1 / (out_damped * in_rest)
-        row_curvatures = rows.square() * output.values * inputs.residual.unsqueeze(-1)
+        in_rest = inputs.residual.unsqueeze(-1) + in_shift
+        rows = (out_damped * in_rest).reciprocal()
+        if with_curvature:
+            row_curvatures = (
+                rows.square() * output.values * inputs.residual.unsqueeze(-1)
+            )
         core = core - rows.unsqueeze(-1)
     if output.truncated:
-        columns = 1 / (out_rest * in_damped)
-        column_curvatures = (
-            columns.square() * output.residual.unsqueeze(-1) * inputs.values
-        )
+        out_rest = output.residual.unsqueeze(-1) + out_shift
+        columns = (out_rest * in_damped).reciprocal()
+        if with_curvature:
+            column_curvatures = (
+                columns.square() * output.residual.unsqueeze(-1) * inputs.values
+            )
         core = core - columns.unsqueeze(-2)
     if inputs.truncated and output.truncated:
-        both = (1 / (out_rest * in_rest)).squeeze(-1)
-        both_curvature = both.square() * output.residual * inputs.residual
+        both = (out_rest * in_rest).reciprocal().squeeze(-1)
+        if with_curvature:
+            both_curvature = both.square() * output.residual * inputs.residual
         core = core + both[..., None, None]
     shared = 0.0 if both is None else both.unsqueeze(-1)
     return LayerCoefficients(
@@ -253,7 +266,8 @@ def kronecker_direction(
         gradient: ``Ḡ`` ``[..., d_out, d_in (+1)]``.
         output: Eigenpairs of ``S``.
         inputs: Eigenpairs of ``A``.
-        coefficients: :func:`layer_coefficients` of the eigenpairs and ``δ``.
+        coefficients: :func:`layer_coefficients` of the eigenpairs and ``δ`` (with
+            curvatures when ``with_curvature``).
         with_curvature: Also compute ``sᵀ(S ⊗ A)s`` (for adaptive damping).
         projected: :func:`projections` of the gradient, when already computed.
 
@@ -270,7 +284,10 @@ def kronecker_direction(
     if c.rows is None and c.columns is None:
         squares = gamma.square()
         slope = _inner(squares, c.slopes)
-        curvature = _inner(squares, c.curvatures) if with_curvature else None
+        curvature = None
+        if with_curvature:
+            assert c.curvatures is not None, "coefficients computed without curvatures"
+            curvature = _inner(squares, c.curvatures)
         return KroneckerStep(left @ v.mT, slope, curvature)
     if c.column_weights is not None:
         left.addcmul_(projected_in, c.column_weights.unsqueeze(-2))
@@ -303,6 +320,7 @@ def _truncated_curvature(
 ) -> Tensor:
     """``sᵀ(S ⊗ A)s`` of a step with residual blocks, block by block."""
     squares = gamma.square()
+    assert c.curvatures is not None, "coefficients computed without curvatures"
     curvature = _inner(squares, c.curvatures)
     if c.column_curvatures is not None:
         column_squares = (projected_in.square().sum(-2) - squares.sum(-2)).clamp_min(0)

@@ -79,22 +79,6 @@ class FactorEigen:
         """Whether some directions share the residual eigenvalue (``r < d``)."""
         return self.vectors.shape[-1] < self.vectors.shape[-2]
 
-    def scaled(self, factor: float) -> FactorEigen:
-        """The eigenpairs of ``factor`` times the matrix (same eigenvectors).
-
-        Args:
-            factor: A positive number (e.g. an average's bias correction).
-
-        Returns:
-            The scaled eigenpairs.
-        """
-        return FactorEigen(
-            self.values * factor,
-            self.vectors,
-            self.residual * factor,
-            self.mean * factor,
-        )
-
 
 EIGEN_FIELDS = tuple(f.name for f in fields(FactorEigen))
 """The fields of :class:`FactorEigen`, in order."""
@@ -137,8 +121,8 @@ def factor_eigen(
     subspace = start
     for _ in range(iterations):
         subspace = torch.linalg.qr(factor @ subspace).Q
-    projected = subspace.mT @ factor @ subspace
-    values, rotation = _eigh((projected + projected.mT) / 2)
+    # eigh reads the lower triangle only: the product's round-off asymmetry is moot.
+    values, rotation = _eigh(subspace.mT @ factor @ subspace)
     values = values.clamp_min(0)
     residual = ((mean * dim - values.sum(-1)) / (dim - rank)).clamp_min(0)
     return FactorEigen(values, subspace @ rotation, residual, mean)
@@ -188,7 +172,8 @@ def _eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
         values, vectors = torch.linalg.eigh(scaled)
     except torch.linalg.LinAlgError:
         values, vectors = torch.linalg.eigh(scaled.to(torch.float64))
-    return values.to(matrix.dtype) * scale[..., None], vectors.to(matrix.dtype)
+        values, vectors = values.to(matrix.dtype), vectors.to(matrix.dtype)
+    return values * scale[..., None], vectors
 
 
 def _fixed_start(dim: int, rank: int, like: Tensor) -> Tensor:

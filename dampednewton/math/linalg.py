@@ -83,18 +83,20 @@ def _robust(matrix: Tensor, solve) -> tuple[Tensor, ...]:
 
 
 def power_of_two_scale(matrix: Tensor) -> Tensor:
-    """The power of two nearest the largest entry's magnitude (1 for 0 or inf).
+    """The least power of two above the largest entry's magnitude (1 for 0 or inf).
 
-    Dividing by it is exact and brings the entries to unit magnitude; it stays a
-    tensor on the matrix's device (no host sync): 0-dim for a matrix, one scale per
-    matrix (the leading shape) for matrices stacked as ``[..., m, n]``.
+    Dividing by it is exact and brings the entries into ``(-1, 1)``, the largest to
+    at least ``1/2``; it stays a tensor on the matrix's device (no host sync): 0-dim
+    for a matrix, one scale per matrix (the leading shape) for matrices stacked as
+    ``[..., m, n]``. With ``largest = m·2^e`` (``frexp``, ``m ∈ [1/2, 1)``) the scale
+    ``largest / m = 2^e`` is exact; 0, inf and NaN give ``0/0``, ``inf/inf`` or NaN,
+    replaced by 1 (five operators: the scale runs before every eigensolve).
     """
     if matrix.numel() == 0:
         return matrix.new_ones(matrix.shape[:-2])
     largest = matrix.abs().amax(dim=(-2, -1))
-    usable = (largest > 0) & torch.isfinite(largest)
-    exponent = torch.log2(largest.where(usable, 1.0)).round()
-    return torch.exp2(exponent).where(usable, 1.0)
+    mantissa, _ = torch.frexp(largest)
+    return (largest / mantissa).nan_to_num(nan=1.0, posinf=1.0)
 
 
 def top_eigh(

@@ -165,6 +165,7 @@ def filtered(
     core = slopes if full else coefficients.core - coefficients.slopes + slopes
     curvatures = coefficients.curvatures
     if with_curvature:
+        assert curvatures is not None, "coefficients computed without curvatures"
         curvatures = curvatures * scales.square()
     return dataclasses.replace(
         coefficients, core=core, slopes=slopes, curvatures=curvatures

@@ -59,6 +59,27 @@ def test_layers_of_one_shape_share_a_batch():
     assert middle.inputs.vectors.shape == (2, 5, 5)
 
 
+def test_a_batch_computes_its_curvature_coefficients_when_first_asked():
+    case = deep_mlp()
+    optimizer = DampedNewton(
+        case.model.parameters(), basis=KroneckerBasis(rank=2, exact_size=0)
+    )
+    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
+    params = list(case.model.parameters())
+    bases = stored_bases(optimizer.state, optimizer.state["groups"][0], params)
+    assert bases is not None
+    batch = layer_batches(bases)[1]
+    lean = batch.coefficients(0.01, with_curvature=False)
+    assert lean.curvatures is None and lean.both_curvature is None
+    assert batch.coefficients(0.01, with_curvature=False) is lean
+    full = batch.coefficients(0.01, with_curvature=True)
+    assert full.curvatures is not None and full.both_curvature is not None
+    assert torch.equal(full.core, lean.core)
+    # Coefficients with curvatures serve a step without; a new damping recomputes.
+    assert batch.coefficients(0.01, with_curvature=False) is full
+    assert batch.coefficients(0.02, with_curvature=False).curvatures is None
+
+
 def batched_and_layer_by_layer(**settings) -> list[tuple[DampedNewton, Case]]:
     """The deep MLP twice: one group (batched) and one group per layer.
 
