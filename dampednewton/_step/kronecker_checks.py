@@ -65,10 +65,12 @@ def read_checks(
         factors_finite,
     ]
     tensors += [t for t in extra if t is not None]
+    # One stack (it promotes bools and counts to the floats' dtype), one cast, one
+    # read; a tensor on another device (a model over several) is moved first.
     device = loss.device
-    values = torch.stack(
-        [t.detach().reshape(()).to(device=device, dtype=torch.float64) for t in tensors]
-    ).tolist()
+    with torch.no_grad():
+        stacked = torch.stack([_scalar_on(t, device) for t in tensors])
+        values = stacked.to(torch.float64).tolist()
     count = len(steps)
     rest = values[1 + count :]
     ignored = rest.pop(0) if deferred.ignored_targets is not None else 0.0
@@ -83,6 +85,12 @@ def read_checks(
         "loss_unscaled": bool(unscaled),
         "factors_finite": bool(finite),
     }
+
+
+def _scalar_on(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` as a 0-dim tensor on ``device`` (no operator where it is one)."""
+    scalar = tensor if tensor.dim() == 0 else tensor.reshape(())
+    return scalar if scalar.device == device else scalar.to(device)
 
 
 def refusal(values: dict[str, Any], deferred: DeferredChecks) -> str | None:

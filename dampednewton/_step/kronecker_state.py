@@ -126,9 +126,10 @@ class LayerBasis:
 
 def parameter_gradient(param: Tensor, like: Tensor) -> Tensor:
     """A parameter's ``.grad`` in ``like``'s dtype (zeros where there is none)."""
-    if param.grad is None or not param.requires_grad:
+    grad = param.grad
+    if grad is None or not param.requires_grad:
         return like.new_zeros(param.shape)
-    return param.grad.to(like.dtype)
+    return grad if grad.dtype == like.dtype else grad.to(like.dtype)
 
 
 def _concatenated(parts: list[Tensor]) -> Tensor:

@@ -25,6 +25,8 @@ from dampednewton import (
     LevenbergMarquardt,
     NoiseFilter,
 )
+from dampednewton._step.kronecker_checks import read_checks
+from dampednewton.backpack.loss_checks import DeferredChecks
 from dampednewton.math.cost import prefers_partial_eigensolver
 from dampednewton.math.linalg import top_eigh
 from tests.assertions import assert_close, assert_close_up_to_sign
@@ -173,3 +175,29 @@ def test_a_cuda_step_synchronizes_as_counted(options):
     # The step's one read and the eigensolver's own check of its result
     # (cuSOLVER's info, one Gram matrix per step here).
     assert len(syncs) <= 2, [str(w.message) for w in syncs]
+
+
+def test_the_kronecker_checks_read_mixed_dtypes_in_one_stack():
+    class Sloped:
+        def __init__(self, slope: torch.Tensor):
+            self.slope = slope
+
+    deferred = DeferredChecks()
+    deferred.ignored_targets = torch.tensor(3)
+    deferred.model_output_finite = torch.tensor(False)
+    deferred.loss_unscaled = torch.tensor(True)
+    slope64 = torch.tensor(-0.1, dtype=torch.float64)
+    loss = torch.tensor([0.25], requires_grad=True)  # a [1]-shaped loss
+    with HostReads() as reads:
+        values = read_checks(
+            loss, [Sloped(slope64), None], deferred, torch.tensor(True)
+        )
+    assert sum(reads.counts.values()) == 1
+    assert values == {
+        "loss": 0.25,
+        "slopes": [-0.1, 0.0],
+        "ignored": 3,
+        "output_finite": False,
+        "loss_unscaled": True,
+        "factors_finite": True,
+    }
