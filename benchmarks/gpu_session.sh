@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# The GPU measurements of the README in one device call (a session is lent ~15 minutes
+# The GPU measurements of the README in device calls (a session is lent ~15 minutes
 # of device time, a call at most 600 s).
 # On this machine first:  bash ../shared/gpu/prepare.sh
-#   python3 -m pip download -q --no-deps -d .gpu/wheels pytest pluggy iniconfig \
-#     pytorch-optimizer   # the peers SOAP and PSGD-Kron in the profile
-# Then one device call with carry [".gpu"]:
+#   python3 -m pip download -q --no-deps -d .gpu/wheels pytorch-optimizer
+#   (the peers SOAP and PSGD-Kron in the profile; the device's own pytest runs the tests)
+# Then a device call with carry [".gpu"]:
 #   source .gpu/on-device.sh && bash benchmarks/gpu_session.sh all
 # or name the parts to run, in order: bash benchmarks/gpu_session.sh PART [PART ...]
-# PART: profile (kernels, host reads, syncs and step times of the MLP and 3c3d),
-# fmnist_2c2d (time to target: DampedNewton's default against Adam over 3e-4, 1e-3,
-# 3e-3, 4000 steps, 3 seeds; the grid's fastest run per seed), tests (the suite's cuda
-# tests), memory (critical batch of 3c3d under 11 GiB, step cost with peak memory).
-# `all` runs them in that order (most wanted first). The parts share BUDGET seconds
-# (default 540): each part stops at its own cap or when the budget runs out, and
-# writes its results to $OUT (the device's returned folder) as it goes, so a part cut
-# short still returns what it finished.
+# PART: checks (the suite's cuda tests and the critical batch of 3c3d under 11 GiB,
+# side by side: neither is timed), profile (kernels, host reads, syncs and step times
+# of the MLP and 3c3d), fmnist_2c2d (time to target: DampedNewton's default against
+# Adam over 3e-4, 1e-3, 3e-3, 4000 steps, 3 seeds; the grid's fastest run per seed),
+# compile (the in-between step's math eager, compiled and as CUDA graphs), step_cost
+# (step cost with peak memory). `all` runs them in that order (most wanted first).
+# The parts share BUDGET seconds (default 540): each part stops at its own cap or when
+# the budget runs out, and writes its results to $OUT as it goes, so a part cut short
+# still returns what it finished; the Hydra runs of fmnist_2c2d go to $OUT/sweeps.
 set -uo pipefail
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -37,6 +38,14 @@ run() {
 
 part() {
   case "$1" in
+    checks)
+      run 240 "$out/cuda-tests.txt" python3 -m pytest -q -m cuda -p no:cacheprovider \
+        -n 8 tests &
+      run 240 "$out/critical.md" python3 -m benchmarks.micro.critical_batch \
+        --model 3c3d --variants fast:exact fast:mc1 default --resolution 32
+      wait
+      tail -5 "$out/cuda-tests.txt"
+      cat "$out/critical.md" ;;
     profile)
       local peers=()
       python3 -c "import pytorch_optimizer" 2>/dev/null && peers=(--peers soap kron)
@@ -45,30 +54,29 @@ part() {
       cat "$out/profile.md" ;;
     fmnist_2c2d)
       local common=(+sweep=gpu_fmnist_2c2d problem.eval_every=100 grid=null
-        grid_point=null seed=0,1,2)
+        grid_point=null seed=0,1,2 checkpoint_every=null)
+      run 200 "$out/dampednewton.txt" python3 -m benchmarks.run --multirun \
+        "${common[@]}" optimizer=dampednewton hydra.sweep.dir="$out/sweeps/dampednewton"
       run 170 "$out/adam.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
-        optimizer=adam optimizer.lr=0.0003,0.001,0.003 hydra.sweep.dir="$out/adam"
-      run 240 "$out/dampednewton.txt" python3 -m benchmarks.run --multirun \
-        "${common[@]}" optimizer=dampednewton hydra.sweep.dir="$out/dampednewton"
+        optimizer=adam optimizer.lr=0.0003,0.001,0.003 hydra.sweep.dir="$out/sweeps/adam"
       tail -4 "$out/adam.txt" "$out/dampednewton.txt" ;;
-    tests)
-      run 200 "$out/cuda-tests.txt" python3 -m pytest -q -m cuda -p no:cacheprovider tests
-      tail -5 "$out/cuda-tests.txt" ;;
-    memory)
-      run 150 "$out/critical.md" python3 -m benchmarks.micro.critical_batch --model 3c3d
+    compile)
+      run 120 "$out/compile.md" python3 -m benchmarks.micro.between_compile
+      cat "$out/compile.md" ;;
+    step_cost)
       run 120 "$out/step_cost.txt" python3 -m benchmarks.micro.step_cost \
         --models mlp 3c3d --ggn mc1 exact --memory --skip-materialized
-      cat "$out/critical.md" "$out/step_cost.txt" ;;
+      cat "$out/step_cost.txt" ;;
     *)
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
-        "(PART: profile fmnist_2c2d tests memory)" >&2
+        "(PART: checks profile fmnist_2c2d compile step_cost)" >&2
       exit 2 ;;
   esac
 }
 
 (($#)) || part usage
 parts=("$@")
-[[ "$1" == all ]] && parts=(profile fmnist_2c2d tests memory)
+[[ "$1" == all ]] && parts=(checks profile fmnist_2c2d compile step_cost)
 for name in "${parts[@]}"; do
   part "$name"
 done

@@ -1,0 +1,138 @@
+"""Time the math of a step between refreshes eager, compiled and as a CUDA graph.
+
+Between refreshes a default step runs the closure with BackPACK's hooks suspended,
+then the pure math of :func:`dampednewton._step.kronecker_group.group_step` (each
+layer's gradient projected on its stored eigenbases, the noise filter's moments,
+the damped step and the group's slope), one host read and the update. Only that math
+is a candidate for ``torch.compile``: the closure is the user's and the host read
+ends any CUDA graph. This script trains the MLP 784-128-128-10 (N=128) with the
+defaults past a refresh, then times, in alternating blocks on one process
+(:func:`benchmarks.micro.harness.round_robin_medians`):
+
+* ``sgd step`` and ``default step``: whole training steps, for scale;
+* ``math eager``: ``group_step`` on the stored bases and the last gradients;
+* ``math compiled``: ``torch.compile(group_step)`` (Inductor's fused kernels);
+* ``math graphs``: ``torch.compile(group_step, mode="reduce-overhead")`` (CUDA
+  graphs on a GPU; on the CPU the same as ``compiled``).
+
+It first checks that the compiled variants give the eager directions, and prints
+each variant's first call (the compilation) and TorchDynamo's graph breaks.
+
+    python -m benchmarks.micro.between_compile --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+from backpack import extend
+from torch import nn
+
+from benchmarks.measure import Stopwatch
+from benchmarks.micro.harness import (
+    MODELS,
+    NUM_CLASSES,
+    closure_step,
+    input_shape,
+    plain_step,
+    round_robin_medians,
+)
+from dampednewton import DampedNewton
+from dampednewton._step.kronecker import damping_value
+from dampednewton._step.kronecker_group import group_step, layer_batches
+from dampednewton._step.kronecker_moments import current_moments, group_noise_filter
+from dampednewton._step.kronecker_state import stored_bases
+from dampednewton._step.options import GroupOptions
+
+WARM_STEPS = 30
+"""Default steps before timing: past the first refreshes, with stored moments."""
+
+
+def trained(model_name: str, batch_size: int, device: torch.device):
+    """A default DampedNewton after ``WARM_STEPS`` steps, its step and SGD's."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (batch_size, *input_shape(model_name))
+    X = torch.randn(shape, generator=generator).to(device)
+    y = torch.randint(NUM_CLASSES, (batch_size,), generator=generator).to(device)
+    model = extend(MODELS[model_name]().to(device))
+    loss_fn = extend(nn.CrossEntropyLoss())
+    optimizer = DampedNewton(model.parameters(), seed=0)
+    step = closure_step(optimizer, model, loss_fn, X, y)
+    for _ in range(WARM_STEPS):
+        step()
+    sgd_model = MODELS[model_name]().to(device)
+    sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.01)
+    sgd_step = plain_step(sgd, sgd_model, nn.CrossEntropyLoss(), X, y)
+    return optimizer, step, sgd_step
+
+
+def math_arguments(optimizer: DampedNewton) -> tuple:
+    """``group_step``'s arguments from the first group's stored state."""
+    group, stats = optimizer.param_groups[0], optimizer.state["groups"][0]
+    options = GroupOptions.from_group(group)
+    bases = stored_bases(optimizer.state, stats, group["params"])
+    assert bases is not None, "no stored bases: train past the first refresh"
+    noise_filter = group_noise_filter(options)
+    current = noise_filter is not None and current_moments(stats)
+    damping = damping_value(options)
+    return (
+        layer_batches(bases),
+        damping,
+        False,
+        noise_filter,
+        optimizer.state,
+        current,
+    )
+
+
+def main() -> None:
+    """Print the compiled variants' agreement, compile times and medians."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mlp", choices=MODELS)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    optimizer, dn_step, sgd_step = trained(args.model, args.batch_size, device)
+    arguments = math_arguments(optimizer)
+    compiled = torch.compile(group_step)
+    graphs = torch.compile(group_step, mode="reduce-overhead")
+    variants: dict[str, Callable[[], object]] = {
+        "math eager": lambda: group_step(*arguments),
+        "math compiled": lambda: compiled(*arguments),
+        "math graphs": lambda: graphs(*arguments),
+    }
+    reference = variants["math eager"]()
+    for name, run in variants.items():
+        watch = Stopwatch(device)
+        watch.start()
+        for _ in range(3):  # CUDA graphs record on a later call than the first
+            result = run()
+        first = watch.stop()
+        gap = max(
+            (a[1] - b[1]).abs().max().item()
+            for a, b in zip(result.directions, reference.directions, strict=True)
+        )
+        print(f"{name}: first 3 calls {first:.2f} s, largest difference {gap:.1e}")
+    explanation = torch._dynamo.explain(group_step)(*arguments)
+    print(f"TorchDynamo: {explanation.graph_count} graphs,", end=" ")
+    print(f"{explanation.graph_break_count} breaks")
+    timed = {"sgd step": sgd_step, "default step": dn_step, **variants}
+    start = time.perf_counter()
+    medians = round_robin_medians(timed, device, args.repeats)
+    print(f"\n{args.model}, N={args.batch_size}, {device.type}", end=" ")
+    print(f"({time.perf_counter() - start:.0f} s of timing)")
+    print("| variant | ms | × SGD step |\n| --- | --- | --- |")
+    for name, seconds in medians.items():
+        ratio = seconds / medians["sgd step"]
+        print(f"| {name} | {1e3 * seconds:.3f} | {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
