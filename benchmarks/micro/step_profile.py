@@ -36,6 +36,9 @@ from benchmarks.measure import synchronize
 from benchmarks.micro.harness import MODELS, PEERS, make_step, round_robin_medians
 from benchmarks.micro.host_reads import HostReads
 
+SYNCHRONIZING = "called a synchronizing CUDA operation"
+"""What torch's ``set_sync_debug_mode("warn")`` says at each synchronization."""
+
 # ATen operators that only describe memory (no kernel on a GPU).
 VIEW_OPERATORS = frozenset(
     {
@@ -127,7 +130,8 @@ def profile_step(
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    # torch's first warning in a process is a notice that the mode is a prototype.
+    syncs = sum(SYNCHRONIZING in str(w.message) for w in caught)
     synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         step()
