@@ -39,8 +39,9 @@ run() {
 part() {
   case "$1" in
     checks)
+      # One process: under pytest-xdist (-n 8) the run hung after its last test.
       run 240 "$out/cuda-tests.txt" python3 -m pytest -q -m cuda -p no:cacheprovider \
-        -n 8 tests &
+        tests &
       run 240 "$out/critical.md" python3 -m benchmarks.micro.critical_batch \
         --model 3c3d --variants fast:exact fast:mc1 default --resolution 32
       wait

@@ -1,8 +1,9 @@
 """Half-precision models: curvature and step in float32, the update in their dtype.
 
-The reference is the float64 step of the same weights and inputs (the bfloat16
-values, exactly representable in float64). The model's own forward and backward
-passes round to bfloat16 (unit round-off ``u = 2⁻⁸``), and so does the update.
+The reference is the float64 step of the same weights and inputs (the bfloat16 or
+float16 values, exactly representable in float64). The model's own forward and
+backward passes round to its dtype (unit round-off ``u = 2⁻⁸`` for bfloat16, ``2⁻¹¹``
+for float16), and so does the update. The ``device`` fixture adds CUDA cases.
 """
 
 from __future__ import annotations
@@ -19,22 +20,25 @@ from dampednewton import DampedNewton, KroneckerBasis, NoiseFilter
 from tests.assertions import assert_close
 from tests.utils import EXACT_VIVIT_STEP, flat, make_closure, reference_step
 
-UNIT_ROUNDOFF = 2.0**-8
+HALF = [torch.bfloat16, torch.float16]
+"""Unit round-offs ``2⁻⁸`` and ``2⁻¹¹``."""
 
 
-def _bfloat16_problem():
+def _bfloat16_problem(dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
     generator = torch.Generator().manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
     for param in model.parameters():
         with torch.no_grad():
             param.copy_(torch.randn(param.shape, generator=generator))
-    inputs = torch.randn(8, 6, generator=generator).to(torch.bfloat16)
-    targets = torch.randint(0, 3, (8,), generator=generator)
-    return model.to(torch.bfloat16), inputs, targets
+    inputs = torch.randn(8, 6, generator=generator).to(device, dtype)
+    targets = torch.randint(0, 3, (8,), generator=generator).to(device)
+    return model.to(device, dtype), inputs, targets
 
 
-def test_a_bfloat16_model_steps_as_the_float64_reference_of_its_weights():
-    model, inputs, targets = _bfloat16_problem()
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_a_half_model_steps_as_the_float64_reference_of_its_weights(dtype, device):
+    model, inputs, targets = _bfloat16_problem(dtype, device)
+    unit_roundoff = torch.finfo(dtype).eps / 2
     reference_model = copy.deepcopy(model).to(torch.float64)
     before = [p.detach().clone() for p in model.parameters()]
     model, loss_fn = extend(model), extend(nn.CrossEntropyLoss())
@@ -46,7 +50,7 @@ def test_a_bfloat16_model_steps_as_the_float64_reference_of_its_weights():
 
     stats = optimizer.state["groups"][0]
     assert stats["evals"].dtype == torch.float32
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(p.dtype == dtype for p in model.parameters())
     change = flat(
         [(p - b).double() for p, b in zip(model.parameters(), before, strict=True)]
     )
@@ -59,8 +63,8 @@ def test_a_bfloat16_model_steps_as_the_float64_reference_of_its_weights():
         criterion=2,
         damping=0.5,
     )
-    # The curvature from bfloat16 activations: a few round-offs, in float32.
-    tolerance = 8 * UNIT_ROUNDOFF
+    # The curvature from half-precision activations: a few round-offs, in float32.
+    tolerance = 8 * unit_roundoff
     assert_close(stats["evals"].double(), expected.evals, rtol=tolerance, name="λ")
     assert_close(
         stats["lambda_mean"].double(), expected.lambda_mean, rtol=tolerance, name="λ̄"
@@ -71,15 +75,16 @@ def test_a_bfloat16_model_steps_as_the_float64_reference_of_its_weights():
         rtol=tolerance,
         name="|γ̄|",
     )
-    # The step to those round-offs, then θ + s rounded to bfloat16 (u·|θ + s|).
+    # The step to those round-offs, then θ + s rounded to the model's dtype (u·|θ + s|).
     after = flat([p.double() for p in model.parameters()])
-    bound = tolerance * expected.step.abs().max() + UNIT_ROUNDOFF * after.abs()
+    bound = tolerance * expected.step.abs().max() + unit_roundoff * after.abs()
     assert ((change - expected.step).abs() <= bound).all()
 
 
-def test_a_bfloat16_model_trains():
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_a_half_model_trains(dtype, device):
     """Ten steps on one batch: refreshes 0, 1, 3, 7 and steps along frozen bases."""
-    model, inputs, targets = _bfloat16_problem()
+    model, inputs, targets = _bfloat16_problem(dtype, device)
     model, loss_fn = extend(model), extend(nn.CrossEntropyLoss())
     optimizer = DampedNewton(model.parameters(), seed=0)
     closure = make_closure(optimizer, model, loss_fn, inputs, targets)
