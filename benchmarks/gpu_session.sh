@@ -50,8 +50,9 @@ part() {
     profile)
       local peers=()
       python3 -c "import pytorch_optimizer" 2>/dev/null && peers=(--peers soap kron)
+      # Past the refresh ramp, counts averaged over 40 steps (amortized refreshes).
       run 150 "$out/profile.md" python3 -m benchmarks.micro.step_profile \
-        --models mlp 3c3d --ggn mc1 exact "${peers[@]}"
+        --models mlp 3c3d --ggn mc1 exact --warmup 60 --steps 40 "${peers[@]}"
       cat "$out/profile.md" ;;
     fmnist_2c2d)
       local common=(+sweep=gpu_fmnist_2c2d problem.eval_every=100 grid=null

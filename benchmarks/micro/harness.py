@@ -2,9 +2,10 @@
 
 :data:`MODELS` are the networks of the performance issue on random inputs;
 :func:`make_step` builds one closure-driven step of a variant (``sgd``, ``adam``,
-the peers ``soap`` and ``kron``, ``fast:<ggn>``, ``dense:<ggn>``, ``default``);
-:func:`time_blocks` and :func:`round_robin_medians` time variants in alternating
-blocks of consecutive steps, synchronized by :class:`benchmarks.measure.Stopwatch`.
+the peers ``soap`` and ``kron``, ``fast:<ggn>``, ``dense:<ggn>``, ``default``,
+``default:exact``); :func:`time_blocks` and :func:`round_robin_medians` time variants
+in alternating blocks of consecutive steps, synchronized by
+:class:`benchmarks.measure.Stopwatch`.
 """
 
 from __future__ import annotations
@@ -202,7 +203,9 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
             "averaging": None,
             "kl_clip": None,
         }
-        settings = {"seed": 0} if kind == "default" else vivit
+        # The defaults draw one Monte-Carlo sample; ``default:exact`` the exact GGN.
+        exact = {"mc_samples": 0} if ggn == "exact" else {}
+        settings = {"seed": 0, **exact} if kind == "default" else vivit
         optimizer = DampedNewton(model.parameters(), lr=1e-3, **settings)
         return closure_step(optimizer, model, loss_fn, X, y)
     params = list(model.parameters())

@@ -1,16 +1,20 @@
 """Where a step's time goes on its device: kernels, host reads, synchronizations.
 
-For each model, one warm step of SGD and of DampedNewton is counted: ViViT's step with
-top-10 directions and constant damping for each GGN (``fast:mc1``, ``fast:exact``, the
-Gram basis), and the package's defaults (``default``: the Kronecker basis of the
-Monte-Carlo GGN, averaged and refreshed on its schedule, trust region):
+For each model, warm steps of SGD, Adam and DampedNewton are counted: ViViT's step
+with top-10 directions and constant damping for each GGN (``fast:mc1``,
+``fast:exact``, the Gram basis), and the package's defaults (``default``: the
+Kronecker basis of the Monte-Carlo GGN, averaged and refreshed on its schedule, trust
+region; ``default:exact``: the same from the exact GGN). With ``--steps S`` the counts
+are averaged over ``S`` consecutive steps (past ``--warmup`` steps: an amortized step
+of refreshes and the steps between them):
 
 * ``kernels``: CUDA kernels launched (``torch.profiler``); on the CPU, ATen operators
   that compute (views excluded), the proxy of launches;
 * ``reads``: host reads of device values (``item``, ``tolist``, boolean masks), by
   :class:`~benchmarks.micro.host_reads.HostReads`, any device;
 * ``syncs``: CUDA synchronizations that torch reports (``set_sync_debug_mode``),
-  which include those of libraries such as cuSOLVER's result checks;
+  which include those of libraries such as cuSOLVER's result checks: the mean per
+  step and the most in one step;
 * ``busy``: the kernels' summed time on the GPU.
 
 Step times are medians of steps timed in alternating blocks (as ``step_cost``), with
@@ -66,18 +70,19 @@ VIEW_OPERATORS = frozenset(
 
 @dataclass
 class StepProfile:
-    """Counts of one step.
+    """Counts per step (averages over the counted steps, rounded).
 
     Attributes:
         kernels: CUDA kernels (GPU) or computing ATen operators (CPU).
         reads: Host reads of device values.
-        syncs: CUDA synchronizations reported by torch (``None`` on the CPU).
+        syncs: CUDA synchronizations reported by torch, the mean per step and the
+            most in one step (``None`` on the CPU).
         busy_ms: The kernels' summed GPU time (``None`` on the CPU).
     """
 
     kernels: int
     reads: int
-    syncs: int | None
+    syncs: tuple[float, int] | None
     busy_ms: float | None
 
 
@@ -102,11 +107,11 @@ def profile_step(
     Args:
         step: One optimizer step (model, data and closure inside).
         device: Where it runs.
-        steps: On the CPU, average the counts over this many consecutive steps
-            (an amortized step: refreshes and the steps between them).
+        steps: Average the counts over this many consecutive steps (an amortized
+            step: refreshes and the steps between them).
 
     Returns:
-        The counts (rounded to integers).
+        The counts per step.
     """
     synchronize(device)
     with HostReads() as reads:
@@ -123,26 +128,37 @@ def profile_step(
             None,
         )
     synchronize(device)
+    per_step = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            step()
+            for _ in range(steps):
+                before = len(caught)
+                step()
+                # torch's first warning in a process is a notice that the mode is a
+                # prototype.
+                new = caught[before:]
+                per_step.append(sum(SYNCHRONIZING in str(w.message) for w in new))
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    # torch's first warning in a process is a notice that the mode is a prototype.
-    syncs = sum(SYNCHRONIZING in str(w.message) for w in caught)
     synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-        step()
+        for _ in range(steps):
+            step()
         synchronize(device)
     kernels = [
         event
         for event in profiler.events()
         if event.device_type == torch.autograd.DeviceType.CUDA
     ]
-    busy = sum(event.device_time for event in kernels) / 1e3
-    return StepProfile(len(kernels), sum(reads.counts.values()), syncs, busy)
+    busy = sum(event.device_time for event in kernels) / 1e3 / steps
+    return StepProfile(
+        round(len(kernels) / steps),
+        round(sum(reads.counts.values()) / steps),
+        (sum(per_step) / steps, max(per_step)),
+        busy,
+    )
 
 
 def table(
@@ -164,7 +180,7 @@ def table(
         device: Where to run.
         repeats: Timed steps per variant.
         warmup: Steps of each variant before timing and counting.
-        steps: Steps the CPU counts are averaged over (see :func:`profile_step`).
+        steps: Steps the counts are averaged over (see :func:`profile_step`).
         peers: Curvature peers to add (``soap``, ``kron``: :data:`PEERS`).
 
     Returns:
@@ -172,7 +188,8 @@ def table(
     """
     kernels = "kernels" if device.type == "cuda" else "ATen ops"
     lines = [
-        f"| model | variant | ms | ×SGD | {kernels} | host reads | syncs | busy ms |",
+        f"| model | variant | ms | ×SGD | {kernels} | host reads | syncs: mean / most "
+        "| busy ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model in models:
@@ -182,6 +199,7 @@ def table(
             *peers,
             *(f"fast:{ggn}" for ggn in ggns),
             "default",
+            *(["default:exact"] if "exact" in ggns else []),
         ]
         step_of = {v: make_step(v, model, batch_size, device) for v in variants}
         with warnings.catch_warnings():
@@ -199,10 +217,14 @@ def table(
             lines.append(
                 f"| {model} | {variant} | {1e3 * seconds[variant]:.2f} "
                 f"| {seconds[variant] / seconds['sgd']:.1f}× | {counts.kernels} "
-                f"| {counts.reads} | {_optional(counts.syncs)} "
+                f"| {counts.reads} | {_syncs(counts.syncs)} "
                 f"| {_optional(counts.busy_ms, '.2f')} |"
             )
     return lines
+
+
+def _syncs(syncs: tuple[float, int] | None) -> str:
+    return "—" if syncs is None else f"{syncs[0]:.2f} / {syncs[1]}"
 
 
 def _optional(value: float | None, spec: str = "") -> str:
@@ -224,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--steps",
         type=int,
         default=1,
-        help="CPU: average the counts over this many steps (amortized refreshes)",
+        help="average the counts over this many steps (amortized refreshes)",
     )
     parser.add_argument(
         "--peers",
