@@ -7,12 +7,13 @@
 # Then a device call with carry [".gpu"]:
 #   source .gpu/on-device.sh && bash benchmarks/gpu_session.sh all
 # or name the parts to run, in order: bash benchmarks/gpu_session.sh PART [PART ...]
-# PART: checks (the suite's cuda tests and the critical batch of 3c3d under 11 GiB,
-# side by side: neither is timed), profile (kernels, host reads, syncs and step times
-# of the MLP and 3c3d), fmnist_2c2d (time to target: DampedNewton's default against
-# Adam over 3e-4, 1e-3, 3e-3, 4000 steps, 3 seeds; the grid's fastest run per seed),
-# compile (the in-between step's math eager, compiled and as CUDA graphs), step_cost
-# (step cost with peak memory). `all` runs them in that order (most wanted first).
+# PART: checks (the suite's cuda tests and the critical batches of 3c3d under 11 GiB,
+# side by side: none is timed), profile (kernels, host reads, syncs and step times
+# of the MLP and 3c3d), compile (the in-between step's math eager, compiled and as
+# CUDA graphs), step_cost (step cost with peak memory), fmnist_2c2d (time to target:
+# DampedNewton's default against Adam over 3e-4, 1e-3, 3e-3, 4000 steps, 3 seeds; the
+# grid's fastest run per seed; measured on an H200 on 2026-11-26, so last).
+# `all` runs them in that order (most wanted first).
 # The parts share BUDGET seconds (default 540): each part stops at its own cap or when
 # the budget runs out, and writes its results to $OUT as it goes, so a part cut short
 # still returns what it finished; the Hydra runs of fmnist_2c2d go to $OUT/sweeps.
@@ -43,10 +44,13 @@ part() {
       run 240 "$out/cuda-tests.txt" python3 -m pytest -q -m cuda -p no:cacheprovider \
         tests &
       run 240 "$out/critical.md" python3 -m benchmarks.micro.critical_batch \
-        --model 3c3d --variants fast:exact fast:mc1 default --resolution 32
+        --model 3c3d --variants fast:exact fast:mc1 --resolution 32 &
+      # The defaults fit batches near SGD's: coarser, from 1024 (~12 trials of ~11 s).
+      run 240 "$out/critical-default.md" python3 -m benchmarks.micro.critical_batch \
+        --model 3c3d --variants default sgd --start 1024 --resolution 512
       wait
       tail -5 "$out/cuda-tests.txt"
-      cat "$out/critical.md" ;;
+      cat "$out/critical.md" "$out/critical-default.md" ;;
     profile)
       local peers=()
       python3 -c "import pytorch_optimizer" 2>/dev/null && peers=(--peers soap kron)
@@ -71,14 +75,14 @@ part() {
       cat "$out/step_cost.txt" ;;
     *)
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
-        "(PART: checks profile fmnist_2c2d compile step_cost)" >&2
+        "(PART: checks profile compile step_cost fmnist_2c2d)" >&2
       exit 2 ;;
   esac
 }
 
 (($#)) || part usage
 parts=("$@")
-[[ "$1" == all ]] && parts=(checks profile fmnist_2c2d compile step_cost)
+[[ "$1" == all ]] && parts=(checks profile compile step_cost fmnist_2c2d)
 for name in "${parts[@]}"; do
   part "$name"
 done

@@ -29,6 +29,14 @@ def test_step_profile_counts_the_reads_of_each_variant_on_the_cpu():
     assert float(fast[3].rstrip("×")) > 1
 
 
+@pytest.mark.slow
+def test_step_profile_adds_the_exact_ggn_default_with_exact():
+    # The exact ViViT step is slow on the CPU: the counts of one step, N=8.
+    rows = _rows(table(["mlp"], ["exact"], 8, torch.device("cpu"), repeats=1))
+    assert list(rows) == ["sgd", "adam", "fast:exact", "default", "default:exact"]
+    assert rows["default:exact"][5] == rows["default"][5] == "1"  # the one read
+
+
 @pytest.mark.parametrize("limit", [1, 15, 16, 17, 100, 1000, 4096])
 def test_largest_fitting_finds_the_largest_multiple_that_fits(limit):
     tried = []
