@@ -49,7 +49,7 @@ part() {
       run 240 "$out/critical-default.md" python3 -m benchmarks.micro.critical_batch \
         --model 3c3d --variants default sgd --start 1024 --resolution 512
       wait
-      tail -5 "$out/cuda-tests.txt"
+      tail -n 5 "$out/cuda-tests.txt"
       cat "$out/critical.md" "$out/critical-default.md" ;;
     profile)
       local peers=()
@@ -65,7 +65,7 @@ part() {
         "${common[@]}" optimizer=dampednewton hydra.sweep.dir="$out/sweeps/dampednewton"
       run 170 "$out/adam.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
         optimizer=adam optimizer.lr=0.0003,0.001,0.003 hydra.sweep.dir="$out/sweeps/adam"
-      tail -4 "$out/adam.txt" "$out/dampednewton.txt" ;;
+      tail -n 4 "$out/adam.txt" "$out/dampednewton.txt" ;;
     compile)
       run 120 "$out/compile.md" python3 -m benchmarks.micro.between_compile
       cat "$out/compile.md" ;;
