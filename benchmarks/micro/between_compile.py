@@ -13,10 +13,16 @@ defaults past a refresh, then times, in alternating blocks on one process
 * ``math eager``: ``group_step`` on the stored bases and the last gradients;
 * ``math compiled``: ``torch.compile(group_step)`` (Inductor's fused kernels);
 * ``math graphs``: ``torch.compile(group_step, mode="reduce-overhead")`` (CUDA
-  graphs on a GPU; on the CPU the same as ``compiled``).
+  graphs on a GPU; on the CPU the same as ``compiled``);
+* ``default step, math compiled`` and ``default step, math graphs``: whole training
+  steps of the same model whose optimizer runs the compiled math in place of
+  ``group_step`` (trained ``WARM_STEPS`` steps from the same start; a variant whose
+  training fails is reported and left out).
 
-It first checks that the compiled variants give the eager directions, and prints
-each variant's first call (the compilation) and TorchDynamo's graph breaks.
+It first checks that the compiled variants give the eager directions and, after
+training, parameters near the eager run's (float32 round-off grows over the steps),
+and prints each variant's first calls (the compilation) and TorchDynamo's graph
+breaks.
 
     python -m benchmarks.micro.between_compile --threads 1
 """
@@ -41,6 +47,7 @@ from benchmarks.micro.harness import (
     round_robin_medians,
 )
 from dampednewton import DampedNewton
+from dampednewton._step import kronecker
 from dampednewton._step.kronecker import damping_value
 from dampednewton._step.kronecker_group import (
     KroneckerGroupStep,
@@ -55,8 +62,17 @@ WARM_STEPS = 30
 """Default steps before timing: past the first refreshes, with stored moments."""
 
 
-def trained(model_name: str, batch_size: int, device: torch.device):
-    """A default DampedNewton after ``WARM_STEPS`` steps, its step and SGD's."""
+def trained(
+    model_name: str,
+    batch_size: int,
+    device: torch.device,
+    math: Callable[..., KroneckerGroupStep] = group_step,
+):
+    """A default DampedNewton after ``WARM_STEPS`` steps, its step and SGD's.
+
+    Its steps run ``math`` in place of ``group_step`` (eager or compiled); every
+    call builds the same model, data and optimizer.
+    """
     generator = torch.Generator().manual_seed(0)
     shape = (batch_size, *input_shape(model_name))
     X = torch.randn(shape, generator=generator).to(device)
@@ -64,13 +80,30 @@ def trained(model_name: str, batch_size: int, device: torch.device):
     model = extend(MODELS[model_name]().to(device))
     loss_fn = extend(nn.CrossEntropyLoss())
     optimizer = DampedNewton(model.parameters(), seed=0)
-    step = closure_step(optimizer, model, loss_fn, X, y)
+    step = with_math(closure_step(optimizer, model, loss_fn, X, y), math)
     for _ in range(WARM_STEPS):
         step()
     sgd_model = MODELS[model_name]().to(device)
     sgd = torch.optim.SGD(sgd_model.parameters(), lr=0.01)
     sgd_step = plain_step(sgd, sgd_model, nn.CrossEntropyLoss(), X, y)
     return optimizer, step, sgd_step
+
+
+def with_math(
+    step: Callable[[], object], math: Callable[..., KroneckerGroupStep]
+) -> Callable[[], object]:
+    """``step`` with the Kronecker step's ``group_step`` replaced by ``math``."""
+    if math is group_step:
+        return step
+
+    def run() -> object:
+        kronecker.group_step = math
+        try:
+            return step()
+        finally:
+            kronecker.group_step = group_step
+
+    return run
 
 
 def math_arguments(optimizer: DampedNewton) -> tuple:
@@ -100,6 +133,13 @@ def largest_relative_difference(
     return max(((a - b).abs().max() / b.abs().max()).item() for (_, a), (_, b) in pairs)
 
 
+def parameter_difference(first: DampedNewton, second: DampedNewton) -> float:
+    """``max |θ₁ − θ₂| / max |θ₂|`` over the parameters of two optimizers."""
+    params = first.param_groups[0]["params"], second.param_groups[0]["params"]
+    pairs = zip(*params, strict=True)
+    return max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
+
+
 def main() -> None:
     """Print the compiled variants' agreement, compile times and medians."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -115,23 +155,35 @@ def main() -> None:
     arguments = math_arguments(optimizer)
     compiled = torch.compile(group_step)
     graphs = torch.compile(group_step, mode="reduce-overhead")
-    variants: dict[str, Callable[[], KroneckerGroupStep]] = {
+    variants: dict[str, Callable[[], object]] = {
         "math eager": lambda: group_step(*arguments),
         "math compiled": lambda: compiled(*arguments),
         "math graphs": lambda: graphs(*arguments),
     }
-    reference = variants["math eager"]()
-    for name, run in variants.items():
+    reference = group_step(*arguments)
+    for name, run in list(variants.items())[1:]:
         watch = Stopwatch(device)
         watch.start()
         for _ in range(3):  # CUDA graphs record on a later call than the first
             result = run()
         first = watch.stop()
-        gap = largest_relative_difference(result, reference)
+        gap = largest_relative_difference(result, reference)  # type: ignore[arg-type]
         print(f"{name}: first 3 calls {first:.2f} s, relative difference {gap:.1e}")
     explanation = torch._dynamo.explain(group_step)(*arguments)
     print(f"TorchDynamo: {explanation.graph_count} graphs,", end=" ")
     print(f"{explanation.graph_break_count} breaks")
+    # The same training with the math compiled inside the optimizer's steps.
+    for name, mode in (("compiled", None), ("graphs", "reduce-overhead")):
+        math = torch.compile(group_step, mode=mode)
+        try:
+            other, step, _ = trained(args.model, args.batch_size, device, math)
+        except Exception as error:  # report and time the others
+            print(f"training with math {name}: failed ({error!r:.300})")
+            continue
+        gap = parameter_difference(other, optimizer)
+        print(f"training with math {name}: {WARM_STEPS} steps, parameters", end=" ")
+        print(f"{gap:.1e} relative from eager")
+        variants[f"default step, math {name}"] = step
     timed = {"sgd step": sgd_step, "default step": dn_step, **variants}
     start = time.perf_counter()
     medians = round_robin_medians(timed, device, args.repeats)

@@ -1,4 +1,4 @@
-"""The in-between step's math under ``torch.compile`` gives the eager directions."""
+"""The in-between math benchmark: compiled math agrees, swapped math runs."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import pytest
 import torch
 
 from benchmarks.micro.between_compile import (
+    WARM_STEPS,
     largest_relative_difference,
     math_arguments,
+    parameter_difference,
     trained,
 )
+from dampednewton._step import kronecker
 from dampednewton._step.kronecker_group import group_step
 
 
@@ -23,3 +26,18 @@ def test_compiled_math_between_refreshes_matches_eager():
     assert largest_relative_difference(compiled, eager) < 1e-5
     assert compiled.slope.item() == pytest.approx(eager.slope.item(), rel=1e-5)
     assert eager.slope.item() < 0  # a descent direction
+
+
+def test_training_with_other_math_runs_it_in_every_step():
+    calls = []
+
+    def counted(*arguments):
+        calls.append(1)
+        return group_step(*arguments)
+
+    device = torch.device("cpu")
+    other, _, _ = trained("mlp", 16, device, math=counted)
+    eager, _, _ = trained("mlp", 16, device)
+    assert len(calls) == WARM_STEPS
+    assert parameter_difference(other, eager) == 0  # the same function, eagerly
+    assert kronecker.group_step is group_step  # put back after each step
