@@ -68,7 +68,9 @@ part() {
       tail -n 4 "$out/adam.txt" "$out/dampednewton.txt" ;;
     compile)
       run 120 "$out/compile.md" python3 -m benchmarks.micro.between_compile
-      cat "$out/compile.md" ;;
+      run 120 "$out/compile-3c3d.md" python3 -m benchmarks.micro.between_compile \
+        --model 3c3d
+      cat "$out/compile.md" "$out/compile-3c3d.md" ;;
     step_cost)
       run 120 "$out/step_cost.txt" python3 -m benchmarks.micro.step_cost \
         --models mlp 3c3d --ggn mc1 exact --memory --skip-materialized
