@@ -27,6 +27,7 @@ def test_step_profile_counts_the_reads_of_each_variant_on_the_cpu():
     assert int(fast[4]) > int(sgd[4]) > 0
     assert (fast[6], fast[7]) == ("—", "—")  # CUDA-only columns
     assert float(fast[3].rstrip("×")) > 1
+    assert float(fast[8]) > 0 and sgd[9] == "1.0×"  # the amortized mean, its ratio
 
 
 @pytest.mark.slow
