@@ -27,7 +27,7 @@ def run_script(*args: str, budget: int, out: Path) -> subprocess.CompletedProces
 def test_a_spent_budget_skips_every_part_and_says_so(tmp_path):
     result = run_script("all", budget=10, out=tmp_path)
     assert result.returncode == 0, result.stderr
-    checks = ("cuda-tests.txt", "critical.md", "critical-default.md")
+    checks = ("cuda-tests.txt", "critical.md")
     for name in (*checks, "profile.md", "compile.md", "step_cost.txt", "adam.txt"):
         assert (tmp_path / name).read_text() == "skipped: budget spent\n", name
     assert "torch" in (tmp_path / "gpu.txt").read_text()  # the versions it ran with
