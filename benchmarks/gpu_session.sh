@@ -12,7 +12,8 @@
 # of the MLP and 3c3d), compile (the in-between step's math eager, compiled and as
 # CUDA graphs), step_cost (step cost with peak memory), fmnist_2c2d (time to target:
 # DampedNewton's default against Adam over 3e-4, 1e-3, 3e-3, 4000 steps, 3 seeds; the
-# grid's fastest run per seed; measured on an H200 on 2026-11-26, so last).
+# grid's fastest run per seed; measured on an H200 on 2026-11-26, so late),
+# fmnist_2c2d_peers (SOAP at 1e-3 and 3e-3, PSGD-Kron at 1e-3, 3 seeds).
 # `all` runs them in that order (most wanted first).
 # The parts share BUDGET seconds (default 540): each part stops at its own cap or when
 # the budget runs out, and writes its results to $OUT as it goes, so a part cut short
@@ -66,6 +67,16 @@ part() {
       run 170 "$out/adam.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
         optimizer=adam optimizer.lr=0.0003,0.001,0.003 hydra.sweep.dir="$out/sweeps/adam"
       tail -n 4 "$out/adam.txt" "$out/dampednewton.txt" ;;
+    fmnist_2c2d_peers)
+      # SOAP and PSGD-Kron at the learning rates that were fastest on the CPU
+      # (fmnist_2c2d: SOAP 3e-3, Kron 1e-3) and SOAP's neighbour 1e-3.
+      local common=(+sweep=gpu_fmnist_2c2d problem.eval_every=100 grid=null
+        grid_point=null seed=0,1,2 checkpoint_every=null)
+      run 200 "$out/soap.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
+        optimizer=soap optimizer.lr=0.001,0.003 hydra.sweep.dir="$out/sweeps/soap"
+      run 200 "$out/kron.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
+        optimizer=kron optimizer.lr=0.001 hydra.sweep.dir="$out/sweeps/kron"
+      tail -n 4 "$out/soap.txt" "$out/kron.txt" ;;
     compile)
       run 120 "$out/compile.md" python3 -m benchmarks.micro.between_compile
       run 120 "$out/compile-3c3d.md" python3 -m benchmarks.micro.between_compile \
@@ -77,14 +88,14 @@ part() {
       cat "$out/step_cost.txt" ;;
     *)
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
-        "(PART: checks profile compile step_cost fmnist_2c2d)" >&2
+        "(PART: checks profile compile step_cost fmnist_2c2d fmnist_2c2d_peers)" >&2
       exit 2 ;;
   esac
 }
 
 (($#)) || part usage
 parts=("$@")
-[[ "$1" == all ]] && parts=(checks profile compile step_cost fmnist_2c2d)
+[[ "$1" == all ]] && parts=(checks profile compile step_cost fmnist_2c2d fmnist_2c2d_peers)
 for name in "${parts[@]}"; do
   part "$name"
 done
