@@ -3,21 +3,26 @@
 # of device time, a call at most 600 s).
 # On this machine first:  bash ../shared/gpu/prepare.sh
 #   python3 -m pip download -q --no-deps -d .gpu/wheels pytorch-optimizer
-#   (the peers SOAP and PSGD-Kron in the profile; the device's own pytest runs the tests)
+#   (the peers SOAP and PSGD-Kron; the device's own pytest runs the tests)
 # Then a device call with carry [".gpu"]:
 #   source .gpu/on-device.sh && bash benchmarks/gpu_session.sh all
 # or name the parts to run, in order: bash benchmarks/gpu_session.sh PART [PART ...]
-# PART: checks (the suite's cuda tests and the critical batches of 3c3d under 11 GiB
-# of the defaults and SGD, side by side: neither is timed), profile (kernels, host reads, syncs and step times
-# of the MLP and 3c3d), compile (the in-between step's math eager, compiled and as
-# CUDA graphs), step_cost (step cost with peak memory), fmnist_2c2d (time to target:
-# DampedNewton's default against Adam over 3e-4, 1e-3, 3e-3, 4000 steps, 3 seeds; the
-# grid's fastest run per seed; measured on an H200 on 2026-11-26, so late),
-# fmnist_2c2d_peers (SOAP at 1e-3 and 3e-3, PSGD-Kron at 1e-3, 3 seeds).
+# PART:
+#   checks: the suite's cuda tests beside the critical batches of 3c3d under 11 GiB
+#     of the defaults and SGD (neither is timed);
+#   profile: kernels, host reads, syncs and step times of the MLP and 3c3d;
+#   compile: the in-between step's math eager, compiled and as CUDA graphs;
+#   step_cost: step cost with peak memory;
+#   fmnist_2c2d: time to target, DampedNewton's default against Adam over 3e-4,
+#     1e-3, 3e-3, 4000 steps, 3 seeds, the grid's fastest run per seed (measured on an
+#     H200 on 2026-11-26, so late);
+#   fmnist_2c2d_peers: SOAP at 1e-3 and 3e-3, PSGD-Kron at 1e-3, 3 seeds.
 # `all` runs them in that order (most wanted first).
 # The parts share BUDGET seconds (default 540): each part stops at its own cap or when
 # the budget runs out, and writes its results to $OUT as it goes, so a part cut short
 # still returns what it finished; the Hydra runs of fmnist_2c2d go to $OUT/sweeps.
+# $OUT of the device tool returns at most 8 files, 2 folders down: point OUT at a
+# scratch folder and tar it into the real one.
 set -uo pipefail
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -37,6 +42,10 @@ run() {
   timeout $((cap < left ? cap : left)) "$@" >"$log" 2>&1
   echo "exit $? after $((SECONDS))s: $*" >>"$out/parts.txt"
 }
+
+# The fmnist_2c2d runs: the GPU preset, 3 seeds, one job per grid point.
+common=(+sweep=gpu_fmnist_2c2d problem.eval_every=100 grid=null grid_point=null
+  seed=0,1,2 checkpoint_every=null)
 
 part() {
   case "$1" in
@@ -60,8 +69,6 @@ part() {
         --models mlp 3c3d --ggn mc1 exact --warmup 60 --steps 40 "${peers[@]}"
       cat "$out/profile.md" ;;
     fmnist_2c2d)
-      local common=(+sweep=gpu_fmnist_2c2d problem.eval_every=100 grid=null
-        grid_point=null seed=0,1,2 checkpoint_every=null)
       run 200 "$out/dampednewton.txt" python3 -m benchmarks.run --multirun \
         "${common[@]}" optimizer=dampednewton hydra.sweep.dir="$out/sweeps/dampednewton"
       run 170 "$out/adam.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
@@ -70,8 +77,6 @@ part() {
     fmnist_2c2d_peers)
       # SOAP and PSGD-Kron at the learning rates that were fastest on the CPU
       # (fmnist_2c2d: SOAP 3e-3, Kron 1e-3) and SOAP's neighbour 1e-3.
-      local common=(+sweep=gpu_fmnist_2c2d problem.eval_every=100 grid=null
-        grid_point=null seed=0,1,2 checkpoint_every=null)
       run 200 "$out/soap.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
         optimizer=soap optimizer.lr=0.001,0.003 hydra.sweep.dir="$out/sweeps/soap"
       run 200 "$out/kron.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
