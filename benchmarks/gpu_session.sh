@@ -16,8 +16,10 @@
 #   fmnist_2c2d: time to target, DampedNewton's default against Adam over 3e-4,
 #     1e-3, 3e-3, 4000 steps, 3 seeds, the grid's fastest run per seed (measured on an
 #     H200 on 2026-11-26, so late);
-#   fmnist_2c2d_peers: SOAP at 1e-3 and 3e-3, PSGD-Kron at 1e-3, 3 seeds.
-# `all` runs them in that order (most wanted first).
+#   fmnist_2c2d_peers: SOAP at 1e-3 and 3e-3, PSGD-Kron at 1e-3, 3 seeds;
+#   fmnist_2c2d_sgd: SGD-momentum at 0.01, 0.03, 0.1 and SGD at 0.1, 0.3, 1, 3 seeds
+#     (the CPU tables' other baselines; not part of `all`).
+# `all` runs the first six in that order (most wanted first).
 # The parts share BUDGET seconds (default 540): each part stops at its own cap or when
 # the budget runs out, and writes its results to $OUT as it goes, so a part cut short
 # still returns what it finished; the Hydra runs of fmnist_2c2d go to $OUT/sweeps.
@@ -82,6 +84,13 @@ part() {
       run 200 "$out/kron.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
         optimizer=kron optimizer.lr=0.001 hydra.sweep.dir="$out/sweeps/kron"
       tail -n 4 "$out/soap.txt" "$out/kron.txt" ;;
+    fmnist_2c2d_sgd)
+      run 200 "$out/momentum.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
+        optimizer=momentum optimizer.lr=0.01,0.03,0.1 \
+        hydra.sweep.dir="$out/sweeps/momentum"
+      run 200 "$out/sgd.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
+        optimizer=sgd optimizer.lr=0.1,0.3,1.0 hydra.sweep.dir="$out/sweeps/sgd"
+      tail -n 4 "$out/momentum.txt" "$out/sgd.txt" ;;
     compile)
       run 120 "$out/compile.md" python3 -m benchmarks.micro.between_compile
       run 120 "$out/compile-3c3d.md" python3 -m benchmarks.micro.between_compile \
@@ -93,7 +102,8 @@ part() {
       cat "$out/step_cost.txt" ;;
     *)
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
-        "(PART: checks profile compile step_cost fmnist_2c2d fmnist_2c2d_peers)" >&2
+        "(PART: checks profile compile step_cost fmnist_2c2d fmnist_2c2d_peers" \
+        "fmnist_2c2d_sgd)" >&2
       exit 2 ;;
   esac
 }
