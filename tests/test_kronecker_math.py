@@ -21,6 +21,7 @@ from dampednewton.math.kronecker_factors import (
     output_factor,
     refreshed_values,
 )
+from dampednewton.math.kronecker_packed import padded_coefficients, padded_eigen
 from tests.assertions import assert_close
 
 DTYPE = torch.float64
@@ -298,3 +299,56 @@ def test_refreshed_values_are_the_rayleigh_quotients_along_the_kept_vectors():
     # Where the factor kept its eigenvectors, the refresh is its decomposition.
     exact = factor_eigen(new, 9)
     assert_close(refreshed_values(2 * new, exact).values, 2 * exact.values, atol=1e-12)
+
+
+# Layers of different shapes, each side kept whole or truncated, one of them two
+# layers of one shape stacked: (d_out, d_in, kept output rank, kept input rank, count).
+PACKED_LAYERS = [(5, 7, 5, 7, 1), (3, 9, 2, 4, 1), (6, 4, 3, 4, 2), (2, 2, 2, 1, 1)]
+
+
+def test_a_padded_batch_of_layers_of_all_shapes_steps_as_each_layer_alone():
+    """Zero-padded to the largest shapes, every layer's step is its own dense solve."""
+    layers = []  # per layer: output and input eigenpairs, gradient
+    batches = []  # per batch (a stacked pair counts once): eigenpairs, coefficients
+    generator = torch.Generator().manual_seed(50)
+    for index, (rows, columns, out_rank, in_rank, count) in enumerate(PACKED_LAYERS):
+        outputs = [
+            truncated_eigen(rows, out_rank, seed=60 + 10 * index + k)
+            for k in range(count)
+        ]
+        inputs = [
+            truncated_eigen(columns, in_rank, seed=61 + 10 * index + k)
+            for k in range(count)
+        ]
+        gradients = [
+            torch.randn(rows, columns, generator=generator, dtype=DTYPE)
+            for _ in range(count)
+        ]
+        layers += zip(outputs, inputs, gradients, strict=True)
+        output = outputs[0] if count == 1 else stacked_eigen(outputs)
+        input_side = inputs[0] if count == 1 else stacked_eigen(inputs)
+        coefficients = layer_coefficients(output, input_side, 0.01, False)
+        batches.append((output, input_side, coefficients))
+    output = padded_eigen([batch[0] for batch in batches])
+    inputs = padded_eigen([batch[1] for batch in batches])
+    rows, ranks = output.vectors.shape[-2], output.vectors.shape[-1]
+    columns, in_ranks = inputs.vectors.shape[-2], inputs.vectors.shape[-1]
+    assert (rows, columns, ranks, in_ranks) == (6, 9, 5, 7)
+    coefficients = padded_coefficients([b[2] for b in batches], (ranks, in_ranks))
+    assert coefficients.curvatures is None and coefficients.core.shape == (5, 5, 7)
+    gradient = torch.zeros(len(layers), rows, columns, dtype=DTYPE)
+    for k, (_, _, layer_gradient) in enumerate(layers):
+        gradient[k, : layer_gradient.shape[0], : layer_gradient.shape[1]] = (
+            layer_gradient
+        )
+    packed = kronecker_direction(gradient, output, inputs, coefficients, False)
+    for k, (layer_output, layer_input, layer_gradient) in enumerate(layers):
+        block = packed.direction[k]
+        size = layer_gradient.shape
+        damped, _ = dense_kronecker(layer_output, layer_input, 0.01)
+        expected = -torch.linalg.solve(damped, layer_gradient.flatten())
+        assert_close(block[: size[0], : size[1]].flatten(), expected, rtol=1e-9)
+        assert torch.count_nonzero(block) == torch.count_nonzero(
+            block[: size[0], : size[1]]
+        ), "the padding stays zero"
+        assert_close(packed.slope[k], layer_gradient.flatten() @ expected, rtol=1e-9)

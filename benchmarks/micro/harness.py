@@ -3,8 +3,9 @@
 :data:`MODELS` are the networks of the performance issue on random inputs;
 :func:`make_step` builds one closure-driven step of a variant (``sgd``, ``adam``,
 the peers ``soap`` and ``kron``, ``fast:<ggn>``, ``dense:<ggn>``, ``default``,
-``default:exact``); :func:`time_blocks` and :func:`round_robin_medians` time variants
-in alternating blocks of consecutive steps, synchronized by
+``default:exact``, ``default:packed``); :func:`time_blocks` and
+:func:`round_robin_medians` time variants in alternating blocks of consecutive steps,
+synchronized by
 :class:`benchmarks.measure.Stopwatch`.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from backpack import backpack, extend
@@ -20,7 +22,12 @@ from torch.optim import Optimizer
 
 from benchmarks.measure import Stopwatch
 from benchmarks.problems.models import cifar10_3c3d, mlp
-from dampednewton import DampedNewton, DirectionalDampedNewtonComputation, GramBasis
+from dampednewton import (
+    DampedNewton,
+    DirectionalDampedNewtonComputation,
+    GramBasis,
+    KroneckerBasis,
+)
 
 NUM_CLASSES = 10
 DIRECTIONS = 10
@@ -203,9 +210,13 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
             "averaging": None,
             "kl_clip": None,
         }
-        # The defaults draw one Monte-Carlo sample; ``default:exact`` the exact GGN.
-        exact = {"mc_samples": 0} if ggn == "exact" else {}
-        settings = {"seed": 0, **exact} if kind == "default" else vivit
+        # The defaults draw one Monte-Carlo sample; ``default:exact`` the exact GGN;
+        # ``default:packed`` steps every layer in one padded batch.
+        changed: dict[str, dict[str, Any]] = {
+            "exact": {"mc_samples": 0},
+            "packed": {"basis": KroneckerBasis(packed=True)},
+        }
+        settings = {"seed": 0, **changed.get(ggn, {})} if kind == "default" else vivit
         optimizer = DampedNewton(model.parameters(), lr=1e-3, **settings)
         return closure_step(optimizer, model, loss_fn, X, y)
     params = list(model.parameters())

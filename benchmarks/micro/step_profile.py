@@ -4,9 +4,10 @@ For each model, warm steps of SGD, Adam and DampedNewton are counted: ViViT's st
 with top-10 directions and constant damping for each GGN (``fast:mc1``,
 ``fast:exact``, the Gram basis), and the package's defaults (``default``: the
 Kronecker basis of the Monte-Carlo GGN, averaged and refreshed on its schedule, trust
-region; ``default:exact``: the same from the exact GGN). With ``--steps S`` the counts
-are averaged over ``S`` consecutive steps (past ``--warmup`` steps: an amortized step
-of refreshes and the steps between them):
+region; ``default:exact``: the same from the exact GGN; ``default:packed``: every
+layer in one padded batch, ``KroneckerBasis(packed=True)``). With ``--steps S`` the
+counts are averaged over ``S`` consecutive steps (past ``--warmup`` steps: an
+amortized step of refreshes and the steps between them):
 
 * ``kernels``: CUDA kernels launched (``torch.profiler``); on the CPU, ATen operators
   that compute (views excluded), the proxy of launches;
@@ -208,6 +209,7 @@ def table(
             *peers,
             *(f"fast:{ggn}" for ggn in ggns),
             "default",
+            "default:packed",
             *(["default:exact"] if "exact" in ggns else []),
         ]
         step_of = {v: make_step(v, model, batch_size, device) for v in variants}

@@ -53,6 +53,7 @@ from dampednewton._step.kronecker_moments import (
     group_noise_filter,
     moment_entries,
 )
+from dampednewton._step.kronecker_packed import PackedLayers
 from dampednewton._step.kronecker_refresh import (
     RefreshedBatch,
     commit_layers,
@@ -81,6 +82,7 @@ from dampednewton.backpack.loss_checks import DeferredChecks
 from dampednewton.backpack.savefields import sqrt_ggn_savefield
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
+from dampednewton.policies.basis import KroneckerBasis
 
 
 def damping_value(options: GroupOptions) -> float:
@@ -94,6 +96,7 @@ class KroneckerSteps:
     def __init__(self) -> None:
         """Start without cached bases."""
         self._batches: dict[int, list[LayerBatch]] = {}
+        self._packs: dict[int, PackedLayers] = {}
         self._cached_extension: (
             tuple[tuple, ExactSqrtGGN | MonteCarloSqrtGGN] | None
         ) = None
@@ -101,6 +104,7 @@ class KroneckerSteps:
     def clear(self) -> None:
         """Forget the cached bases (after loading a state)."""
         self._batches.clear()
+        self._packs.clear()
 
     def run(
         self,
@@ -189,21 +193,19 @@ class KroneckerSteps:
                     finite = torch.zeros((), dtype=torch.bool)
             steps: list[KroneckerGroupStep | None] = [None] * len(groups)
             for index, group in enumerate(groups):
-                noise_filter = group_noise_filter(options[index])
                 batches: list[LayerBatch] | None
                 if index in fresh:
                     batches = [refreshed.batch for refreshed in fresh[index]]
                 else:
                     batches = self._batches_of(index, group, stats[index], state)
                 if batches:
-                    damping = damping_value(options[index])
-                    steps[index] = group_step(
+                    steps[index] = self._group_step(
+                        index,
                         batches,
-                        damping,
-                        with_curvature,
-                        noise_filter,
+                        options[index],
+                        stats[index],
                         state,
-                        noise_filter is not None and current_moments(stats[index]),
+                        with_curvature,
                     )
             values = read_checks(loss, steps, deferred, finite)
             problem = refusal(values, deferred)
@@ -244,6 +246,39 @@ class KroneckerSteps:
                 if result.moments:
                     group_stats[MOMENTS_REFRESH] = group_stats[UPDATES]
         return KroneckerPass(loss, steps, scales, record, True)
+
+    def _group_step(
+        self,
+        index: int,
+        batches: list[LayerBatch],
+        option: GroupOptions,
+        stats: dict[str, Any],
+        state: Any,
+        with_curvature: bool,
+    ) -> KroneckerGroupStep:
+        """Group ``index``'s step: packed (:mod:`.kronecker_packed`) or by shape."""
+        damping = damping_value(option)
+        noise_filter = group_noise_filter(option)
+        basis = option.basis
+        if (
+            isinstance(basis, KroneckerBasis)
+            and basis.packed
+            and noise_filter is None
+            and option.adaptive_damping is None
+            and not with_curvature
+        ):
+            pack = self._packs.get(index)
+            if pack is None or not pack.holds(batches):
+                pack = self._packs[index] = PackedLayers(batches)
+            return pack.step(damping)
+        return group_step(
+            batches,
+            damping,
+            with_curvature,
+            noise_filter,
+            state,
+            noise_filter is not None and current_moments(stats),
+        )
 
     def largest_curvatures(self, index: int) -> Any:
         """Group ``index``'s largest curvature ``τ_max σ_max`` per layer (NumPy).

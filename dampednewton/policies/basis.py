@@ -59,12 +59,19 @@ class KroneckerBasis:
         noise_filter: Scale each kept direction's Newton coefficient by its
             gradient's steadiness (:class:`NoiseFilter`, SOAP's moments in the
             eigenbasis); ``None`` (the default) for the plain damped Newton step.
+        packed: Step all of a group's layers in one batch, each zero-padded to the
+            group's largest layer: a fixed number of operators per step whatever the
+            number and shapes of the layers, for the price of the padded products.
+            It pays where a step's time is its kernel launches (small models on a
+            GPU); on a CPU the products' sizes decide, so it is off by default.
+            Steps with a noise filter or an adaptive damping are taken unpacked.
     """
 
     rank: int = DEFAULT_KRONECKER_RANK
     exact_size: int = DEFAULT_EXACT_SIZE
     rotation_interval: int = 3
     noise_filter: NoiseFilter | None = None
+    packed: bool = False
 
     def __post_init__(self) -> None:
         """Validate the settings."""
@@ -78,6 +85,10 @@ class KroneckerBasis:
                 raise ValueError(
                     f"KroneckerBasis needs an integer {name} >= {least}, got {value!r}."
                 )
+        if not isinstance(self.packed, bool):
+            raise TypeError(
+                f"KroneckerBasis needs packed=True or False, got {self.packed!r}."
+            )
         if self.noise_filter is not None and not isinstance(
             self.noise_filter, NoiseFilter
         ):

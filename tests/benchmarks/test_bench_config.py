@@ -121,6 +121,20 @@ def test_the_noise_filter_config_is_the_default_with_the_filter(compose_config):
     }
 
 
+def test_the_packed_config_is_the_default_packed(compose_config):
+    from dampednewton import KroneckerBasis
+
+    cfg = compose_config(["optimizer=dampednewton_packed"])
+    problem = tiny_problem(steps=3)
+    optimizer = instantiate(cfg.optimizer)(problem.trainable_parameters())
+    (group,) = optimizer.param_groups
+    assert group["basis"] == KroneckerBasis(packed=True)
+    default = compose_config(["optimizer=dampednewton"]).optimizer
+    assert {k: v for k, v in cfg.optimizer.items() if k != "basis"} == {
+        k: v for k, v in default.items() if k != "basis"
+    }
+
+
 def test_damping_rule_on_an_optimizer_without_damping_is_skipped(compose_config):
     cfg = compose_config(["optimizer=sgd", "damping=lm"])
     assert cfg.optimizer_name == "sgd_lm"

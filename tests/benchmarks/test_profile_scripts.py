@@ -19,7 +19,7 @@ def _rows(lines: list[str]) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_step_profile_counts_the_reads_of_each_variant_on_the_cpu():
     rows = _rows(table(["mlp"], ["mc1"], 16, torch.device("cpu"), repeats=2))
-    assert list(rows) == ["sgd", "adam", "fast:mc1", "default"]
+    assert list(rows) == ["sgd", "adam", "fast:mc1", "default", "default:packed"]
     sgd, fast = rows["sgd"], rows["fast:mc1"]
     assert sgd[5] == "0"
     # The step's one read, and the CPU's check of float32 eigh before a retry.
@@ -34,8 +34,18 @@ def test_step_profile_counts_the_reads_of_each_variant_on_the_cpu():
 def test_step_profile_adds_the_exact_ggn_default_with_exact():
     # The exact ViViT step is slow on the CPU: the counts of one step, N=8.
     rows = _rows(table(["mlp"], ["exact"], 8, torch.device("cpu"), repeats=1))
-    assert list(rows) == ["sgd", "adam", "fast:exact", "default", "default:exact"]
+    assert list(rows) == [
+        "sgd",
+        "adam",
+        "fast:exact",
+        "default",
+        "default:packed",
+        "default:exact",
+    ]
     assert rows["default:exact"][5] == rows["default"][5] == "1"  # the one read
+    assert rows["default:packed"][5] == "1"
+    # One padded batch: fewer operators than layer by layer (the MLP's 3 shapes).
+    assert int(rows["default:packed"][4]) < int(rows["default"][4])
 
 
 @pytest.mark.parametrize("limit", [1, 15, 16, 17, 100, 1000, 4096])
@@ -102,6 +112,6 @@ def test_step_profile_counts_the_curvature_peers():
         peers=("soap", "kron"),
     )
     rows = _rows(lines)
-    assert list(rows) == ["sgd", "adam", "soap", "kron", "default"]
+    assert list(rows) == ["sgd", "adam", "soap", "kron", "default", "default:packed"]
     for peer in ("soap", "kron"):
         assert int(rows[peer][4]) > int(rows["adam"][4]) > 0

@@ -215,6 +215,8 @@ def test_refused_settings_say_what_to_do():
         KroneckerBasis(rank=2.5)
     with pytest.raises(ValueError, match="exact_size >= 0"):
         KroneckerBasis(exact_size=-1)
+    with pytest.raises(TypeError, match="packed=True or False"):
+        KroneckerBasis(packed=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="basis must be"):
         DampedNewton(params, basis="kronecker")
 
