@@ -18,7 +18,9 @@
 #     H200 on 2026-11-26, so late);
 #   fmnist_2c2d_peers: SOAP at 1e-3 and 3e-3, PSGD-Kron at 1e-3, 3 seeds;
 #   fmnist_2c2d_sgd: SGD-momentum at 0.01, 0.03, 0.1 and SGD at 0.1, 0.3, 1, 3 seeds
-#     (the CPU tables' other baselines; not part of `all`).
+#     (the CPU tables' other baselines; not part of `all`);
+#   fmnist_2c2d_packed: the defaults with KroneckerBasis(packed=True), 3 seeds (not
+#     part of `all`; `profile` counts its step as default:packed).
 # `all` runs the first six in that order (most wanted first).
 # The parts share BUDGET seconds (default 540): each part stops at its own cap or when
 # the budget runs out, and writes its results to $OUT as it goes, so a part cut short
@@ -91,6 +93,10 @@ part() {
       run 200 "$out/sgd.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
         optimizer=sgd optimizer.lr=0.1,0.3,1.0 hydra.sweep.dir="$out/sweeps/sgd"
       tail -n 4 "$out/momentum.txt" "$out/sgd.txt" ;;
+    fmnist_2c2d_packed)
+      run 200 "$out/packed.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
+        optimizer=dampednewton_packed hydra.sweep.dir="$out/sweeps/packed"
+      tail -n 4 "$out/packed.txt" ;;
     compile)
       run 120 "$out/compile.md" python3 -m benchmarks.micro.between_compile
       run 120 "$out/compile-3c3d.md" python3 -m benchmarks.micro.between_compile \
@@ -103,7 +109,7 @@ part() {
     *)
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
         "(PART: checks profile compile step_cost fmnist_2c2d fmnist_2c2d_peers" \
-        "fmnist_2c2d_sgd)" >&2
+        "fmnist_2c2d_sgd fmnist_2c2d_packed)" >&2
       exit 2 ;;
   esac
 }

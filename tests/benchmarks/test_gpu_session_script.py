@@ -35,11 +35,14 @@ def test_a_spent_budget_skips_every_part_and_says_so(tmp_path):
     assert not (tmp_path / "momentum.txt").exists()  # fmnist_2c2d_sgd is not in `all`
 
 
-def test_the_other_baselines_part_runs_on_its_own(tmp_path):
+def test_the_parts_outside_all_run_on_their_own(tmp_path):
     result = run_script("fmnist_2c2d_sgd", budget=10, out=tmp_path)
     assert result.returncode == 0, result.stderr
     for name in ("momentum.txt", "sgd.txt"):
         assert (tmp_path / name).read_text() == "skipped: budget spent\n", name
+    result = run_script("fmnist_2c2d_packed", budget=10, out=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "packed.txt").read_text() == "skipped: budget spent\n"
 
 
 def test_an_unknown_part_prints_the_usage(tmp_path):
