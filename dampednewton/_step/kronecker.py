@@ -53,7 +53,7 @@ from dampednewton._step.kronecker_moments import (
     group_noise_filter,
     moment_entries,
 )
-from dampednewton._step.kronecker_packed import PackedLayers
+from dampednewton._step.kronecker_packed import PackedLayers, packable
 from dampednewton._step.kronecker_refresh import (
     RefreshedBatch,
     commit_layers,
@@ -266,6 +266,7 @@ class KroneckerSteps:
             and noise_filter is None
             and option.adaptive_damping is None
             and not with_curvature
+            and packable(batches)
         ):
             pack = self._packs.get(index)
             if pack is None or not pack.holds(batches):

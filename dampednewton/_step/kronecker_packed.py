@@ -6,8 +6,9 @@ and per damping, and keeps a zero-padded gradient buffer: a step copies every
 layer's ``.grad`` into it with one multi-tensor copy and computes all directions with
 one call of :func:`~dampednewton.math.kronecker.kronecker_direction`, a fixed number
 of operators whatever the number and shapes of the layers. The directions are views
-of the padded result. Steps with a noise filter or with curvatures (adaptive
-damping) take :func:`~._step.kronecker_group.group_step` instead.
+of the padded result. Steps with a noise filter or an adaptive damping, and groups
+whose layers differ in dtype or device, take :func:`~._step.kronecker_group.group_step`
+instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ from dampednewton._step.kronecker_group import KroneckerGroupStep, LayerBatch
 from dampednewton._step.kronecker_state import LayerBasis
 from dampednewton.math.kronecker import LayerCoefficients, kronecker_direction
 from dampednewton.math.kronecker_packed import padded_coefficients, padded_eigen
+
+
+def packable(batches: Sequence[LayerBatch]) -> bool:
+    """Whether the batches share a dtype and a device (one padded batch holds them)."""
+    first = batches[0].output.vectors
+    return all(
+        batch.output.vectors.dtype == first.dtype
+        and batch.output.vectors.device == first.device
+        for batch in batches
+    )
 
 
 class PackedLayers:

@@ -64,7 +64,8 @@ class KroneckerBasis:
             number and shapes of the layers, for the price of the padded products.
             It pays where a step's time is its kernel launches (small models on a
             GPU); on a CPU the products' sizes decide, so it is off by default.
-            Steps with a noise filter or an adaptive damping are taken unpacked.
+            Steps with a noise filter or an adaptive damping, and groups whose
+            layers differ in dtype or device, are taken unpacked.
     """
 
     rank: int = DEFAULT_KRONECKER_RANK

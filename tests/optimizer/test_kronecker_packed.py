@@ -19,6 +19,9 @@ from dampednewton import (
     LevenbergMarquardt,
     NoiseFilter,
 )
+from dampednewton._step.kronecker_group import LayerBatch
+from dampednewton._step.kronecker_packed import packable
+from dampednewton.math.kronecker_factors import FactorEigen
 from tests.cases import KRONECKER_PROBLEMS, case_by_id
 from tests.optimizer.test_kronecker_batches import BASES, ComputingOperators
 from tests.utils import assert_same_parameters, build_case, make_closure, train_twins
@@ -108,6 +111,52 @@ def test_a_layer_frozen_after_its_refreshes_steps_as_unpacked():
     train_twins(runs, steps=4)
     (_, first), (_, second) = runs
     assert_same_parameters(second.model, first.model, rtol=1e-12, atol=1e-13)
+
+
+def test_a_bias_alone_and_a_weight_without_bias_are_packed():
+    """The first layer's bias without its weight, a layer without bias."""
+    runs = []
+    for packed in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 5),
+            torch.nn.Tanh(),
+            torch.nn.Linear(5, 3, bias=False),
+            torch.nn.Tanh(),
+            torch.nn.Linear(3, 2),
+        )
+        model = extend(model.double())
+        generator = torch.Generator().manual_seed(1)
+        X = torch.randn(8, 4, dtype=torch.float64, generator=generator)
+        y = torch.randint(0, 2, (8,), generator=generator)
+        params = [model[0].bias, model[2].weight, model[4].weight, model[4].bias]
+        optimizer = DampedNewton(
+            params,
+            basis=KroneckerBasis(packed=packed),
+            averaging=CurvatureAveraging(interval=2),
+            seed=0,
+        )
+        closure = make_closure(
+            optimizer, model, extend(torch.nn.CrossEntropyLoss()), X, y
+        )
+        for _ in range(6):
+            optimizer.step(closure)
+        runs.append(model)
+    assert_same_parameters(runs[1], runs[0], rtol=1e-12, atol=1e-13)
+
+
+def test_layers_of_two_dtypes_are_not_packed():
+    def batch(dtype: torch.dtype) -> LayerBatch:
+        eigen = FactorEigen(
+            torch.ones(2, dtype=dtype),
+            torch.eye(2, dtype=dtype),
+            torch.zeros((), dtype=dtype),
+            torch.ones((), dtype=dtype),
+        )
+        return LayerBatch([], eigen, eigen)
+
+    assert packable([batch(torch.float32), batch(torch.float32)])
+    assert not packable([batch(torch.float32), batch(torch.float64)])
 
 
 def test_a_loaded_state_rebuilds_the_pack():
