@@ -53,7 +53,7 @@ from dampednewton._step.kronecker_moments import (
     group_noise_filter,
     moment_entries,
 )
-from dampednewton._step.kronecker_packed import PackedLayers, packable
+from dampednewton._step.kronecker_packed import PackedGroup, packable
 from dampednewton._step.kronecker_refresh import (
     RefreshedBatch,
     commit_layers,
@@ -96,7 +96,7 @@ class KroneckerSteps:
     def __init__(self) -> None:
         """Start without cached bases."""
         self._batches: dict[int, list[LayerBatch]] = {}
-        self._packs: dict[int, PackedLayers] = {}
+        self._packs: dict[int, PackedGroup] = {}
         self._cached_extension: (
             tuple[tuple, ExactSqrtGGN | MonteCarloSqrtGGN] | None
         ) = None
@@ -270,7 +270,7 @@ class KroneckerSteps:
         ):
             pack = self._packs.get(index)
             if pack is None or not pack.holds(batches):
-                pack = self._packs[index] = PackedLayers(batches)
+                pack = self._packs[index] = PackedGroup(batches)
             return pack.step(damping)
         return group_step(
             batches,

@@ -1,12 +1,15 @@
-"""All of a group's layers in one padded batch (``KroneckerBasis(packed=True)``).
+"""A group's layers in few padded batches (``KroneckerBasis(packed=True)``).
 
-:class:`PackedLayers` pads a group's layer batches (:func:`~._step.kronecker_group.
+:class:`PackedLayers` pads layer batches (:func:`~._step.kronecker_group.
 layer_batches`) into one (:mod:`dampednewton.math.kronecker_packed`) once per refresh
 and per damping, and keeps a zero-padded gradient buffer: a step copies every
 layer's ``.grad`` into it with one multi-tensor copy and computes all directions with
 one call of :func:`~dampednewton.math.kronecker.kronecker_direction`, a fixed number
 of operators whatever the number and shapes of the layers. The directions are views
-of the padded result. Steps with a noise filter or an adaptive damping, and groups
+of the padded result. :class:`PackedGroup` splits a group into such packs, largest
+layers first, so that each pack's padded gradient holds at most
+:data:`PADDING_LIMIT` times its layers' own entries (one pack, unless the layers'
+sizes differ by more). Steps with a noise filter or an adaptive damping, and groups
 whose layers differ in dtype or device, take :func:`~._step.kronecker_group.group_step`
 instead.
 """
@@ -24,6 +27,9 @@ from dampednewton._step.kronecker_state import LayerBasis
 from dampednewton.math.kronecker import LayerCoefficients, kronecker_direction
 from dampednewton.math.kronecker_packed import padded_coefficients, padded_eigen
 
+PADDING_LIMIT = 4.0
+"""The most entries a pack's padded gradient holds per entry of its layers' own."""
+
 
 def packable(batches: Sequence[LayerBatch]) -> bool:
     """Whether the batches share a dtype and a device (one padded batch holds them)."""
@@ -36,13 +42,13 @@ def packable(batches: Sequence[LayerBatch]) -> bool:
 
 
 class PackedLayers:
-    """A group's layer batches as one padded batch, with its gradient buffer."""
+    """Layer batches as one padded batch, with its gradient buffer."""
 
     def __init__(self, batches: Sequence[LayerBatch]) -> None:
         """Pad the batches' eigenpairs (their coefficients follow per damping).
 
         Args:
-            batches: The group's layer batches of one refresh.
+            batches: Layer batches of one refresh (one dtype, one device).
         """
         self.batches = tuple(batches)
         self.layers: list[LayerBasis] = [
@@ -65,12 +71,6 @@ class PackedLayers:
                 assert layer.bias is not None
                 self._targets.append(block[: layer.bias.shape[0], 0])
         self._coefficients: tuple[float, LayerCoefficients] | None = None
-
-    def holds(self, batches: Sequence[LayerBatch]) -> bool:
-        """Whether these are the batches this pack was built from."""
-        return len(batches) == len(self.batches) and all(
-            mine is theirs for mine, theirs in zip(self.batches, batches, strict=True)
-        )
 
     def coefficients(self, damping: float) -> LayerCoefficients:
         """The layers' padded coefficients for ``δ = damping`` (kept while it holds)."""
@@ -132,3 +132,84 @@ def _block(layer: LayerBasis) -> tuple[int, int]:
         return layer.bias.shape[0], 1
     columns = math.prod(layer.weight.shape[1:]) + (1 if layer.bias is not None else 0)
     return layer.weight.shape[0], columns
+
+
+class PackedGroup:
+    """A group's layer batches in packs of bounded padding (:data:`PADDING_LIMIT`)."""
+
+    def __init__(self, batches: Sequence[LayerBatch]) -> None:
+        """Split the batches into packs, largest layers first.
+
+        Args:
+            batches: The group's layer batches of one refresh (one dtype, one device).
+        """
+        self.batches = tuple(batches)
+        self.packs = [PackedLayers(members) for members in padded_packs(batches)]
+
+    def holds(self, batches: Sequence[LayerBatch]) -> bool:
+        """Whether these are the batches this group was packed from."""
+        return len(batches) == len(self.batches) and all(
+            mine is theirs for mine, theirs in zip(self.batches, batches, strict=True)
+        )
+
+    def step(self, damping: float) -> KroneckerGroupStep:
+        """The group's directions and slope (its curvature is left out: NaN).
+
+        Args:
+            damping: ``δ``.
+
+        Returns:
+            The step, its directions views of the packs' padded results.
+        """
+        steps = [pack.step(damping) for pack in self.packs]
+        if len(steps) == 1:
+            return steps[0]
+        slope = torch.stack([step.slope for step in steps]).sum()
+        directions = [pair for step in steps for pair in step.directions]
+        return KroneckerGroupStep(directions, slope, slope.new_full((), math.nan))
+
+
+def padded_packs(
+    batches: Sequence[LayerBatch], limit: float = PADDING_LIMIT
+) -> list[list[LayerBatch]]:
+    """The batches in packs whose padding stays within ``limit``, largest first.
+
+    A batch joins the current pack while the pack's padded entries (its layers
+    times its largest rows times its largest columns) stay within ``limit`` times
+    the entries its layers hold; otherwise it starts the next pack.
+
+    Args:
+        batches: Layer batches.
+        limit: The most padded entries per own entry (``≥ 1``).
+
+    Returns:
+        The packs, each a list of batches.
+    """
+    sizes = {id(batch): _batch_shape(batch) for batch in batches}
+
+    def own(members: list[LayerBatch]) -> int:
+        return sum(math.prod(sizes[id(batch)]) for batch in members)
+
+    def padded(members: list[LayerBatch]) -> int:
+        count = sum(sizes[id(batch)][0] for batch in members)
+        rows = max(sizes[id(batch)][1] for batch in members)
+        columns = max(sizes[id(batch)][2] for batch in members)
+        return count * rows * columns
+
+    order = sorted(batches, key=lambda batch: math.prod(sizes[id(batch)][1:]))
+    packs: list[list[LayerBatch]] = []
+    current: list[LayerBatch] = []
+    for batch in reversed(order):
+        trial = [*current, batch]
+        if current and padded(trial) > limit * own(trial):
+            packs.append(current)
+            trial = [batch]
+        current = trial
+    packs.append(current)
+    return packs
+
+
+def _batch_shape(batch: LayerBatch) -> tuple[int, int, int]:
+    """``(layers, d_out, d_in (+1))`` of a batch's gradient matrices."""
+    rows, columns = _block(batch.layers[0])
+    return len(batch.layers), rows, columns

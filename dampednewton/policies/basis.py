@@ -59,8 +59,9 @@ class KroneckerBasis:
         noise_filter: Scale each kept direction's Newton coefficient by its
             gradient's steadiness (:class:`NoiseFilter`, SOAP's moments in the
             eigenbasis); ``None`` (the default) for the plain damped Newton step.
-        packed: Step all of a group's layers in one batch, each zero-padded to the
-            group's largest layer: a fixed number of operators per step whatever the
+        packed: Step a group's layers in few batches, each layer zero-padded to the
+            largest of its batch (a batch's padding stays within four times its
+            layers' entries): a fixed number of operators per batch whatever the
             number and shapes of the layers, for the price of the padded products.
             It pays where a step's time is its kernel launches (small models on a
             GPU); on a CPU the products' sizes decide, so it is off by default.

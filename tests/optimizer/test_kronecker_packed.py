@@ -20,7 +20,8 @@ from dampednewton import (
     NoiseFilter,
 )
 from dampednewton._step.kronecker_group import LayerBatch
-from dampednewton._step.kronecker_packed import packable
+from dampednewton._step.kronecker_packed import packable, padded_packs
+from dampednewton._step.kronecker_state import LayerBasis
 from dampednewton.math.kronecker_factors import FactorEigen
 from tests.cases import KRONECKER_PROBLEMS, case_by_id
 from tests.optimizer.test_kronecker_batches import BASES, ComputingOperators
@@ -157,6 +158,67 @@ def test_layers_of_two_dtypes_are_not_packed():
 
     assert packable([batch(torch.float32), batch(torch.float32)])
     assert not packable([batch(torch.float32), batch(torch.float64)])
+
+
+def layer_batch(rows: int, columns: int, count: int = 1) -> LayerBatch:
+    """``count`` layers ``Linear(columns, rows)`` in a batch (no eigenpairs needed)."""
+    eigen = FactorEigen(
+        torch.ones(1), torch.ones(1, 1), torch.zeros(()), torch.ones(())
+    )
+    layers = [
+        LayerBasis(torch.zeros(rows, columns), torch.zeros(rows), eigen, eigen)
+        for _ in range(count)
+    ]
+    return LayerBatch(layers, eigen, eigen)
+
+
+def test_packs_bound_their_padding_largest_layers_first():
+    # cifar10_3c3d's layers (with biases): one pack, 3.95 padded entries per own.
+    shapes = [(64, 75), (96, 576), (128, 864), (512, 1152), (256, 512), (10, 256)]
+    batches = [layer_batch(rows, columns) for rows, columns in shapes]
+    assert padded_packs(batches) == [
+        [batches[3], batches[4], batches[2], batches[1], batches[0], batches[5]]
+    ]
+    # A wide first layer and narrow ones (three of one shape stacked): two packs.
+    wide, narrow, stacked = layer_batch(64, 6), layer_batch(3, 64), layer_batch(3, 3, 3)
+    assert padded_packs([wide, narrow, stacked]) == [[wide], [narrow, stacked]]
+    assert padded_packs([wide, narrow, stacked], limit=100.0) == [
+        [wide, narrow, stacked]
+    ]
+
+
+def test_a_group_in_several_packs_steps_as_unpacked():
+    """A wide first layer and narrow ones: two packs, fewer operators than unpacked."""
+    runs = []
+    for packed in (False, True):
+        torch.manual_seed(0)
+        layers: list[torch.nn.Module] = [torch.nn.Linear(6, 64), torch.nn.Tanh()]
+        layers += [torch.nn.Linear(64, 3), torch.nn.Tanh()]
+        for _ in range(3):
+            layers += [torch.nn.Linear(3, 3), torch.nn.Tanh()]
+        model = extend(torch.nn.Sequential(*layers, torch.nn.Linear(3, 2)).double())
+        generator = torch.Generator().manual_seed(1)
+        X = torch.randn(8, 6, dtype=torch.float64, generator=generator)
+        y = torch.randint(0, 2, (8,), generator=generator)
+        optimizer = DampedNewton(
+            model.parameters(),
+            basis=KroneckerBasis(rank=4, exact_size=4, packed=packed),
+            averaging=CurvatureAveraging(interval=2),
+            seed=0,
+        )
+        closure = make_closure(
+            optimizer, model, extend(torch.nn.CrossEntropyLoss()), X, y
+        )
+        for _ in range(6):
+            optimizer.step(closure)
+        with ComputingOperators() as operators:
+            optimizer.step(closure)
+        runs.append((model, operators.count))
+        if packed:  # the wide layer, the narrow ones, the output layer
+            assert len(optimizer._pipeline.kronecker._packs[0].packs) == 3
+    (unpacked, by_shape), (packed_model, packed_count) = runs
+    assert packed_count < by_shape
+    assert_same_parameters(packed_model, unpacked, rtol=1e-12, atol=1e-13)
 
 
 def test_a_loaded_state_rebuilds_the_pack():
