@@ -19,6 +19,8 @@ NOISE_FILTER = {
     "basis": KroneckerBasis(rotation_interval=1, noise_filter=NoiseFilter(0.9, 0.8)),
 }
 """With the noise filter, its moments rotated on every refresh."""
+PACKED = {**KRONECKER, "basis": KroneckerBasis(packed=True)}
+"""Every layer in one padded batch."""
 
 # Each test spawns processes that import torch and BackPACK: 5-25 s.
 pytestmark = [
@@ -48,6 +50,7 @@ pytestmark = [
         ),
         (2, Job(model="cnn", steps=3, options={**KRONECKER, "mc_samples": 1})),
         (2, Job(model="mlp", steps=5, options=NOISE_FILTER, ddp=True)),
+        (2, Job(model="cnn", steps=4, options=PACKED, ddp=True)),
     ],
     ids=[
         "mlp-2",
@@ -58,6 +61,7 @@ pytestmark = [
         "cnn-kronecker-lm-ddp-3",
         "cnn-kronecker-mc-2",
         "mlp-kronecker-noise-filter-ddp-2",
+        "cnn-kronecker-packed-ddp-2",
     ],
 )
 def test_step_equals_single_process_on_concatenated_batch(world_size, job, tmp_path):
