@@ -8,6 +8,8 @@ fewer operators, a number that does not grow with the layers' shapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from backpack import extend
@@ -114,6 +116,23 @@ def test_a_layer_frozen_after_its_refreshes_steps_as_unpacked():
     assert_same_parameters(second.model, first.model, rtol=1e-12, atol=1e-13)
 
 
+def trained(
+    model: torch.nn.Sequential, params: list[torch.nn.Parameter], basis: KroneckerBasis
+) -> tuple[DampedNewton, Callable[[], torch.Tensor]]:
+    """Six steps of ``params`` on a fixed batch of 8 (refreshes at 0, 1, 3, 5)."""
+    generator = torch.Generator().manual_seed(1)
+    features = model[0].in_features
+    X = torch.randn(8, features, dtype=torch.float64, generator=generator)
+    y = torch.randint(0, 2, (8,), generator=generator)
+    optimizer = DampedNewton(
+        params, basis=basis, averaging=CurvatureAveraging(interval=2), seed=0
+    )
+    closure = make_closure(optimizer, model, extend(torch.nn.CrossEntropyLoss()), X, y)
+    for _ in range(6):
+        optimizer.step(closure)
+    return optimizer, closure
+
+
 def test_a_bias_alone_and_a_weight_without_bias_are_packed():
     """The first layer's bias without its weight, a layer without bias."""
     runs = []
@@ -127,21 +146,8 @@ def test_a_bias_alone_and_a_weight_without_bias_are_packed():
             torch.nn.Linear(3, 2),
         )
         model = extend(model.double())
-        generator = torch.Generator().manual_seed(1)
-        X = torch.randn(8, 4, dtype=torch.float64, generator=generator)
-        y = torch.randint(0, 2, (8,), generator=generator)
         params = [model[0].bias, model[2].weight, model[4].weight, model[4].bias]
-        optimizer = DampedNewton(
-            params,
-            basis=KroneckerBasis(packed=packed),
-            averaging=CurvatureAveraging(interval=2),
-            seed=0,
-        )
-        closure = make_closure(
-            optimizer, model, extend(torch.nn.CrossEntropyLoss()), X, y
-        )
-        for _ in range(6):
-            optimizer.step(closure)
+        trained(model, params, KroneckerBasis(packed=packed))
         runs.append(model)
     assert_same_parameters(runs[1], runs[0], rtol=1e-12, atol=1e-13)
 
@@ -197,20 +203,8 @@ def test_a_group_in_several_packs_steps_as_unpacked():
         for _ in range(3):
             layers += [torch.nn.Linear(3, 3), torch.nn.Tanh()]
         model = extend(torch.nn.Sequential(*layers, torch.nn.Linear(3, 2)).double())
-        generator = torch.Generator().manual_seed(1)
-        X = torch.randn(8, 6, dtype=torch.float64, generator=generator)
-        y = torch.randint(0, 2, (8,), generator=generator)
-        optimizer = DampedNewton(
-            model.parameters(),
-            basis=KroneckerBasis(rank=4, exact_size=4, packed=packed),
-            averaging=CurvatureAveraging(interval=2),
-            seed=0,
-        )
-        closure = make_closure(
-            optimizer, model, extend(torch.nn.CrossEntropyLoss()), X, y
-        )
-        for _ in range(6):
-            optimizer.step(closure)
+        basis = KroneckerBasis(rank=4, exact_size=4, packed=packed)
+        optimizer, closure = trained(model, list(model.parameters()), basis)
         with ComputingOperators() as operators:
             optimizer.step(closure)
         runs.append((model, operators.count))
