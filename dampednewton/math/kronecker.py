@@ -301,7 +301,7 @@ def kronecker_direction(
         else:
             direction.baddbmm_(u, right)
     if c.both is not None:
-        direction.addcmul_(gradient, -c.both[..., None, None])
+        direction.addcmul_(gradient, c.both[..., None, None], value=-1)
     slope = _inner(gradient, direction)
     curvature = (
         _truncated_curvature(gradient, gamma, projected_in, projected_out, c)
