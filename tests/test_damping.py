@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import math
@@ -185,6 +186,32 @@ def test_policies_round_trip(policy):
 def test_invalid_settings(make, error):
     with pytest.raises(error):
         make()
+
+
+@pytest.mark.parametrize(
+    ("policy", "field"),
+    [
+        (ConstantDamping(0.1), "value"),
+        (RelativeDamping(0.05), "fraction"),
+        (NoiseAwareDamping(1e-3, 2.0), "z"),
+        (GSNRDamping(1e-2), "base"),
+    ],
+    ids=lambda p: type(p).__name__ if not isinstance(p, str) else p,
+)
+def test_stateless_policies_cannot_be_changed_after_their_check(policy, field):
+    """The optimizer trusts a constant's value: a later assignment must not get in."""
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(policy, field, -5.0)
+
+
+@pytest.mark.parametrize("value", [-5.0, math.nan, math.inf])
+def test_levenberg_marquardt_checks_an_assigned_value(value):
+    policy = LevenbergMarquardt(value=0.3)
+    with pytest.raises(ValueError, match="Damping must be finite and >= 0"):
+        policy.value = value
+    assert policy.value == 0.3
+    policy.value = 0.5  # a valid value is set
+    assert policy.value == 0.5
 
 
 def test_relative_damping_is_a_fraction_of_the_largest_eigenvalue():

@@ -55,11 +55,6 @@ class DataParallel:
                 f"rank must lie in [0, world_size={self.world_size}), got {self.rank}."
             )
 
-    @property
-    def is_main(self) -> bool:
-        """Whether this rank writes the job's files."""
-        return self.rank == 0
-
     def check_batch_size(self, batch_size: int) -> int:
         """The local batch size of a global batch of ``batch_size``.
 

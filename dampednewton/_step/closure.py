@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn import Module
 
 from dampednewton.backpack.backward import BackwardCheck, quiet_backward_hook_warning
 from dampednewton.backpack.hooks import ExtendedModules
+from dampednewton.backpack.loss_checks import DeferredChecks, check_plain_loss_call
 from dampednewton.backpack.passes import Hook, backward_pass
 
 CLOSURE_PATTERN = """\
@@ -30,6 +32,7 @@ def run_closure(
     hooks: Sequence[Hook],
     modules: ExtendedModules | None = None,
     accumulation: bool = True,
+    deferred: DeferredChecks | None = None,
 ) -> Any:
     """Run the closure's backward passes with the extensions (if any) and the hooks.
 
@@ -44,8 +47,11 @@ def run_closure(
         hooks: The consumers' extension hooks, in order.
         modules: Records the extended modules of a pass with extensions and
             suspends their BackPACK hooks in a pass without (then the loss
-            modules' forward passes count the micro-batches).
+            modules' forward passes count the micro-batches and check the loss's
+            options and targets, as the extensions do in a pass with them).
         accumulation: Whether several backward passes (micro-batches) may run.
+        deferred: Where a pass without extensions leaves the targets' check for
+            the step's host read (``None``: check at once).
 
     Returns:
         What the closure returned.
@@ -53,6 +59,7 @@ def run_closure(
     Raises:
         RuntimeError: When the closure back-propagated something else than its
             micro-batches' losses, a graph twice, or did not zero the gradients.
+        ValueError: For a loss option BackPACK's GGN does not support.
     """
     plain = not extensions and modules is not None and len(modules) > 0
     with (
@@ -62,8 +69,17 @@ def run_closure(
     ):
         if plain:
             assert modules is not None
-            with modules.suspended(), modules.counting_losses(check.count_forward):
+
+            def watch(module: Module, inputs: tuple[Tensor, ...]) -> None:
+                check.count_forward(module)
+                check_plain_loss_call(module, inputs, deferred)
+
+            with modules.suspended(), modules.watching_losses(watch):
                 loss = closure()
+            if check.micro_batches == 0:
+                # The loss module is new (or created in the closure): watch every
+                # extended one from the next pass on.
+                modules.unseen_losses = True
         else:
             with (
                 backward_pass(extensions, [*hooks, check.module_hook]),

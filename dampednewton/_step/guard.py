@@ -4,14 +4,19 @@ A step is refused when its loss, its curvature or its update is not finite. Refu
 means: parameters, optimizer state and the Monte-Carlo generator exactly as before
 the step. :class:`GeneratorSnapshot` puts the generator back; :func:`nonfinite_problem`
 says what is wrong; :func:`refuse` raises or warns according to the policy
-(``nonfinite='raise'`` or ``'skip'``).
+(``nonfinite='raise'`` or ``'skip'``). :class:`StepRollback` undoes a step that raised
+after it moved the parameters (an adaptive damping's second closure call failed).
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
+from collections.abc import Sequence
 from types import TracebackType
+from typing import Any
 
+import torch
 from torch import Generator, Tensor
 
 from dampednewton._step.step_status import StepStatus
@@ -137,3 +142,68 @@ def refuse(
             message + " Pass nonfinite='skip' to skip such steps with a warning."
         )
     warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+class StepRollback:
+    """What a step may change, remembered so that a step that raises changes nothing.
+
+    Without ``full``, only the keys a step adds to the state are remembered: a step
+    that raises before it moves the parameters has changed nothing else, but looking
+    up a parameter's state creates its (empty) entry. With ``full`` (a step whose
+    adaptive damping calls the closure again after the parameters moved), the
+    parameters, the state and the generator are copied first: one more copy of the
+    optimizer's memory for that step.
+
+    Args:
+        params: Every parameter of the optimizer.
+        state: The optimizer's state (restored in place).
+        step: The state's step counter before the step.
+        generator: The Monte-Carlo generator, if created (``full`` only).
+        full: Whether to copy everything.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        state: dict[Any, Any],
+        step: int,
+        generator: Generator | None,
+        full: bool,
+    ) -> None:
+        """Remember the state's keys, and everything with ``full``."""
+        self._state = state
+        self._step = step
+        self._keys = set(state)
+        self._params = list(params)
+        self._copies: tuple[list[Tensor], dict[Any, Any], Any] | None = None
+        if full:
+            kept = {id(p): p for p in self._params}  # references, not copies
+            self._copies = (
+                [p.detach().clone() for p in self._params],
+                {key: copy.deepcopy(value, kept) for key, value in state.items()},
+                None if generator is None else (generator, generator.get_state()),
+            )
+
+    def restore(self, step: int) -> bool:
+        """Undo the step.
+
+        Args:
+            step: The state's step counter now.
+
+        Returns:
+            Whether the state was replaced (then caches built from it are stale).
+        """
+        if self._copies is not None:
+            values, saved, generator = self._copies
+            with torch.no_grad():
+                for param, value in zip(self._params, values, strict=True):
+                    param.copy_(value)
+            self._state.clear()
+            self._state.update(saved)
+            if generator is not None:
+                generator[0].set_state(generator[1])
+            return True
+        if step == self._step:  # nothing was committed: drop what lookups added
+            for key in set(self._state) - self._keys:
+                del self._state[key]
+        return False

@@ -24,7 +24,6 @@ accepted step.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,6 +66,7 @@ from dampednewton._step.kronecker_state import (
     stored_bases,
 )
 from dampednewton._step.options import GroupOptions, SharedOptions
+from dampednewton._step.quadratic_model import trust_region_scale_on_host
 from dampednewton._step.records import GLOBAL, REFRESH_DUE, REFRESH_LOSS
 from dampednewton._step.step_pass import with_monitor
 from dampednewton._step.update import update_parameters
@@ -164,7 +164,7 @@ class KroneckerSteps:
             extensions, hooks = with_monitor(extensions, hooks, monitor, step, None)
         with GeneratorSnapshot(generator if collector is not None else None) as saved:
             loss = run_closure(
-                closure, params, extensions, hooks, modules, monitor is None
+                closure, params, extensions, hooks, modules, monitor is None, deferred
             )
             check_loss_type(loss)
             if communicator is not None:
@@ -208,7 +208,7 @@ class KroneckerSteps:
                         with_curvature,
                     )
             values = read_checks(loss, steps, deferred, finite)
-            problem = refusal(values, deferred)
+            problem = refusal(values, deferred, [damping_value(o) for o in options])
             if communicator is not None:
                 refused = communicator.any_refuses(problem is not None)
                 if refused and problem is None:
@@ -237,7 +237,7 @@ class KroneckerSteps:
         for option, result, slope, group_stats in zip(
             options, steps, values["slopes"], stats, strict=True
         ):
-            scale = _trust_scale(option, slope)
+            scale = trust_region_scale_on_host(slope, option.kl_clip)
             scales.append(scale)
             if result is not None:
                 _apply(result, option, state, scale)
@@ -337,13 +337,6 @@ class KroneckerPass:
     scales: list[float]
     record: dict | None
     accepted: bool
-
-
-def _trust_scale(option: GroupOptions, slope: float) -> float:
-    """``ν = min(1, √(2κ / (−ḡᵀs)))`` on the host (``1``: no trust region)."""
-    if option.kl_clip is None or slope >= 0:
-        return 1.0
-    return min(1.0, math.sqrt(2 * option.kl_clip / -slope))
 
 
 def _apply(

@@ -93,8 +93,19 @@ def _scalar_on(tensor: Tensor, device: torch.device) -> Tensor:
     return scalar if scalar.device == device else scalar.to(device)
 
 
-def refusal(values: dict[str, Any], deferred: DeferredChecks) -> str | None:
+def refusal(
+    values: dict[str, Any], deferred: DeferredChecks, dampings: Sequence[float]
+) -> str | None:
     """What is not finite about a step (``None``: nothing).
+
+    Args:
+        values: The step's host read (:func:`read_checks`).
+        deferred: The checks the hooks left.
+        dampings: Every group's ``δ``: an undamped group is named as the cause of a
+            non-finite step.
+
+    Returns:
+        The reason, or ``None``.
 
     Raises:
         ValueError: For cross-entropy targets equal to ``ignore_index``.
@@ -113,5 +124,14 @@ def refusal(values: dict[str, Any], deferred: DeferredChecks) -> str | None:
     if not values["factors_finite"]:
         return "the curvature (the layers' Kronecker factors) is not finite"
     if not all(math.isfinite(v) for v in values["slopes"]):
+        undamped = [index for index, delta in enumerate(dampings) if delta == 0]
+        if undamped:
+            return (
+                f"the damped Newton step is not finite: parameter group {undamped[0]}"
+                " has damping=0, and its Kronecker factors can have zero eigenvalues "
+                "(e.g. from fewer samples than a factor's dimension), whose "
+                "directions get an infinite step. Use a damping > 0 (the default is "
+                "3e-3)"
+            )
         return "the damped Newton step is not finite"
     return None

@@ -192,7 +192,6 @@ class GroupOptions:
         nesterov: Nesterov's variant (needs ``momentum > 0``).
         weight_decay: Decoupled weight decay ``>= 0``.
         warn_small_eigvals: Threshold of the small-eigenvalue warning ``>= 0``.
-        shared: The options of the backward pass.
     """
 
     lr: float
@@ -207,7 +206,6 @@ class GroupOptions:
     nesterov: bool
     weight_decay: float
     warn_small_eigvals: float
-    shared: SharedOptions
 
     @classmethod
     def from_group(cls, group: Mapping[str, Any]) -> GroupOptions:
@@ -233,7 +231,7 @@ class GroupOptions:
         if isinstance(basis, KroneckerBasis):
             check_kronecker_damping(damping)
         criterion = as_criterion(group["criterion"])
-        shared = SharedOptions.from_group(group)
+        SharedOptions.from_group(group)  # checked with the group (a loaded one too)
         warn_small_eigvals = check_warn_small_eigvals(group["warn_small_eigvals"])
         complement = as_complement(group["complement"])
         newton_fraction = check_newton_fraction(group["newton_fraction"])
@@ -263,7 +261,6 @@ class GroupOptions:
             nesterov=nesterov,
             weight_decay=weight_decay,
             warn_small_eigvals=warn_small_eigvals,
-            shared=shared,
         )
 
     @functools.cached_property

@@ -28,6 +28,7 @@ from dampednewton._step.closure import run_closure
 from dampednewton._step.guard import (
     STACKLEVEL_OF_CALLER,
     GeneratorSnapshot,
+    StepRollback,
     check_loss_type,
     nonfinite_problem,
     refuse,
@@ -49,6 +50,7 @@ from dampednewton._step.step_pass import StepPass
 from dampednewton._step.step_status import read_status, settled
 from dampednewton._step.update import apply_flat_step, apply_steps
 from dampednewton.backpack.extensions import modified_loss_warning
+from dampednewton.backpack.loss_checks import DeferredChecks, ignored_targets_error
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
 from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_host
@@ -104,16 +106,54 @@ class Pipeline:
         state: State,
         monitor: DiagnosticsMonitor | None,
     ) -> Tensor:
-        """Take one step on ``groups`` and ``state``; return the closure's loss."""
+        """Take one step on ``groups`` and ``state``; return the closure's loss.
+
+        A step that raises leaves the parameters, the state and the generator as
+        they were (:class:`~dampednewton._step.guard.StepRollback`).
+        """
         options, shared = self.validated.get(groups)
         step_index = state[GLOBAL]["step"]
         active = (
             monitor if monitor is not None and monitor.is_active(step_index) else None
         )
-        if shared.kronecker:
-            return self._kronecker_step(closure, groups, options, shared, state, active)
-        if active is None and self._between_refreshes(options, state, step_index):
-            return self._frozen_step(closure, groups, options, state)
+        frozen = (
+            not shared.kronecker
+            and active is None
+            and self._between_refreshes(options, state, step_index)
+        )
+        adaptive = distinct_adaptive(option.adaptive_damping for option in options)
+        rollback = StepRollback(
+            [p for group in groups for p in group["params"]],
+            state,
+            step_index,
+            self.seeded.created,
+            # Only a step that adapts the damping calls the closure again.
+            full=not frozen and any(policy.ratio_needed() for policy in adaptive),
+        )
+        try:
+            if shared.kronecker:
+                return self._kronecker_step(
+                    closure, groups, options, shared, state, active
+                )
+            if frozen:
+                return self._frozen_step(closure, groups, options, state)
+            return self._full_step(closure, groups, options, shared, state, active)
+        except BaseException:
+            if rollback.restore(state[GLOBAL]["step"]):
+                self.clear()
+            raise
+
+    def _full_step(
+        self,
+        closure: Callable[[], Tensor],
+        groups: Groups,
+        options: Sequence[GroupOptions],
+        shared: SharedOptions,
+        state: State,
+        active: DiagnosticsMonitor | None,
+    ) -> Tensor:
+        """A step with a BackPACK pass (refreshes and un-averaged groups)."""
+        step_index = state[GLOBAL]["step"]
         generator = self.mc_generator(groups, state)
         with GeneratorSnapshot(generator) as snapshot:
             passed = self.step_pass.run(
@@ -138,7 +178,7 @@ class Pipeline:
                     modified_loss_warning(
                         passed.deferred.loss_name, len(passed.deferred.loss_weights)
                     ),
-                    stacklevel=STACKLEVEL_OF_CALLER - 1,
+                    stacklevel=STACKLEVEL_OF_CALLER,
                 )
             problem = nonfinite_problem(loss, status, passed.solved)
             if self.communicator is not None:
@@ -147,7 +187,7 @@ class Pipeline:
                     problem = "another rank refused the step"
             if problem is not None:
                 snapshot.restore()
-                refuse(problem, self.nonfinite)
+                refuse(problem, self.nonfinite, stacklevel=STACKLEVEL_OF_CALLER + 1)
                 state[GLOBAL]["skipped_steps"] += 1
                 return loss
             record = None
@@ -289,7 +329,10 @@ class Pipeline:
         parameters and state untouched.
         """
         params = [p for group in groups for p in group["params"]]
-        loss = run_closure(closure, params, [], [], self.step_pass.extended_modules)
+        deferred = DeferredChecks()
+        loss = run_closure(
+            closure, params, [], [], self.step_pass.extended_modules, deferred=deferred
+        )
         check_loss_type(loss)
         with torch.no_grad():
             steps, frozens = [], []
@@ -312,8 +355,15 @@ class Pipeline:
                     frozen.curvature_excess,
                     frozen.step_length,
                 ]
+            ignored = deferred.ignored_targets
+            if ignored is not None:
+                read.append(ignored)
             dtype = functools.reduce(torch.promote_types, (t.dtype for t in read))
             values = torch.stack([t.to(dtype) for t in read]).tolist()
+            if ignored is not None and (count := int(values.pop())):
+                raise ignored_targets_error(
+                    count, deferred.num_targets, deferred.ignore_index
+                )
             if not all(math.isfinite(value) for value in values[:2] + values[2::4]):
                 refuse(
                     "the loss or the step is not finite",

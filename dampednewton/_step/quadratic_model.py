@@ -16,6 +16,7 @@ learning-rate schedule acts on every step, also where the bound is active (with
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -72,3 +73,18 @@ def trust_region_scale(
         curvature = torch.maximum(curvature, batch_curvature.to(curvature))
     # ν = min(1, √(bound / curvature)); a zero curvature gives inf, hence 1.
     return (2 * kl_clip / curvature).sqrt().clamp_max(1.0)
+
+
+def trust_region_scale_on_host(slope: float, kl_clip: float | None) -> float:
+    """:func:`trust_region_scale` of a slope read to the host, without the batch's.
+
+    Args:
+        slope: ``ḡᵀs`` of the step.
+        kl_clip: ``κ``; ``None`` switches the bound off.
+
+    Returns:
+        ``ν = min(1, √(2κ / (−ḡᵀs)))`` (``1`` for a step that does not descend).
+    """
+    if kl_clip is None or slope >= 0:
+        return 1.0
+    return min(1.0, math.sqrt(2 * kl_clip / -slope))

@@ -129,7 +129,7 @@ def newton_record(index: int, stats: dict[str, Any]) -> dict[str, Any]:
 class StepRecorder:
     """Writes each step's per-group statistics; warns once per group.
 
-    Call :meth:`record` from the optimizer's ``step`` so that the warnings point at
+    Call :meth:`record` from ``Pipeline._full_step`` so that the warnings point at
     the user's call.
     """
 
@@ -190,7 +190,7 @@ class StepRecorder:
                         f"The criterion of parameter group {index} selected no "
                         "direction: the group does not move this step (counted in "
                         "optimizer.state['groups'][i]['steps_without_direction']).",
-                        stacklevel=STACKLEVEL_OF_CALLER,
+                        stacklevel=STACKLEVEL_OF_CALLER + 1,  # Pipeline._full_step
                     )
 
     def _count_small_eigenvalues(
@@ -216,5 +216,5 @@ class StepRecorder:
             "EigenvalueThreshold) or set warn_small_eigvals=0 to silence this. "
             "Warned once per group; the steps are counted in "
             f"optimizer.state['groups'][{index}]['steps_with_small_eigenvalues'].",
-            stacklevel=STACKLEVEL_OF_CALLER + 1,  # called by record
+            stacklevel=STACKLEVEL_OF_CALLER + 2,  # record, Pipeline._full_step
         )

@@ -47,6 +47,11 @@ class SeededGenerator:
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         return self._generator
 
+    @property
+    def created(self) -> Generator | None:
+        """The generator, if a step created it already (``None``: not yet)."""
+        return self._generator
+
     def for_rank(self, device: torch.device, rank: int, step: int) -> Generator:
         """The generator, reseeded for one rank's draws of one step.
 

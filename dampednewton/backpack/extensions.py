@@ -26,10 +26,12 @@ from dampednewton.backpack.backward import check_fresh_forward
 from dampednewton.backpack.loss_checks import (
     DeferredChecks,
     check_loss_options,
+    check_loss_shapes,
     check_targets,
     supported_modules,
 )
 from dampednewton.backpack.savefields import module_input
+from dampednewton.backpack.unsupported import custom_module_message
 from dampednewton.math.finite import all_finite, finite_flag
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 
@@ -44,6 +46,7 @@ def _run_translating_errors(
     check_fresh_forward(module)
     if isinstance(module, _Loss):
         check_loss_options(module)
+        check_loss_shapes(module, module_input(module), getattr(module, "input1", None))
         check_targets(module, getattr(extension, "deferred_checks", None))
     else:
         check_no_autocast(module)
@@ -61,6 +64,10 @@ def _run_translating_errors(
             raise NotImplementedError(
                 f"BackPACK's {type(extension).__name__} supports "
                 f"{type(module).__name__}, but not this configuration of it: {error}"
+            ) from error
+        if next(module.children(), None) is not None:
+            raise NotImplementedError(
+                custom_module_message(module, type(extension).__name__, supported)
             ) from error
         raise NotImplementedError(
             f"BackPACK's {type(extension).__name__} cannot handle module {module} "
@@ -83,9 +90,11 @@ def _run_translating_errors(
     except AssertionError as error:
         if "expects a backpropagation quantity" in str(error):
             raise RuntimeError(
-                "The loss function is not extended with BackPACK, so no curvature "
-                "information reached the model. Call `loss_fn = backpack.extend("
-                "loss_fn)` (and `model = backpack.extend(model)`)."
+                f"No curvature information reached {module}: the loss function, or a "
+                "module between it and this one (an activation, a layer added after "
+                "extend), is not extended with BackPACK. Call `loss_fn = "
+                "backpack.extend(loss_fn)` and `model = backpack.extend(model)` after "
+                "the model's last change."
             ) from error
         raise
 

@@ -31,6 +31,10 @@ class ExtendedModules:
     def __init__(self) -> None:
         """Start with no module."""
         self._modules: weakref.WeakSet[Module] = weakref.WeakSet()
+        self.unseen_losses = False
+        """Whether a pass ran a loss module that no recorded pass saw (then every
+        extended loss module is watched: torch's global hook slows every module's
+        call, so only then)."""
 
     def __len__(self) -> int:
         """Number of recorded modules still alive."""
@@ -78,20 +82,36 @@ class ExtendedModules:
                 _restore(hooks, entries)
 
     @contextmanager
-    def counting_losses(self, count: Callable[[Module], None]) -> Iterator[None]:
-        """Call ``count(module)`` after every forward pass of a recorded loss module.
+    def watching_losses(
+        self, watch: Callable[[Module, tuple[Tensor, ...]], None]
+    ) -> Iterator[None]:
+        """Call ``watch(module, inputs)`` after every forward of a recorded loss module.
+
+        After :attr:`unseen_losses` was set, every extended loss module is watched.
 
         Args:
-            count: The callback.
+            watch: The callback (it may raise to refuse the pass).
 
         Yields:
             Nothing; run the closure inside.
         """
-        handles = [
-            module.register_forward_hook(lambda module, *_: count(module))
-            for module in list(self._modules)
-            if isinstance(module, _Loss)
-        ]
+        if self.unseen_losses:
+
+            def watch_extended(module: Module, inputs: tuple, output: Tensor) -> None:
+                if isinstance(module, _Loss) and getattr(module, EXTENDED_FLAG, False):
+                    watch(module, inputs)
+
+            handles = [
+                torch.nn.modules.module.register_module_forward_hook(watch_extended)
+            ]
+        else:
+            handles = [
+                module.register_forward_hook(
+                    lambda module, inputs, _output: watch(module, inputs)
+                )
+                for module in list(self._modules)
+                if isinstance(module, _Loss)
+            ]
         try:
             yield
         finally:

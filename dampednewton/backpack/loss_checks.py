@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor
-from torch.nn import CrossEntropyLoss
+from torch.nn import CrossEntropyLoss, Module, MSELoss
 from torch.nn.modules.loss import _Loss
 
 from dampednewton.backpack.private import registered_module_types
@@ -22,6 +22,24 @@ DEFAULT_IGNORE_INDEX = -100
 def supported_modules(extension: BackpropExtension) -> list[str]:
     """The names of the module types ``extension`` supports, sorted."""
     return sorted(cls.__name__ for cls in registered_module_types(extension))
+
+
+def check_reduction(loss: _Loss) -> None:
+    """Refuse a loss that does not average over the batch, saying what to do.
+
+    Args:
+        loss: A loss module.
+
+    Raises:
+        ValueError: For ``reduction='sum'`` or ``'none'``.
+    """
+    reduction = getattr(loss, "reduction", "mean")
+    if reduction != "mean":
+        raise ValueError(
+            f"{loss} uses reduction='{reduction}', but the GGN computations assume "
+            "reduction='mean' (the step would be off by the batch size). Use "
+            f"{type(loss).__name__}(reduction='mean')."
+        )
 
 
 def check_loss_options(loss: _Loss) -> None:
@@ -40,9 +58,11 @@ def check_loss_options(loss: _Loss) -> None:
             ``input1``).
 
     Raises:
-        ValueError: For class weights or a non-default ``ignore_index`` (targets
-            equal to it: :func:`check_targets`).
+        ValueError: For a reduction other than the mean (:func:`check_reduction`),
+            class weights or a non-default ``ignore_index`` (targets equal to it:
+            :func:`check_targets`).
     """
+    check_reduction(loss)
     name = type(loss).__name__
     reweight = (
         f"Use {name}() without weights and rebalance by sampling instead (e.g. "
@@ -63,6 +83,33 @@ def check_loss_options(loss: _Loss) -> None:
             f"CrossEntropyLoss(ignore_index={loss.ignore_index}) is not supported: "
             f"BackPACK implements only the default ignore_index={DEFAULT_IGNORE_INDEX}"
             f" (and no target may equal it). Use CrossEntropyLoss(). {drop}"
+        )
+
+
+def check_loss_shapes(loss: _Loss, outputs: Tensor | None, targets: Tensor | None):
+    """Refuse mean-squared-error shapes BackPACK does not support or that broadcast.
+
+    BackPACK's ``MSELoss`` takes ``(N, D)`` outputs and targets of the same shape;
+    other shapes fail inside BackPACK, or broadcast to an ``(N, N)`` loss (torch only
+    warns) whose curvature is not the model's.
+
+    Args:
+        loss: A loss module.
+        outputs: Its first input, the model output (``None``: unknown).
+        targets: Its second input (``None``: unknown).
+
+    Raises:
+        ValueError: For ``MSELoss`` outputs that are not 2-d, or targets of another
+            shape.
+    """
+    if not isinstance(loss, MSELoss) or outputs is None or targets is None:
+        return
+    if outputs.dim() != 2 or targets.shape != outputs.shape:
+        raise ValueError(
+            f"MSELoss got model outputs of shape {tuple(outputs.shape)} and targets "
+            f"of shape {tuple(targets.shape)}, but BackPACK's GGN needs both of "
+            "shape (N, D). For one output per sample, use (N, 1): e.g. a final "
+            "nn.Linear(..., 1) and targets.view(-1, 1)."
         )
 
 
@@ -145,18 +192,23 @@ class DeferredChecks:
         self.model_output_finite = finite if previous is None else previous & finite
 
 
-def check_targets(loss: _Loss, deferred: DeferredChecks | None) -> None:
+def check_targets(
+    loss: _Loss, deferred: DeferredChecks | None, targets: Tensor | None = None
+) -> None:
     """Refuse cross-entropy targets equal to ``ignore_index``, or defer the check.
 
     Args:
         loss: A loss module during the backward pass (targets in ``input1``).
         deferred: Where to leave the count instead of checking it (``None``: check
             now, one host synchronization).
+        targets: The targets, where BackPACK did not store them (a pass without
+            its hooks); ``None``: ``loss.input1``.
 
     Raises:
         ValueError: Without ``deferred``, if a target equals ``ignore_index``.
     """
-    targets = getattr(loss, "input1", None)
+    if targets is None:
+        targets = getattr(loss, "input1", None)
     if (
         not isinstance(loss, CrossEntropyLoss)
         or targets is None
@@ -171,3 +223,30 @@ def check_targets(loss: _Loss, deferred: DeferredChecks | None) -> None:
         deferred.ignore_index = loss.ignore_index
     elif int(ignored):
         raise ignored_targets_error(int(ignored), targets.numel(), loss.ignore_index)
+
+
+def check_plain_loss_call(
+    loss: Module, inputs: tuple[Tensor, ...], deferred: DeferredChecks | None
+) -> None:
+    """The checks of a loss module's forward pass in a pass without BackPACK's hooks.
+
+    The steps between curvature refreshes run no extension, so the loss's options
+    and targets are checked here, as the extensions check them in a refresh: a
+    mistake is refused on whichever step it appears.
+
+    Args:
+        loss: A BackPACK-extended loss module that just ran.
+        inputs: Its forward inputs (the model output, the targets).
+        deferred: Where to leave the targets' count for the step's host read
+            (``None``: check now).
+
+    Raises:
+        ValueError: For an option BackPACK's GGN does not support
+            (:func:`check_loss_options`).
+    """
+    if not isinstance(loss, _Loss):
+        return
+    check_loss_options(loss)
+    if len(inputs) > 1:
+        check_loss_shapes(loss, inputs[0], inputs[1])
+        check_targets(loss, deferred, inputs[1])

@@ -2,9 +2,9 @@
 
 Computations and diagnostics each bring extensions and an ``extension_hook`` that
 reduces a module's BackPACK quantities as backward reaches it. One pass serves them
-all: :func:`merge_extensions` keeps one extension per savefield, :func:`chained`
-runs the hooks in order and then frees the quantities of the module's parameters, so
-per-sample tensors live for one layer only.
+all (one extension per savefield, which the caller picks): :func:`chained` runs the
+hooks in order and then frees the quantities of the module's parameters, so per-sample
+tensors live for one layer only.
 """
 
 from __future__ import annotations
@@ -58,24 +58,6 @@ def chained(hooks: Sequence[Hook | None], savefields: Iterable[str]) -> Hook:
     return run_then_free
 
 
-def merge_extensions(
-    *consumers: Sequence[BackpropExtension],
-) -> list[BackpropExtension]:
-    """One extension per savefield; the first consumer's wins, order is kept.
-
-    Args:
-        *consumers: Each consumer's extensions, in the order they must run.
-
-    Returns:
-        The extensions for one ``backpack(...)`` context.
-    """
-    merged: dict[str, BackpropExtension] = {}
-    for extensions in consumers:
-        for extension in extensions:
-            merged.setdefault(extension.savefield, extension)
-    return list(merged.values())
-
-
 @contextmanager
 def backward_pass(
     extensions: Sequence[BackpropExtension], hooks: Sequence[Hook | None]
@@ -85,7 +67,7 @@ def backward_pass(
     Every quantity of ``extensions`` is freed layer by layer, after the hooks ran.
 
     Args:
-        extensions: Extensions of one pass (see :func:`merge_extensions`).
+        extensions: Extensions of one pass, one per savefield.
         hooks: The consumers' hooks, in order.
 
     Yields:

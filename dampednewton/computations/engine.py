@@ -50,6 +50,7 @@ from dampednewton.backpack.layers import (
     use_structured_individual_gradients,
     use_structured_sqrt_ggn,
 )
+from dampednewton.backpack.loss_checks import check_reduction
 from dampednewton.backpack.passes import Hook, chained
 from dampednewton.backpack.savefields import (
     GRAD_BATCH,
@@ -266,13 +267,7 @@ class GGNEngine(Generic[ResultT]):
             print(f"[dampednewton] {message}")
 
     def _start_pass(self, loss: _Loss) -> None:
-        reduction = getattr(loss, "reduction", "mean")
-        if reduction != "mean":
-            raise ValueError(
-                f"{loss} uses reduction='{reduction}', but the GGN computations assume "
-                "reduction='mean' (the step would be off by the batch size). Use "
-                f"{type(loss).__name__}(reduction='mean')."
-            )
+        check_reduction(loss)
         if self.accumulates and self._passes.count > 0:
             self._next_micro_batch()
         else:

@@ -17,8 +17,9 @@ Adaptive policies (the :class:`AdaptiveDamping` protocol, e.g.
 policy object after each step and keeps the policy (with its state) in the param
 group, hence in ``state_dict``.
 
-Adding a rule: a dataclass here (deriving from :class:`MeanStatisticsDamping` if it
-needs no per-sample statistics), listed in ``add_safe_globals`` at the bottom.
+Adding a rule: a frozen dataclass here (deriving from :class:`MeanStatisticsDamping`
+if it needs no per-sample statistics), listed in ``add_safe_globals`` at the bottom;
+an adaptive one, whose state changes, checks its fields when they are set.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def needs_sample_statistics(policy: Damping) -> bool:
     return not isinstance(policy, MeanStatisticsDamping)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConstantDamping(MeanStatisticsDamping):
     """The same damping ``δ_k = value`` for every direction.
 
@@ -111,7 +112,7 @@ class ConstantDamping(MeanStatisticsDamping):
         return torch.full_like(evals, self.value)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RelativeDamping(MeanStatisticsDamping):
     """Damping relative to the curvature scale: ``δ_k = fraction · max_j λ_j``.
 
@@ -149,7 +150,7 @@ def _standard_error(samples: Tensor) -> Tensor:
     return samples.std(dim=0) / math.sqrt(samples.shape[0])
 
 
-@dataclass
+@dataclass(frozen=True)
 class NoiseAwareDamping:
     r"""Damp directions whose slope or curvature is not distinguishable from noise.
 
@@ -198,7 +199,7 @@ class NoiseAwareDamping:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class GSNRDamping:
     r"""Damping from the directional gradient signal-to-noise ratio (McCandlish et al.).
 
@@ -283,6 +284,19 @@ class LevenbergMarquardt(MeanStatisticsDamping):
             )
         if self.interval < 1:
             raise ValueError(f"interval must be >= 1, got {self.interval}.")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        """Set a field; a new ``value`` is checked, as at construction.
+
+        The optimizer trusts the current ``value`` without checking it at each step,
+        so an invalid one must not get in by assignment either.
+
+        Raises:
+            ValueError: For a ``value`` that is negative or not finite.
+        """
+        if name == "value":
+            ConstantDamping(value)  # type: ignore[arg-type]
+        super().__setattr__(name, value)
 
     def __call__(
         self, evals: Tensor, gram_evecs: Tensor, gammas: Tensor, lambdas: Tensor

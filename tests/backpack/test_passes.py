@@ -1,4 +1,4 @@
-"""One backward pass for several consumers: merge, chain hooks, free quantities."""
+"""One backward pass for several consumers: chained hooks, freed quantities."""
 
 from __future__ import annotations
 
@@ -7,15 +7,8 @@ from backpack import extend
 from backpack.extensions import BatchGrad, SumGradSquared
 from torch import nn
 
-from dampednewton.backpack.passes import backward_pass, chained, merge_extensions
+from dampednewton.backpack.passes import backward_pass, chained
 from dampednewton.backpack.savefields import GRAD_BATCH, SUM_GRAD_SQUARED
-
-
-def test_merge_keeps_the_first_extension_per_savefield_in_order():
-    first, second = BatchGrad(), BatchGrad()
-    squared = SumGradSquared()
-    merged = merge_extensions([first], [second, squared])
-    assert merged == [first, squared]
 
 
 def test_chained_hooks_run_in_order_then_free_the_savefields():
@@ -51,7 +44,7 @@ def test_backward_pass_frees_every_quantity_after_the_hooks():
             )
 
     loss = loss_fn(model(torch.randn(5, 3)), torch.tensor([0, 1, 0, 1, 1]))
-    with backward_pass(merge_extensions([BatchGrad()], [SumGradSquared()]), [hook]):
+    with backward_pass([BatchGrad(), SumGradSquared()], [hook]):
         loss.backward()
     assert reached == [(5, True)] * 4
     for param in model.parameters():

@@ -184,6 +184,19 @@ def test_a_non_finite_batch_leaves_no_trace(refresh, basis):
     assert_same_state(snapshot(optimizer), before)
 
 
+def test_an_undamped_step_along_a_zero_eigenvalue_names_the_damping():
+    """N = 4 samples, layers of 5 and more inputs: the factors are rank-deficient."""
+    case = build_case(case_by_id("mlp-ce"))
+    optimizer = DampedNewton(case.model.parameters(), damping=0.0, mc_samples=0)
+    params = [p.detach().clone() for p in case.model.parameters()]
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    with pytest.raises(
+        FloatingPointError, match=r"group 0 has damping=0.*Use a damping > 0"
+    ):
+        optimizer.step(closure)
+    assert_parameters_equal(list(case.model.parameters()), params)
+
+
 def test_unsupported_layers_name_the_gram_basis():
     case = build_case(case_by_id("mlp-ce"))
     model = nn.Sequential(case.model, nn.BatchNorm1d(3).double().eval())

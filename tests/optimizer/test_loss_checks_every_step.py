@@ -1,0 +1,191 @@
+"""A loss BackPACK's GGN cannot handle is refused on every kind of step, basis and GGN.
+
+The Kronecker basis runs BackPACK only on its refresh steps; between them the loss
+module's forward pass is checked instead. Each case: a good start, then the bad loss
+on a refresh step or on a step between refreshes; the step must raise a clear error
+and leave the parameters and the optimizer state exactly as they were.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from backpack import extend
+from torch import Tensor, nn
+
+from dampednewton import DampedNewton
+from tests.cases import LINEAR_MSE, PROBLEMS, Problem
+from tests.utils import (
+    VIVIT_STEP,
+    assert_parameters_equal,
+    assert_same_state,
+    build_case,
+    make_closure,
+    snapshot,
+)
+
+MLP_CE, MLP_BCE = PROBLEMS[0], PROBLEMS[2]
+REWEIGHT = r"without weights and rebalance by sampling"
+SUM = r"uses reduction='sum', but the GGN computations assume reduction='mean'"
+IGNORED = r"1 of the 4 targets equal CrossEntropyLoss's ignore_index=-100"
+
+
+@dataclass(frozen=True)
+class BadLoss:
+    """A loss mistake: the loss module and targets of the bad step.
+
+    Attributes:
+        id: Readable identifier.
+        problem: The problem the optimizer starts on (with its good loss).
+        make_loss: The bad step's loss module (before ``extend`` and ``double``).
+        targets: The bad step's targets from the problem's.
+        match: Regular expression the error must contain.
+    """
+
+    id: str
+    problem: Problem
+    make_loss: Callable[[], nn.Module]
+    targets: Callable[[Tensor], Tensor]
+    match: str
+
+
+def _same(targets: Tensor) -> Tensor:
+    return targets
+
+
+def _first_column(targets: Tensor) -> Tensor:
+    return targets[:, :1]  # broadcasts against the (N, C) outputs
+
+
+def _one_ignored(targets: Tensor) -> Tensor:
+    return torch.cat([targets[:-1], torch.tensor([-100])])
+
+
+BAD_LOSSES = [
+    BadLoss("ce-sum", MLP_CE, lambda: nn.CrossEntropyLoss(reduction="sum"), _same, SUM),
+    BadLoss("mse-sum", LINEAR_MSE, lambda: nn.MSELoss(reduction="sum"), _same, SUM),
+    BadLoss(
+        "ce-class-weights",
+        MLP_CE,
+        lambda: nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0])),
+        _same,
+        r"CrossEntropyLoss\(weight=\.\.\.\) is not supported.*" + REWEIGHT,
+    ),
+    BadLoss(
+        "ce-ignore-index-set",
+        MLP_CE,
+        lambda: nn.CrossEntropyLoss(ignore_index=7),
+        _same,
+        r"ignore_index=7\) is not supported",
+    ),
+    BadLoss("ce-ignore-index-hit", MLP_CE, nn.CrossEntropyLoss, _one_ignored, IGNORED),
+    BadLoss(
+        "mse-broadcast",
+        LINEAR_MSE,
+        nn.MSELoss,
+        _first_column,
+        r"MSELoss got model outputs of shape \(4, 3\) and targets of shape \(4, 1\)",
+    ),
+    BadLoss(
+        "bce-pos-weight",
+        MLP_BCE,
+        lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor([2.0])),
+        _same,
+        r"BCEWithLogitsLoss\(pos_weight=\.\.\.\) is not supported.*" + REWEIGHT,
+    ),
+]
+
+BASES = {"kronecker": {}, "gram": VIVIT_STEP}
+GOOD_STEPS = {"refresh": 1, "between-refreshes": 2}
+"""Good steps before the bad one: the Kronecker default refreshes at steps 0, 1, 3."""
+
+
+def _optimizer(problem: Problem, basis: str, mc_samples: int):
+    case = build_case(problem)
+    optimizer = DampedNewton(
+        case.model.parameters(), mc_samples=mc_samples, seed=0, **BASES[basis]
+    )
+    return case, optimizer
+
+
+def _assert_refused_without_trace(case, optimizer, closure, match: str) -> None:
+    params = list(case.model.parameters())
+    values = [p.detach().clone() for p in params]
+    before = snapshot(optimizer)
+
+    with pytest.raises(ValueError, match=match):
+        optimizer.step(closure)
+
+    assert_parameters_equal(params, values)
+    assert_same_state(snapshot(optimizer), before)
+
+
+@pytest.mark.parametrize("mc_samples", [0, 1], ids=["exact", "monte-carlo"])
+@pytest.mark.parametrize("when", list(GOOD_STEPS))
+@pytest.mark.parametrize("basis", list(BASES))
+@pytest.mark.parametrize("bad", BAD_LOSSES, ids=lambda bad: bad.id)
+def test_a_bad_loss_module_seen_before_is_refused_on_any_step(
+    bad: BadLoss, basis: str, when: str, mc_samples: int
+):
+    """The closure's loss module was seen by a refresh; its mistake is refused."""
+    case, optimizer = _optimizer(bad.problem, basis, mc_samples)
+    loss_fn = extend(bad.make_loss().double())
+    targets = [case.y]
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn(case.model(case.X), targets[0])
+        loss.backward()
+        return loss
+
+    # Warm up on the same loss module, but a good configuration of it.
+    good = {"reduction": "mean", "weight": None, "pos_weight": None}
+    bad_options = {
+        name: getattr(loss_fn, name) for name in good if hasattr(loss_fn, name)
+    }
+    ignore_index = getattr(loss_fn, "ignore_index", None)
+    for name in bad_options:
+        setattr(loss_fn, name, good[name])
+    if ignore_index is not None:
+        loss_fn.ignore_index = -100
+    for _ in range(GOOD_STEPS[when]):
+        optimizer.step(closure)
+    for name, value in bad_options.items():
+        setattr(loss_fn, name, value)
+    if ignore_index is not None:
+        loss_fn.ignore_index = ignore_index
+    targets[0] = bad.targets(case.y)
+
+    _assert_refused_without_trace(case, optimizer, closure, bad.match)
+
+
+@pytest.mark.parametrize("bad", BAD_LOSSES, ids=lambda bad: bad.id)
+def test_a_new_bad_loss_module_between_refreshes_is_refused_by_the_next_step(
+    bad: BadLoss,
+):
+    """A loss module no refresh saw is watched from the step after it appears on.
+
+    A step between refreshes runs no BackPACK pass, and it watches the loss modules
+    a refresh saw (a global hook would slow every module's call), so the first step
+    of a new loss module may be taken; the next one, between refreshes too, must be
+    refused.
+    """
+    case, optimizer = _optimizer(bad.problem, "kronecker", 1)
+    for _ in range(4):  # steps 0, 1, 2, 3: the next refresh is step 7
+        optimizer.step(
+            make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+        )
+    loss_fn = extend(bad.make_loss().double())
+    closure = make_closure(optimizer, case.model, loss_fn, case.X, bad.targets(case.y))
+    try:
+        optimizer.step(closure)
+    except ValueError as error:
+        assert re.search(bad.match, str(error))
+        return
+
+    assert optimizer.state["global"]["step"] == 5
+    _assert_refused_without_trace(case, optimizer, closure, bad.match)

@@ -1,0 +1,103 @@
+"""Models written the usual way: a model class, an activation left out of ``extend``.
+
+A model class whose ``forward`` calls its layers is the most common way to write a
+model, and BackPACK treats it as one operation it has no rule for: the error says
+so and names the two ways out, one of which (BackPACK's converter) is tested to
+train here, against real BackPACK.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backpack import extend
+from torch import nn
+
+from dampednewton import DampedNewton
+from tests.utils import assert_parameters_equal, make_closure
+
+CONVERTER = r"extend\(model, use_converter=True\)"
+
+
+class Classifier(nn.Module):
+    """A model class: the layers in a ``Sequential``, one residual block."""
+
+    def __init__(self, residual: bool = False, activation: type = nn.ReLU) -> None:
+        super().__init__()
+        self.residual = residual
+        self.inner = nn.Linear(6, 6)
+        self.activation = activation()
+        self.head = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.activation(self.inner(inputs))
+        if self.residual:
+            hidden = inputs + hidden
+        return self.head(hidden)
+
+
+def _data():
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(16, 6, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, 3, (16,), generator=generator)
+    return inputs, targets
+
+
+def _model(**options) -> nn.Module:
+    torch.manual_seed(0)
+    return Classifier(**options).double()
+
+
+def _refused(model: nn.Module, error: type[Exception], match: str) -> None:
+    inputs, targets = _data()
+    loss_fn = extend(nn.CrossEntropyLoss())
+    optimizer = DampedNewton(model.parameters(), seed=0)
+    values = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(error, match=match):
+        optimizer.step(make_closure(optimizer, model, loss_fn, inputs, targets))
+    assert_parameters_equal(list(model.parameters()), values)
+
+
+def test_a_model_class_is_refused_with_the_ways_out():
+    _refused(
+        extend(_model()),
+        NotImplementedError,
+        r"cannot handle Classifier, a custom module with submodules.*"
+        r"nn\.Sequential of supported modules.*" + CONVERTER,
+    )
+
+
+def test_the_unsupported_submodules_of_a_model_class_are_named():
+    _refused(
+        extend(_model(activation=nn.GELU)),
+        NotImplementedError,
+        r"Of its submodules, BackPACK does not support GELU either",
+    )
+
+
+def test_a_module_left_out_of_extend_is_named_as_a_cause():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        extend(nn.Linear(6, 8)), nn.ReLU(), extend(nn.Linear(8, 3))
+    ).double()
+    _refused(
+        model,
+        RuntimeError,
+        r"No curvature information reached Linear.*a module between it and this one"
+        r" \(an activation",
+    )
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_a_converted_model_class_trains(residual: bool):
+    inputs, targets = _data()
+    model = extend(_model(residual=residual), use_converter=True)
+    loss_fn = extend(nn.CrossEntropyLoss())
+    optimizer = DampedNewton(model.parameters(), seed=0)
+    closure = make_closure(optimizer, model, loss_fn, inputs, targets)
+
+    first = optimizer.step(closure).item()
+    for _ in range(20):
+        last = optimizer.step(closure).item()
+
+    assert last < first / 4, (first, last)

@@ -1,0 +1,141 @@
+"""A step that raises leaves no trace, also after it moved the parameters.
+
+An adaptive damping (Levenberg-Marquardt) calls the closure a second time, at the
+moved parameters; when that call raises (a data loader's hiccup, an interrupt), the
+step is undone: parameters, state and generator as before, and the training that
+follows is bitwise the training that never saw the failure. A step that fails on
+its first call leaves even the state dict's keys as they were, on the first step too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from dampednewton import DampedNewton, GramBasis, LevenbergMarquardt
+from tests.cases import PROBLEMS
+from tests.utils import (
+    assert_parameters_equal,
+    assert_same_state,
+    build_case,
+    make_closure,
+    snapshot,
+)
+
+MLP_CE = PROBLEMS[0]
+ADAPTIVE = {
+    "kronecker": lambda: {"damping": LevenbergMarquardt(value=3e-3, interval=1)},
+    "kronecker-at-refresh": lambda: {
+        "damping": LevenbergMarquardt(value=3e-3, interval=1)
+    },
+    "gram": lambda: {
+        "basis": GramBasis(),
+        "damping": LevenbergMarquardt(value=0.1, interval=1),
+    },
+    "gram-unaveraged": lambda: {
+        "basis": GramBasis(),
+        "averaging": None,
+        "damping": LevenbergMarquardt(value=0.1, interval=1),
+    },
+}
+GOOD_STEPS = {
+    "kronecker": 4,
+    "kronecker-at-refresh": 3,
+    "gram": 3,
+    "gram-unaveraged": 4,
+}
+"""Steps before the failing one: the Kronecker step 4 reuses the bases of the
+refresh at 3, step 3 refreshes them (both cached beside the state); the averaged
+Gram basis adapts its damping only on a refresh (3), not on the steps along its
+frozen bases."""
+
+
+class FlakyClosure:
+    """The closure pattern, raising on one chosen call (counted from 1)."""
+
+    def __init__(self, closure: Callable[[], torch.Tensor]) -> None:
+        self.closure = closure
+        self.calls = 0
+        self.fail_on: int | None = None
+
+    def __call__(self) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_on:
+            raise RuntimeError("the data loader failed")
+        return self.closure()
+
+
+@pytest.mark.parametrize("mc_samples", [0, 1], ids=["exact", "monte-carlo"])
+@pytest.mark.parametrize("config", list(ADAPTIVE))
+def test_a_failed_second_closure_call_undoes_the_step(config: str, mc_samples: int):
+    runs = []
+    for _ in range(2):
+        case = build_case(MLP_CE)
+        optimizer = DampedNewton(
+            case.model.parameters(),
+            mc_samples=mc_samples,
+            seed=0,
+            **ADAPTIVE[config](),
+        )
+        closure = FlakyClosure(
+            make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+        )
+        runs.append((case, optimizer, closure))
+    (case, optimizer, closure), (twin_case, twin, twin_closure) = runs
+    for _ in range(GOOD_STEPS[config]):
+        optimizer.step(closure)
+        twin.step(twin_closure)
+    params = list(case.model.parameters())
+    values = [p.detach().clone() for p in params]
+    before = snapshot(optimizer)
+    damping = optimizer.param_groups[0]["damping"]
+    adapted = (damping.value, damping.updates)
+    closure.fail_on = closure.calls + 2  # the adaptation's call
+
+    with pytest.raises(RuntimeError, match="the data loader failed"):
+        optimizer.step(closure)
+
+    assert closure.calls == closure.fail_on  # it did fail on the second call
+    assert_parameters_equal(params, values)
+    assert_same_state(snapshot(optimizer), before)
+    assert (damping.value, damping.updates) == adapted
+    for _ in range(4):  # caches rebuilt from the restored state: the same steps
+        optimizer.step(closure)
+        twin.step(twin_closure)
+    assert_parameters_equal(params, [p.detach() for p in twin_case.model.parameters()])
+    assert_same_state(snapshot(optimizer), snapshot(twin))
+
+
+def _nan_inputs(case):
+    inputs = case.X.clone()
+    inputs[0, 0] = math.nan
+    return inputs, case.y
+
+
+def _ignored_target(case):
+    return case.X, torch.cat([case.y[:-1], torch.tensor([-100])])
+
+
+@pytest.mark.parametrize(
+    "basis", [{}, {"basis": GramBasis()}], ids=["kronecker", "gram"]
+)
+@pytest.mark.parametrize(
+    "bad_batch", [_nan_inputs, _ignored_target], ids=["nan-input", "ignored-target"]
+)
+def test_a_failed_first_step_leaves_the_state_dict_of_a_fresh_optimizer(
+    bad_batch, basis
+):
+    case = build_case(MLP_CE)
+    optimizer = DampedNewton(case.model.parameters(), seed=0, **basis)
+    fresh = snapshot(optimizer)
+    inputs, targets = bad_batch(case)
+
+    with pytest.raises((FloatingPointError, ValueError)):
+        optimizer.step(
+            make_closure(optimizer, case.model, case.loss_fn, inputs, targets)
+        )
+
+    assert_same_state(snapshot(optimizer), fresh)
