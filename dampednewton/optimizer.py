@@ -20,6 +20,7 @@ from dampednewton._step.checkpoint import (
     without_parameter_tensors,
 )
 from dampednewton._step.closure import CLOSURE_PATTERN
+from dampednewton._step.guard import check_not_inference_mode
 from dampednewton._step.options import (
     GroupOptions,
     SharedOptions,
@@ -308,7 +309,8 @@ class DampedNewton(Optimizer):
             The loss returned by the closure (before the update).
 
         Raises:
-            RuntimeError: Without a closure, when the model or loss function is not
+            RuntimeError: Without a closure, inside ``torch.inference_mode()``,
+                when the model or loss function is not
                 extended with BackPACK, or when the closure ran several backward
                 passes or did not zero the gradients.
             ValueError: For invalid hyperparameters in a group, shared settings that
@@ -322,6 +324,7 @@ class DampedNewton(Optimizer):
                 "DampedNewton.step needs a closure: it runs the backward pass itself, "
                 f"inside a BackPACK context. Use\n{CLOSURE_PATTERN}"
             )
+        check_not_inference_mode()
         return self._pipeline.step(closure, self.param_groups, self.state, self.monitor)
 
     @property

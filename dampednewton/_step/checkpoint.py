@@ -29,6 +29,7 @@ from typing import Any
 from torch import Tensor
 
 from dampednewton._step.kronecker_moments import MOMENT_KEYS
+from dampednewton._step.kronecker_state import OUTPUT_FACTOR
 from dampednewton._step.kronecker_state import STATE_KEYS as KRONECKER_STATE_KEYS
 from dampednewton._step.records import BASIS
 from dampednewton._step.update import MOMENTUM
@@ -241,6 +242,29 @@ def _check_parameter_state(state: Mapping[Any, Any], num_params: int) -> None:
             raise _refuse(f"the state of parameter {key} holds a non-tensor")
 
 
+def _check_parameter_shapes(
+    state: Mapping[Any, Any],
+    saved: Sequence[Mapping[str, Any]],
+    param_groups: Sequence[Mapping[str, Any]],
+) -> None:
+    """A parameter's momentum buffer and output factor fit the parameter's shape."""
+    for index, (saved_group, group) in enumerate(zip(saved, param_groups, strict=True)):
+        for key, param in zip(saved_group["params"], group["params"], strict=True):
+            entry = state.get(key, {})
+            buffer = entry.get(MOMENTUM)
+            factor = entry.get(OUTPUT_FACTOR)
+            if (buffer is not None and buffer.shape != param.shape) or (
+                factor is not None and factor.shape[0] != param.shape[0]
+            ):
+                held = buffer.shape if buffer is not None else factor.shape
+                raise _refuse(
+                    f"parameter {key} (group {index}) has shape {tuple(param.shape)}, "
+                    f"but its state holds a tensor of shape {tuple(held)}: the state "
+                    "dict of another model? Load it into an optimizer of the model "
+                    "it was saved with"
+                )
+
+
 def check_state_dict(
     state_dict: Any, param_groups: Sequence[Mapping[str, Any]]
 ) -> None:
@@ -255,7 +279,8 @@ def check_state_dict(
             has another number of groups or of parameters in a group, lacks a
             DampedNewton setting in a group (another optimizer's groups), holds
             per-parameter entries DampedNewton never writes (Adam's ``exp_avg``),
-            lacks the step counters, or has a malformed ``'dampednewton'`` entry.
+            lacks the step counters, has a malformed ``'dampednewton'`` entry, or
+            holds state of another shape than a parameter's (another model).
     """
     if not isinstance(state_dict, Mapping):
         raise _refuse(f"expected a dict, got {type(state_dict).__name__}")
@@ -268,6 +293,7 @@ def check_state_dict(
         raise _refuse("'state' must be a dict")
     _check_counters(state, len(param_groups))
     _check_parameter_state(state, sum(len(group["params"]) for group in param_groups))
+    _check_parameter_shapes(state, state_dict["param_groups"], param_groups)
     generator = state_dict.get("dampednewton")
     if generator is not None and not (
         isinstance(generator, Mapping) and {"seed", "generator"} <= set(generator)

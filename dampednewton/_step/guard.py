@@ -107,6 +107,19 @@ def nonfinite_problem(
     return None
 
 
+def check_not_inference_mode() -> None:
+    """Refuse a step inside ``torch.inference_mode()``, where nothing back-propagates.
+
+    Raises:
+        RuntimeError: Inside inference mode.
+    """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "DampedNewton.step was called inside torch.inference_mode(), where the "
+            "closure cannot back-propagate: call step outside of it."
+        )
+
+
 def check_loss_type(loss: object) -> None:
     """Refuse a closure that did not return the loss tensor.
 

@@ -28,7 +28,14 @@ class SeededGenerator:
 
         Args:
             seed: Seed of the generator, or ``None`` to draw one.
+
+        Raises:
+            TypeError: For a seed that is not an integer.
         """
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int | np.integer)
+        ):
+            raise TypeError(f"seed must be an integer or None, got {seed!r}.")
         self.seed = (
             int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed)
         )

@@ -137,6 +137,12 @@ CONSTRUCTION_CASES = [
         group={"betas": (0.9, 0.99)},
     ),
     BadConstruction("group-negative-lr", {}, ValueError, "learning rate", {"lr": -1}),
+    BadConstruction(
+        "seed-string", {"seed": "abc"}, TypeError, "seed must be an integer or None"
+    ),
+    BadConstruction(
+        "seed-float", {"seed": 1.5}, TypeError, "seed must be an integer or None"
+    ),
 ]
 
 

@@ -146,6 +146,18 @@ def _foreign_parameter_state(saved: dict) -> dict:
     return saved
 
 
+def _another_models_momentum(saved: dict) -> dict:
+    buffer = saved["state"][0]["momentum_buffer"]
+    saved["state"][0]["momentum_buffer"] = torch.zeros(buffer.shape[0] + 1, 2)
+    return saved
+
+
+def _another_models_factor(saved: dict) -> dict:
+    size = saved["state"][0]["kronecker_output_factor"].shape[0] + 1
+    saved["state"][0]["kronecker_output_factor"] = torch.eye(size)
+    return saved
+
+
 def _missing_parameter(saved: dict) -> dict:
     saved["param_groups"][0]["params"] = saved["param_groups"][0]["params"][:-1]
     return saved
@@ -158,6 +170,8 @@ BAD_STATE_DICTS = {
     "missing-state": (_without_state, r"lacks the key\(s\) \['state'\]"),
     "foreign-parameter-state": (_foreign_parameter_state, r"\['exp_avg'\]"),
     "missing-parameter": (_missing_parameter, "group 0 has 3 parameters"),
+    "another-models-momentum": (_another_models_momentum, "the state dict of another"),
+    "another-models-factor": (_another_models_factor, "the state dict of another"),
 }
 
 

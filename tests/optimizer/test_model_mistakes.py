@@ -1,4 +1,4 @@
-"""Models written the usual way: a model class, an activation left out of ``extend``.
+"""Usual mistakes: a model class, a module left out of ``extend``, inference mode.
 
 A model class whose ``forward`` calls its layers is the most common way to write a
 model, and BackPACK treats it as one operation it has no rule for: the error says
@@ -101,3 +101,14 @@ def test_a_converted_model_class_trains(residual: bool):
         last = optimizer.step(closure).item()
 
     assert last < first / 4, (first, last)
+
+
+def test_a_step_in_inference_mode_says_so():
+    inputs, targets = _data()
+    model = extend(nn.Sequential(nn.Linear(6, 3)).double())
+    loss_fn = extend(nn.CrossEntropyLoss())
+    optimizer = DampedNewton(model.parameters(), seed=0)
+    closure = make_closure(optimizer, model, loss_fn, inputs, targets)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        optimizer.step(closure)
+    optimizer.step(closure)  # outside of it, the same closure steps
