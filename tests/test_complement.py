@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dampednewton import ConstantCurvature, MeasuredCurvature, SmallestCurvature
-from dampednewton.policies.complement import complement_rayleigh_quotient
+from dampednewton.math.complement import complement_rayleigh_quotient
 
 LAMBDAS = torch.tensor([0.5, 2.0, 4.0], dtype=torch.float64)
 DAMPING = torch.tensor([0.3, 0.1, 0.0], dtype=torch.float64)

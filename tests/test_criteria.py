@@ -9,11 +9,8 @@ import pytest
 import torch
 
 from dampednewton import EigenvalueThreshold, RelativeThreshold, TopK
-from dampednewton.policies.criteria import (
-    as_criterion,
-    numerical_zero,
-    selected_indices,
-)
+from dampednewton.math.linalg import numerical_zero
+from dampednewton.policies.criteria import as_criterion, selected_indices
 
 # Ascending, with a negative round-off eigenvalue and a numerically zero one.
 EVALS = torch.tensor([-1e-17, 1e-59, 1e-3, 0.2, 0.5, 1.0], dtype=torch.float64)

@@ -7,22 +7,23 @@ it between refreshes) and takes the step along its leading eigen-directions.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from dampednewton._step.group_result import AveragedFactor, GroupStep
 from dampednewton._step.step_block import StepBlock
-from dampednewton.averaging import bias_corrected
-from dampednewton.math.frozen_basis import freeze
-from dampednewton.math.gram_space import newton_coefficients
-from dampednewton.math.precision import computation_dtype, upcast
-from dampednewton.policies.complement import (
+from dampednewton.math.averaged_gram import bias_corrected
+from dampednewton.math.complement import (
     complement_coefficients,
     complement_rayleigh_quotient,
     orthogonal_energy,
+    squared_norm,
 )
+from dampednewton.math.frozen_basis import freeze
+from dampednewton.math.gram_space import newton_coefficients
+from dampednewton.math.precision import computation_dtype, upcast
 from dampednewton.policies.criteria import selected_indices, top_k_start
 from dampednewton.policies.damping import Damping
 from dampednewton.policies.damping_values import (
@@ -212,7 +213,3 @@ def group_gradients(params: Sequence[Tensor]) -> list[Tensor]:
         else upcast(p.grad)
         for p in params
     ]
-
-
-def squared_norm(tensors: Sequence[Tensor]) -> Tensor:
-    return cast(Tensor, sum(t.to(torch.float64).square().sum() for t in tensors))

@@ -24,16 +24,10 @@ from dampednewton._step.averaged_step import (
     checked_policy_damping,
     empty_factor,
     group_gradients,
-    squared_norm,
 )
 from dampednewton._step.group_result import AveragedFactor, GroupStep
 from dampednewton._step.step_block import block_of
-from dampednewton.averaging import (
-    CurvatureAveraging,
-    averaged_gram,
-    leading_eigenpairs,
-    split_mixing,
-)
+from dampednewton.averaging import CurvatureAveraging
 from dampednewton.computations.block import (
     Block,
     mean_gradient_of,
@@ -43,16 +37,24 @@ from dampednewton.computations.block import (
 )
 from dampednewton.computations.directional_derivatives import slopes_and_curvatures
 from dampednewton.computations.selection import diagonalize
+from dampednewton.math.averaged_gram import (
+    averaged_gram,
+    leading_eigenpairs,
+    rotated_basis,
+    split_mixing,
+)
+from dampednewton.math.complement import (
+    complement_coefficients,
+    complement_rayleigh_quotient,
+    gram_projections,
+    orthogonal_energy,
+    squared_norm,
+)
 from dampednewton.math.finite import finite_flag
 from dampednewton.math.gram_space import (
     gram_space_step,
     inverse_lengths,
     newton_coefficients,
-)
-from dampednewton.policies.complement import (
-    complement_coefficients,
-    complement_rayleigh_quotient,
-    orthogonal_energy,
 )
 
 
@@ -150,14 +152,14 @@ class StepFinisher:
         policy = options.complement
         rho = None
         if policy is not None:
-            mean_products = self._mean_gradient_products(block, products)
-            # ũ_kᵀ Vᵀḡ = ‖V ũ_k‖ ḡᵀe_k, for the directions the step keeps.
-            in_directions = (mean_products @ gram_evecs).where(positive, 0.0)
-            projections = in_directions.squeeze(0) * inverse_lengths(lengths)
+            projections, residual = gram_projections(
+                self._mean_gradient_products(block, products),
+                gram_evecs,
+                positive,
+                inverse_lengths(lengths),
+            )
             gradients = group_gradients(block.group["params"])
             energy = orthogonal_energy(squared_norm(gradients), projections)
-            # Vᵀg_⊥ = (I − ŨŨᵀ) Vᵀḡ: the batch GGN's curvature in the complement.
-            residual = mean_products - in_directions @ gram_evecs.T
             measured = complement_rayleigh_quotient(residual, energy)
             # An infinite damping keeps a direction out of the policy's choice.
             rho = policy(lambda_mean, damping.where(positive, torch.inf), measured)
@@ -221,10 +223,7 @@ class StepFinisher:
         weights, mixing = leading_eigenpairs(small, rank_kept)
         of_basis, of_batch = split_mixing(mixing, rank, averaging.decay)
         mapped = to_parameter_space(block, of_batch)
-        basis = tuple(
-            new.flatten(1).addmm_(of_basis.T.to(old), old.flatten(1)).view_as(new)
-            for old, new in zip(previous.basis, mapped, strict=True)
-        )
+        basis = rotated_basis(previous.basis, mapped, of_basis)
         factor = AveragedFactor(basis, weights, previous.updates + 1)
         mean_products = self._mean_gradient_products(
             block, slope_products(block, self.per_sample_gradients)

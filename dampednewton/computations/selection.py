@@ -12,12 +12,11 @@ from dampednewton.computations.block import Block
 from dampednewton.math.cost import prefers_partial_eigensolver
 from dampednewton.math.finite import all_finite
 from dampednewton.math.gram_space import direction_lengths
-from dampednewton.math.linalg import symmetric_eigh, top_eigh
+from dampednewton.math.linalg import numerical_zero, symmetric_eigh, top_eigh
 from dampednewton.policies.criteria import (
     Criterion,
     TopK,
     as_criterion,
-    numerical_zero,
     selected_indices,
     top_k_start,
 )

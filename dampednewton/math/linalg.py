@@ -12,6 +12,22 @@ from dampednewton.math.threads import small_matrix_threads
 RETRY_SHIFTS = (0.0, 1e-12, 1e-8)
 
 
+def numerical_zero(evals: Tensor) -> Tensor:
+    """Round-off level of eigenvalues of an ``n×n`` symmetric matrix: ``n·ε·λ_max``.
+
+    Args:
+        evals: All eigenvalues of the matrix.
+
+    Returns:
+        The level below which an eigenvalue is zero up to round-off (``>= 0``), a
+        0-dim tensor on the eigenvalues' device (no host sync).
+    """
+    if evals.numel() == 0:
+        return evals.new_zeros(())
+    eps = torch.finfo(evals.dtype).eps
+    return evals.max().clamp(min=0) * (evals.numel() * eps)
+
+
 def symmetric_eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
     """Eigendecomposition of a symmetric matrix, robust to failures of ``eigh``.
 

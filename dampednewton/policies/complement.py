@@ -155,51 +155,6 @@ def as_complement(
     )
 
 
-def orthogonal_energy(gradient_sq_norm: Tensor, projections: Tensor) -> Tensor:
-    """``‖ḡ − Σ_k p_k e_k‖² = ‖ḡ‖² − Σ_k p_k²`` for orthonormal ``e_k`` (clamped at 0).
-
-    Args:
-        gradient_sq_norm: ``‖ḡ‖²`` (scalar).
-        projections: ``p_k = ḡᵀ e_k`` ``[K]``.
-
-    Returns:
-        The squared norm of the gradient outside the directions (scalar).
-    """
-    return (gradient_sq_norm - projections.square().sum()).clamp_min(0)
-
-
-def complement_rayleigh_quotient(residual: Tensor, energy: Tensor) -> Tensor:
-    """``q_⊥ = ‖Vᵀg_⊥‖² / ‖g_⊥‖²``: the batch GGN's curvature along ``g_⊥`` (or 0).
-
-    Args:
-        residual: ``Vᵀg_⊥`` (any shape).
-        energy: ``‖g_⊥‖²`` (scalar).
-
-    Returns:
-        The Rayleigh quotient (scalar).
-    """
-    numerator = residual.square().sum()
-    return torch.where(
-        energy > 0, numerator / energy.clamp_min(torch.finfo(energy.dtype).tiny), 0.0
-    )
-
-
-def complement_coefficients(
-    coefficients: Tensor, projections: Tensor, curvature: Tensor
-) -> Tensor:
-    """Coefficients ``c_k + p_k/ρ`` of the directions in ``Σ_k (…) e_k − ḡ/ρ``.
-
-    Args:
-        coefficients: Newton coefficients ``c_k`` ``[K]``.
-        projections: ``p_k = ḡᵀ e_k`` ``[K]``.
-        curvature: ``ρ`` (scalar).
-
-    Returns:
-        ``[K]`` coefficients.
-    """
-    return coefficients + projections / curvature
-
-
 # Policies live in param groups: let `torch.load(weights_only=True)` restore them.
 torch.serialization.add_safe_globals(
     [SmallestCurvature, MeasuredCurvature, ConstantCurvature]

@@ -23,6 +23,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from dampednewton.math.linalg import numerical_zero
+
 
 @runtime_checkable
 class Criterion(Protocol):
@@ -30,22 +32,6 @@ class Criterion(Protocol):
 
     def __call__(self, evals: Tensor) -> Sequence[int]:
         """Return the selected indices into ``evals``."""
-
-
-def numerical_zero(evals: Tensor) -> Tensor:
-    """Round-off level of eigenvalues of an ``n×n`` symmetric matrix: ``n·ε·λ_max``.
-
-    Args:
-        evals: All eigenvalues of the matrix.
-
-    Returns:
-        The level below which an eigenvalue is zero up to round-off (``>= 0``), a
-        0-dim tensor on the eigenvalues' device (no host sync).
-    """
-    if evals.numel() == 0:
-        return evals.new_zeros(())
-    eps = torch.finfo(evals.dtype).eps
-    return evals.max().clamp(min=0) * (evals.numel() * eps)
 
 
 def top_k_start(criterion: Criterion, num_evals: int) -> int | None:
