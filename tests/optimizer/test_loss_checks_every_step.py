@@ -29,9 +29,10 @@ from tests.utils import (
 )
 
 MLP_CE, MLP_BCE = PROBLEMS[0], PROBLEMS[2]
-REWEIGHT = r"without weights and rebalance by sampling"
+REWEIGHT = r"without weights and rebalance by sampling.*WeightedRandomSampler"
+DROP = r"Drop the samples to ignore before the loss.*outputs\[keep\], targets\[keep\]"
 SUM = r"uses reduction='sum', but the GGN computations assume reduction='mean'"
-IGNORED = r"1 of the 4 targets equal CrossEntropyLoss's ignore_index=-100"
+IGNORED = r"1 of the 4 targets equal CrossEntropyLoss's ignore_index=-100.*" + DROP
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ BAD_LOSSES = [
         MLP_CE,
         lambda: nn.CrossEntropyLoss(ignore_index=7),
         _same,
-        r"ignore_index=7\) is not supported",
+        r"ignore_index=7\) is not supported.*only the default ignore_index=-100.*"
+        + DROP,
     ),
     BadLoss("ce-ignore-index-hit", MLP_CE, nn.CrossEntropyLoss, _one_ignored, IGNORED),
     BadLoss(
@@ -96,6 +98,13 @@ BAD_LOSSES = [
         lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor([2.0])),
         _same,
         r"BCEWithLogitsLoss\(pos_weight=\.\.\.\) is not supported.*" + REWEIGHT,
+    ),
+    BadLoss(
+        "bce-weight",
+        MLP_BCE,
+        lambda: nn.BCEWithLogitsLoss(weight=torch.full((6, 1), 2.0)),
+        _same,
+        r"BCEWithLogitsLoss\(weight=\.\.\.\) is not supported.*" + REWEIGHT,
     ),
 ]
 

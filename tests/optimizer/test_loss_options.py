@@ -1,9 +1,10 @@
-"""Loss options BackPACK's GGN cannot handle are refused by name; label smoothing works.
+"""Loss options in the computations, label smoothing, BackPACK's own refusals.
 
-Run against real BackPACK: without the check, class weights and a non-default
-``ignore_index`` fail with BackPACK's generic "cannot handle module
-CrossEntropyLoss()", and targets equal to the default ``ignore_index`` give a silently
-wrong step.
+The optimizer's refusals of loss options, on every kind of step:
+``test_loss_checks_every_step.py``. Run against real BackPACK: without the checks,
+class weights and a non-default ``ignore_index`` fail with BackPACK's generic "cannot
+handle module CrossEntropyLoss()", and targets equal to the default ``ignore_index``
+give a silently wrong step.
 """
 
 from __future__ import annotations
@@ -21,83 +22,13 @@ from tests.cases import PROBLEMS
 from tests.utils import (
     EXACT_VIVIT_STEP,
     VIVIT_STEP,
-    assert_parameters_equal,
-    assert_same_state,
     build_case,
     flat,
     make_closure,
     reference_step,
-    snapshot,
 )
 
 MLP_CE, MLP_BCE = PROBLEMS[0], PROBLEMS[2]
-REWEIGHT = r"without weights and rebalance by sampling.*WeightedRandomSampler"
-DROP = r"Drop the samples to ignore before the loss.*outputs\[keep\], targets\[keep\]"
-
-REFUSED = {
-    "ce-class-weights": (
-        MLP_CE,
-        lambda: nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 3.0])),
-        lambda y: y,
-        r"CrossEntropyLoss\(weight=\.\.\.\) is not supported\. .*" + REWEIGHT,
-    ),
-    "ce-ignore-index-set": (
-        MLP_CE,
-        lambda: nn.CrossEntropyLoss(ignore_index=7),
-        lambda y: y,
-        r"ignore_index=7\) is not supported.*only the default "
-        r"ignore_index=-100.*" + DROP,
-    ),
-    "ce-ignore-index-hit": (
-        MLP_CE,
-        nn.CrossEntropyLoss,
-        lambda y: torch.cat([y[:-1], torch.tensor([-100])]),
-        r"1 of the 4 targets equal CrossEntropyLoss's ignore_index=-100.*" + DROP,
-    ),
-    "bce-pos-weight": (
-        MLP_BCE,
-        lambda: nn.BCEWithLogitsLoss(pos_weight=torch.tensor([2.0])),
-        lambda y: y,
-        r"BCEWithLogitsLoss\(pos_weight=\.\.\.\) is not supported\. .*" + REWEIGHT,
-    ),
-    "bce-weight": (
-        MLP_BCE,
-        lambda: nn.BCEWithLogitsLoss(weight=torch.full((6, 1), 2.0)),
-        lambda y: y,
-        r"BCEWithLogitsLoss\(weight=\.\.\.\) is not supported\. .*" + REWEIGHT,
-    ),
-}
-
-
-@pytest.mark.parametrize("mc_samples", [0, 1], ids=["exact", "monte-carlo"])
-@pytest.mark.parametrize("name", list(REFUSED))
-def test_unsupported_loss_option_is_named_and_changes_nothing(
-    name: str, mc_samples: int
-):
-    problem, make_loss, change_targets, match = REFUSED[name]
-    case = build_case(problem)
-    optimizer = DampedNewton(
-        case.model.parameters(),
-        damping=1.0,
-        criterion=1,
-        mc_samples=mc_samples,
-        seed=0,
-        **VIVIT_STEP,
-    )
-    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
-    loss_fn = extend(make_loss().double())
-    closure = make_closure(
-        optimizer, case.model, loss_fn, case.X, change_targets(case.y)
-    )
-    params = list(case.model.parameters())
-    values = [p.detach().clone() for p in params]
-    before = snapshot(optimizer)
-
-    with pytest.raises(ValueError, match=match):
-        optimizer.step(closure)
-
-    assert_parameters_equal(params, values)
-    assert_same_state(snapshot(optimizer), before)
 
 
 def test_computations_name_the_option_too():
