@@ -36,9 +36,10 @@ def check_reduction(loss: _Loss) -> None:
     reduction = getattr(loss, "reduction", "mean")
     if reduction != "mean":
         raise ValueError(
-            f"{loss} uses reduction='{reduction}', but the GGN computations assume "
-            "reduction='mean' (the step would be off by the batch size). Use "
-            f"{type(loss).__name__}(reduction='mean')."
+            f"{loss} uses reduction='{reduction}', but the GGN computations and the "
+            "diagnostics assume reduction='mean' (steps and per-sample quantities "
+            f"would be off by the batch size). Use {type(loss).__name__}"
+            "(reduction='mean')."
         )
 
 

@@ -15,8 +15,10 @@ from contextlib import contextmanager
 from backpack import backpack
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch.nn import Module
+from torch.nn.modules.loss import _Loss
 
 from dampednewton.backpack.backward import quiet_backward_hook_warning
+from dampednewton.backpack.loss_checks import check_reduction
 
 Hook = Callable[[Module], None]
 """BackPACK's ``extension_hook``: runs on each module after its extensions."""
@@ -45,12 +47,15 @@ def chained(hooks: Sequence[Hook | None], savefields: Iterable[str]) -> Hook:
         savefields: Quantities to free once every hook ran on the module.
 
     Returns:
-        The hook to pass as ``extension_hook``.
+        The hook to pass as ``extension_hook``; it also refuses a loss module that
+        does not average over the batch, which every consumer assumes.
     """
     active = [hook for hook in hooks if hook is not None]
     savefields = tuple(savefields)
 
     def run_then_free(module: Module) -> None:
+        if isinstance(module, _Loss):
+            check_reduction(module)
         for hook in active:
             hook(module)
         free_quantities(module, savefields)

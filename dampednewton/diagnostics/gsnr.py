@@ -70,11 +70,18 @@ class NoiseScaleEstimate(NamedTuple):
     noise_scale: Tensor
 
 
-def _check_batch_size(batch_size: int, minimum: int) -> None:
+def _check_batch_size(batch_size: int, minimum: int, estimate: str = "") -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int):
         raise TypeError(f"batch_size must be an int, got {type(batch_size).__name__}.")
     if batch_size < minimum:
-        raise ValueError(f"batch_size must be ≥ {minimum} here, got {batch_size}.")
+        if not estimate:
+            raise ValueError(f"batch_size must be ≥ {minimum} here, got {batch_size}.")
+        raise ValueError(
+            f"The {estimate} needs a batch of at least {minimum} samples, got "
+            f"{batch_size}: a last, smaller batch of an epoch? Drop it "
+            "(DataLoader(..., drop_last=True)), or track the diagnostic on other "
+            "steps (its schedule)."
+        )
 
 
 def _check_epsilon(epsilon: float) -> None:
@@ -147,7 +154,7 @@ def debiased_gsnr(
     Raises:
         ValueError: If ``batch_size < 4`` or ``epsilon < 0``.
     """
-    _check_batch_size(batch_size, 4)
+    _check_batch_size(batch_size, 4, "debiased GSNR")
     _check_epsilon(epsilon)
     return ((batch_size - 3) * grad**2 - variance) / (batch_size * (variance + epsilon))
 
@@ -173,7 +180,7 @@ def gsnr_sums(
     Raises:
         ValueError: If ``batch_size < 4`` or ``epsilon < 0``.
     """
-    _check_batch_size(batch_size, 4)
+    _check_batch_size(batch_size, 4, "debiased GSNR")
     _check_epsilon(epsilon)
     inverse = (variance + epsilon).reciprocal_()
     plain_sum = torch.dot(grad.flatten().square(), inverse.flatten())
@@ -217,7 +224,7 @@ def unbiased_noise_scale(
     Raises:
         ValueError: If ``batch_size < 2``.
     """
-    _check_batch_size(batch_size, 2)
+    _check_batch_size(batch_size, 2, "unbiased noise scale")
     trace = variance_sum * (batch_size / (batch_size - 1))
     norm = squared_gradient_norm - trace / batch_size
     return NoiseScaleEstimate(trace, norm, _ratio_or_inf(trace, norm))

@@ -313,3 +313,20 @@ def histogram2d(
 def _check_chunk_size(chunk_size: int) -> None:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be ≥ 1, got {chunk_size}.")
+
+
+def pairs_outside(margins: np.ndarray | Tensor) -> int:
+    """The pairs of a 2D histogram outside its ranges, from its ``margins``.
+
+    ``margins`` counts the pairs in the 3×3 regions below, inside and above each
+    axis' range; the centre is inside both. With ``out_of_range="clamp"`` the bins
+    hold the clamped pairs too, so only the regions tell how many were outside.
+
+    Args:
+        margins: ``[3, 3]`` counts.
+
+    Returns:
+        The pairs outside at least one range.
+    """
+    regions = np.asarray(margins)
+    return int(regions.sum() - regions[1, 1])

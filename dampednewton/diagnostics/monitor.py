@@ -49,6 +49,7 @@ import numpy as np
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor, nn
 
+from dampednewton.backpack.backward import quiet_backward_hook_warning
 from dampednewton.backpack.passes import backward_pass
 from dampednewton.backpack.savefields import (
     DIAG_GGN_MC,
@@ -58,7 +59,7 @@ from dampednewton.backpack.savefields import (
 )
 from dampednewton.diagnostics.log import DiagnosticsLog, Record
 from dampednewton.diagnostics.ranks import SINGLE_PROCESS, Ranks, global_batch
-from dampednewton.diagnostics.reducer import DiagnosticSpec, Reducer
+from dampednewton.diagnostics.reducer import DiagnosticSpec, Reducer, reducer_of
 from dampednewton.diagnostics.specs import CurvatureTrace
 from dampednewton.distributed import resolve_process_group
 
@@ -135,6 +136,7 @@ class DiagnosticsMonitor:
         self.diagnostics = list(diagnostics)
         if not self.diagnostics:
             raise ValueError("DiagnosticsMonitor needs at least one diagnostic.")
+        self._reducers = [reducer_of(spec) for spec in self.diagnostics]
         labels = [spec.label for spec in self.diagnostics]
         duplicates = sorted({label for label in labels if labels.count(label) > 1})
         if duplicates:
@@ -152,7 +154,6 @@ class DiagnosticsMonitor:
                 "BackPACK runs one DiagGGNMC per backward pass, but the traces ask "
                 f"for mc_samples {sorted(mc_samples)}; use one value."
             )
-        self._reducers = [_reducer_of(spec) for spec in self.diagnostics]
         # Extensions are stateless between passes: build them once, not every step.
         self._extensions = {id(r): r.extensions() for r in self._reducers}
         if isinstance(named_parameters, Mapping):
@@ -266,7 +267,8 @@ class DiagnosticsMonitor:
         hook = self.module_hook(step)
         extensions = self.extensions(step)
         if not extensions:
-            yield
+            with quiet_backward_hook_warning():  # BackPACK's hooks fire, run nothing
+                yield
             return
         try:
             with backward_pass(extensions, [hook]):
@@ -362,17 +364,6 @@ class DiagnosticsMonitor:
             self.log.replace(replaced, record)
         self._finished = _FinishedStep(pending, replaced)
         return self.log[replaced]
-
-
-def _reducer_of(spec: DiagnosticSpec) -> Reducer:
-    make_reducer = getattr(spec, "make_reducer", None)
-    if not callable(make_reducer):
-        raise TypeError(
-            f"Unknown diagnostic {spec!r}; use one of GSNR, NoiseScale, "
-            "GradientHistogram, GradientParameterHistogram, CurvatureTrace (or a "
-            "spec with make_reducer())."
-        )
-    return make_reducer()
 
 
 def _batch_size(module: nn.Module, param: Tensor) -> int | None:

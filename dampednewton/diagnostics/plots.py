@@ -16,6 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
+from dampednewton.diagnostics.histogram import pairs_outside
 from dampednewton.diagnostics.log import DiagnosticsLog, Record
 
 
@@ -146,7 +147,7 @@ def plot_histogram_2d(
     counts = np.asarray(record[f"{label}/counts{suffix}"], dtype=np.float64)
     x_edges = np.asarray(record[f"{label}/x_edges{suffix}"], dtype=np.float64)
     y_edges = np.asarray(record[f"{label}/y_edges{suffix}"], dtype=np.float64)
-    outside = int(np.asarray(record[f"{label}/margins{suffix}"]).sum() - counts.sum())
+    outside = pairs_outside(np.asarray(record[f"{label}/margins{suffix}"]))
     figure = Figure(figsize=(6, 4.5), layout="constrained")
     ax = figure.subplots()
     masked = np.ma.masked_equal(counts.T, 0)

@@ -134,3 +134,25 @@ def pieces_of(pieces: Mapping[int, object], name: str, param: Tensor, savefield:
             "has a gradient. Is its module extended with backpack.extend and "
             "supported by BackPACK's extensions?"
         ) from None
+
+
+def reducer_of(spec: DiagnosticSpec) -> Reducer:
+    """The reducer of a diagnostic spec, or what to pass instead.
+
+    Args:
+        spec: What was given as a diagnostic.
+
+    Returns:
+        ``spec.make_reducer()``.
+
+    Raises:
+        TypeError: For anything without ``make_reducer`` (e.g. a name).
+    """
+    make_reducer = getattr(spec, "make_reducer", None)
+    if not callable(make_reducer):
+        raise TypeError(
+            f"Unknown diagnostic {spec!r}; use one of GSNR, NoiseScale, "
+            "GradientHistogram, GradientParameterHistogram, CurvatureTrace (or a "
+            "spec with make_reducer())."
+        )
+    return make_reducer()

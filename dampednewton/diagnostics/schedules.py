@@ -42,8 +42,17 @@ class EveryKSteps:
         """Validate the fields.
 
         Raises:
+            TypeError: If a field is not an integer.
             ValueError: If ``k < 1``, ``start < 0`` or ``stop < start``.
         """
+        for name in ("k", "start"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an integer, got {value!r}.")
+        if self.stop is not None and (
+            isinstance(self.stop, bool) or not isinstance(self.stop, int)
+        ):
+            raise TypeError(f"stop must be an integer or None, got {self.stop!r}.")
         if self.k < 1:
             raise ValueError(f"k must be ≥ 1, got {self.k}.")
         if self.start < 0:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from dampednewton.diagnostics.histogram import pairs_outside
 from dampednewton.diagnostics.log import Record
 
 if TYPE_CHECKING:
@@ -106,8 +107,7 @@ def split_record(record: Mapping[str, Any]) -> SplitRecord:
             split.histograms_2d[key] = value
             used |= {key, x_edges, y_edges}
             if margins in record:
-                region = np.asarray(record[margins])
-                outside = int(region.sum() - region[1, 1])
+                outside = pairs_outside(record[margins])
                 split.scalars[f"{label}/out_of_range{suffix}"] = float(outside)
                 used.add(margins)
     for key, value in record.items():

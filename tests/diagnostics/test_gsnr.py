@@ -191,10 +191,16 @@ def test_dead_elements_contribute_zero_debiased_gsnr():
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda g: debiased_gsnr(g, g, 3, 0.0), "batch_size must be ≥ 4"),
+        (
+            lambda g: debiased_gsnr(g, g, 3, 0.0),
+            "debiased GSNR needs a batch of at least 4",
+        ),
         (lambda g: gsnr(g, g, -1.0), "epsilon must be ≥ 0"),
         (lambda g: per_sample_variance(g, g[:2], 4), "equal shapes"),
-        (lambda g: unbiased_noise_scale(g.sum(), g.sum(), 1), "batch_size must be ≥ 2"),
+        (
+            lambda g: unbiased_noise_scale(g.sum(), g.sum(), 1),
+            "unbiased noise scale needs a batch of at least 2",
+        ),
     ],
     ids=["debiased-small-batch", "negative-epsilon", "shape-mismatch", "noise-n1"],
 )

@@ -11,6 +11,7 @@ import torch
 from dampednewton.diagnostics.histogram import (
     histogram1d,
     histogram2d,
+    pairs_outside,
     uniform_bin_edges,
 )
 
@@ -277,3 +278,10 @@ def test_histogram2d_clamp_matches_numpy_of_clipped_pairs(data_2d, chunk_size):
 def test_bad_input_raises(call, error, message):
     with pytest.raises(error, match=message):
         call(torch.zeros(3, dtype=torch.float64))
+
+
+def test_pairs_outside_count_every_region_but_the_centre():
+    """Clamped pairs sit in the edge bins; only the margins say they were outside."""
+    margins = np.array([[1, 2, 0], [3, 50, 4], [0, 5, 6]])
+    assert pairs_outside(margins) == 21
+    assert pairs_outside(torch.tensor(margins)) == 21

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from backpack import extend
 from torch import nn
 
 from dampednewton.diagnostics import GSNR, CurvatureTrace, DiagnosticsMonitor
@@ -48,6 +49,16 @@ def test_parameter_outside_the_extended_model_raises():
         monitor.finish(0, [*case.model.parameters(), extra], loss)
 
 
+def test_a_loss_summed_over_the_batch_raises():
+    """Histograms and traces would be N times too large (GSNR is scale-free)."""
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
+    case.loss_fn = extend(nn.CrossEntropyLoss(reduction="sum"))
+    monitor = DiagnosticsMonitor([GSNR(), CurvatureTrace()])
+    with pytest.raises(ValueError, match=r"reduction='sum'.*reduction='mean'"):
+        run_monitored_step(case, monitor)
+    assert len(monitor.log) == 0
+
+
 def test_finish_without_monitored_backward_raises():
     monitor = DiagnosticsMonitor([GSNR()])
     with pytest.raises(RuntimeError, match="No monitored backward pass for step 3"):
@@ -74,8 +85,16 @@ def test_bad_monitor_configuration_raises(diagnostics, message):
         DiagnosticsMonitor(diagnostics)
 
 
+def test_a_name_instead_of_a_spec_names_the_specs():
+    with pytest.raises(TypeError, match=r"Unknown diagnostic 'gsnr'; use one of GSNR"):
+        DiagnosticsMonitor(["gsnr"])  # type: ignore[list-item]
+
+
 def test_small_batch_for_debiased_gsnr_raises():
     case = build_case(DIAGNOSTICS_PROBLEMS[0])
     case.X, case.y = case.X[:3], case.y[:3]
-    with pytest.raises(ValueError, match="batch_size must be ≥ 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"debiased GSNR needs a batch of at least 4 samples, got 3.*drop_last",
+    ):
         run_monitored_step(case, DiagnosticsMonitor([GSNR()]))

@@ -87,3 +87,17 @@ def test_schedules_pickle(schedule):
 def test_bad_input_raises(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: EveryKSteps(2.5),
+        lambda: EveryKSteps(2, start=1.0),
+        lambda: EveryKSteps(2, stop="10"),
+    ],
+    ids=["float-k", "float-start", "string-stop"],
+)
+def test_every_k_steps_needs_integers(make):
+    with pytest.raises(TypeError, match="must be an integer"):
+        make()

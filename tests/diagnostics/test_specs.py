@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import pytest
@@ -53,6 +54,12 @@ def test_defaults_and_normalization():
         (lambda: GradientHistogram(range_policy=(-1, 1)), TypeError, "compute"),
         (lambda: GradientHistogram(initial_range=(1, -1)), ValueError, "low < high"),
         (lambda: GradientParameterHistogram(bins=(3,)), ValueError, "pair"),
+        (lambda: GradientParameterHistogram(bins=20), ValueError, "pair of integers"),
+        (
+            lambda: GradientHistogram(initial_range=(0.0, math.inf)),
+            ValueError,
+            r"initial_range must be \(low, high\), finite",
+        ),
         (lambda: GradientParameterHistogram(bins=(3, 0)), ValueError, "bins"),
         (
             lambda: GradientParameterHistogram(parameter_range="max"),
@@ -77,6 +84,8 @@ def test_defaults_and_normalization():
         "range-not-policy",
         "initial-range-reversed",
         "bins-not-pair",
+        "bins-a-number-2d",
+        "initial-range-infinite",
         "zero-bins-2d",
         "parameter-range-not-policy",
         "unknown-curvature",

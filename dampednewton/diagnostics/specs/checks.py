@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dampednewton.diagnostics.bin_adaptation import RangePolicy
 from dampednewton.diagnostics.schedules import Schedule
 
@@ -32,10 +34,12 @@ def check_policy(name: str, policy: RangePolicy) -> None:
 
 
 def check_range(name: str, value: tuple[float, float]) -> tuple[float, float]:
-    """Return ``value`` as floats; raise ``ValueError`` unless ``low < high``."""
+    """Return ``value`` as floats; raise ``ValueError`` unless finite ``low < high``."""
     low, high = (float(v) for v in value)
-    if not low < high:
-        raise ValueError(f"{name} must be (low, high) with low < high, got {value}.")
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ValueError(
+            f"{name} must be (low, high), finite, with low < high, got {value}."
+        )
     return (low, high)
 
 

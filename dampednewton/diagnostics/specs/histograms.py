@@ -178,9 +178,12 @@ class GradientParameterHistogram:
             TypeError: If a range policy has no ``compute`` method.
         """
         check_schedule(self.schedule)
+        if not isinstance(self.bins, tuple | list) or len(self.bins) != 2:
+            raise ValueError(
+                "bins must be a pair of integers (gradient bins, parameter bins), "
+                f"got {self.bins!r}."
+            )
         bins = tuple(self.bins)
-        if len(bins) != 2:
-            raise ValueError(f"bins must be a pair of integers, got {self.bins!r}.")
         for bin_count in bins:
             check_count("bins", bin_count)
         object.__setattr__(self, "bins", bins)
