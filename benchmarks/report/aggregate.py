@@ -1,10 +1,12 @@
 """Aggregate the ``result.json`` files of a sweep: settings, seeds, tuning.
 
 A *setting* is one (problem, optimizer, hyperparameters) triple; its runs differ only
-in the seed. The *tuned* setting of a (problem, optimizer) pair is the one with the
-best mean final test metric over seeds; settings in which any seed diverged or failed
-rank below all others. A tuned value is *on the grid edge* when it is the smallest or
-largest value tried for a hyperparameter that was varied.
+in the seed (:mod:`benchmarks.report.loading` names a problem's runs apart where
+their problem or machine settings differ). The *tuned* setting of a (problem,
+optimizer) pair is the one with the best mean final test metric over seeds; settings
+in which any seed diverged or failed rank below all others. A tuned value is *on the
+grid edge* when it is the smallest or largest value tried for a hyperparameter that
+was varied.
 """
 
 from __future__ import annotations
@@ -15,32 +17,9 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from benchmarks.sweep.result import RESULT_FILE, RunResult, recorded
-
-
-def load_results(sweep_dir: Path) -> list[RunResult]:
-    """Read every ``result.json`` below ``sweep_dir`` (skipped jobs left out).
-
-    Args:
-        sweep_dir: A Hydra sweep (or run) directory.
-
-    Returns:
-        The results (``job_dir`` set), sorted by job directory.
-
-    Raises:
-        FileNotFoundError: If there is no result file.
-    """
-    paths = sorted(Path(sweep_dir).rglob(RESULT_FILE))
-    if not paths:
-        raise FileNotFoundError(
-            f"No {RESULT_FILE} below {sweep_dir}: run `python -m benchmarks.run "
-            "--multirun ...` first, or pass the sweep directory it printed."
-        )
-    results = [RunResult.read(path) for path in paths]
-    return [result for result in results if result.status != "skipped"]
+from benchmarks.sweep.result import RunResult, recorded
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:

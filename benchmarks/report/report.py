@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 from benchmarks.report.aggregate import (
@@ -18,10 +19,10 @@ from benchmarks.report.aggregate import (
     Tuned,
     fastest_to_target,
     group_settings,
-    load_results,
     step_time_ratio,
     tune,
 )
+from benchmarks.report.loading import load_results
 from benchmarks.report.plots import plot_curves, plot_sensitivity, plot_step_cost
 from benchmarks.report.runs_csv import write_csv
 from benchmarks.report.text import (
@@ -322,7 +323,9 @@ def write_report(sweep_dir: Path) -> dict[str, Path]:
     paths["markdown"].write_text(markdown)
     for problem, tuned in _by_problem(tuned_pairs).items():
         paths[f"curves_{problem}"] = plot_curves(
-            problem, tuned, out / f"curves_{problem}.png"
+            problem,
+            tuned,
+            out / f"curves_{re.sub(r'[^A-Za-z0-9_.=-]+', '_', problem)}.png",
         )
         for key in sorted({k for t in tuned.values() for k in t.grid}):
             name = f"sensitivity_{problem}_{key}"

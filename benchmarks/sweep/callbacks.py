@@ -99,6 +99,12 @@ class SweepProgress(Callback):
         self._done = 0
         if self._plan is not None:
             print(self._plan.describe(), file=sys.stderr, flush=True)
+        # Printed first, so that an interrupted sweep can be resumed or reported.
+        print(
+            f"Sweep folder: {Path(config.hydra.sweep.dir).resolve()}",
+            file=sys.stderr,
+            flush=True,
+        )
         self._bar = tqdm(
             total=None if self._plan is None else len(self._plan.kinds),
             unit="job",
@@ -167,9 +173,13 @@ def failed_result_files(sweep_dir: Path) -> list[str]:
     Returns:
         The paths, in job order; diverged runs are results, not failures.
     """
-    from benchmarks.report.aggregate import load_results
+    from benchmarks.report.loading import load_results
 
-    return [str(r.result_file) for r in load_results(sweep_dir) if r.status == "failed"]
+    try:
+        results = load_results(sweep_dir)
+    except FileNotFoundError:  # no job ran: none failed
+        return []
+    return [str(r.result_file) for r in results if r.status == "failed"]
 
 
 class SweepReport(Callback):
@@ -227,6 +237,9 @@ class SweepReport(Callback):
             if launched_rank() != 0:
                 return  # rank 0 reports
             print_locations(write_report(sweep_dir))
+        except FileNotFoundError as error:  # no job ran: say so, no traceback
+            print(error, file=sys.stderr, flush=True)
+            report_failed = True
         except Exception:
             traceback.print_exc()
             print(

@@ -159,7 +159,7 @@ def plan_round(sweep_dir: Path, round_: int, rounds: int) -> list[ExtensionJob]:
         for number, result in sweep_results(sweep_dir).items()
         if _before_round(result, round_)
     }
-    trained = sorted(  # in the order of aggregate.load_results
+    trained = sorted(  # in the order of loading.load_results
         (result for result in earlier.values() if result.status != "skipped"),
         key=lambda result: Path(str(result.job_dir)),
     )

@@ -47,6 +47,10 @@ DATA_PARALLEL_HINT = (
 )
 
 
+DEFAULT_THREADS = torch.get_num_threads()
+"""torch's thread count when the benchmarks were imported (``num_threads: null``)."""
+
+
 def hyperparameters(optimizer_cfg: DictConfig) -> dict[str, Any]:
     """Settings of the optimizer node, flattened with dotted keys.
 
@@ -105,8 +109,10 @@ def _train_from_config(cfg: DictConfig, result: RunResult, output_dir: Path) -> 
         device = local_device(device)
         data_parallel.check_batch_size(cfg.problem.batch_size)
         result.world_size = data_parallel.world_size
-    if cfg.num_threads is not None:
-        torch.set_num_threads(cfg.num_threads)
+    # null: torch's default, also after an earlier job of the multirun set another.
+    torch.set_num_threads(
+        DEFAULT_THREADS if cfg.num_threads is None else cfg.num_threads
+    )
     needs = OptimizerNeeds(**config_dict(cfg.optimizer_needs))
     memory = PeakMemory(device)
     # The global RNG drives third-party randomness (BackPACK's Monte-Carlo GGN,

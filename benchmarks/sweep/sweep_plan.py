@@ -174,10 +174,12 @@ class SweepPlan:
         counts = Counter(self.names[kind] for kind in self.kinds if kind in self.names)
         skipped = len(self.kinds) - counts.total()
         total = remaining_seconds(self.kinds, {}, self.prior)
+        parts = [f"{n} {name}" for name, n in counts.items()]
+        if skipped:
+            parts.append(f"{skipped} skipped: a damping rule they do not take")
         return (
             f"{len(self.kinds)} jobs ("
-            + ", ".join(f"{n} {name}" for name, n in counts.items())
-            + (f", {skipped} skipped: a damping rule they do not take" * (skipped > 0))
+            + ", ".join(parts)
             + f"): about {format_duration(total)} on an idle CPU thread by the "
             "configs' cost priors (problem.cost_prior, step_cost_prior), plus "
             "start-up, grid extensions and the report; the progress bar's ETA "

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.report.aggregate import group_settings, load_results, tune
+from benchmarks.report.aggregate import group_settings, tune
+from benchmarks.report.loading import load_results
 from benchmarks.sweep.grid_extension import FACTOR, extend_sweep, extensions
 from benchmarks.sweep.result import RunResult
 

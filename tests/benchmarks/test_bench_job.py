@@ -11,6 +11,7 @@ import torch
 from benchmarks.problems.data import Dataset
 from benchmarks.problems.models import mlp
 from benchmarks.problems.problems import Problem, Protocol
+from benchmarks.sweep import job as job_module
 from benchmarks.sweep.callbacks import summary_line
 from benchmarks.sweep.job import hyperparameters, run_job
 from benchmarks.sweep.result import RESULT_FILE
@@ -236,3 +237,20 @@ def test_peer_configs_train_through_the_runner(compose_config, tmp_path, optimiz
     assert result["steps_taken"] == 20 and result["step_time"]["median"] > 0
     train_loss = result["curves"]["train_loss"]
     assert train_loss[-1] < train_loss[0], f"{optimizer} did not lower the loss"
+
+
+def test_null_threads_restore_torchs_default_after_a_job_that_set_them(
+    compose_config, tmp_path, monkeypatch
+):
+    """A multirun's jobs share a process: ``num_threads=null`` must undo a ``1``."""
+    monkeypatch.setattr(job_module, "DEFAULT_THREADS", 2)  # as on a 2-core machine
+    default = torch.get_num_threads()
+    try:
+        overrides = ["problem=digits_logreg", "problem.steps=2"]
+        _, first = _job(compose_config, tmp_path / "1", [*overrides, "num_threads=1"])
+        _, second = _job(
+            compose_config, tmp_path / "2", [*overrides, "num_threads=null"]
+        )
+    finally:
+        torch.set_num_threads(default)
+    assert (first["num_threads"], second["num_threads"]) == (1, 2)
