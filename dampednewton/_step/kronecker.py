@@ -24,6 +24,7 @@ accepted step.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -81,7 +82,7 @@ from dampednewton.backpack.layers import use_structured_sqrt_ggn
 from dampednewton.backpack.loss_checks import DeferredChecks
 from dampednewton.backpack.savefields import sqrt_ggn_savefield
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.distributed import Communicator
+from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
 from dampednewton.policies.basis import KroneckerBasis
 
 
@@ -163,12 +164,27 @@ class KroneckerSteps:
         if monitor is not None:
             extensions, hooks = with_monitor(extensions, hooks, monitor, step, None)
         with GeneratorSnapshot(generator if collector is not None else None) as saved:
-            loss = run_closure(
-                closure, params, extensions, hooks, modules, monitor is None, deferred
-            )
+            try:
+                loss = run_closure(
+                    closure,
+                    params,
+                    extensions,
+                    hooks,
+                    modules,
+                    monitor is None,
+                    deferred,
+                )
+            except Exception:
+                if communicator is not None:  # the other ranks wait for this one
+                    communicator.agree_on_pass(
+                        math.nan, UNKNOWN_BATCH_SIZE, failed=True, check_sizes=False
+                    )
+                raise
+            if communicator is not None:  # refuses unequal local batches everywhere
+                loss = communicator.mean_loss_of_pass(
+                    loss, deferred.local_samples or None
+                )
             check_loss_type(loss)
-            if communicator is not None:
-                loss = communicator.mean_loss_of_pass(loss, None)
             fresh: dict[int, list[RefreshedBatch]] = {}
             finite = None
             if collector is not None:
@@ -208,7 +224,12 @@ class KroneckerSteps:
                         with_curvature,
                     )
             values = read_checks(loss, steps, deferred, finite)
-            problem = refusal(values, deferred, [damping_value(o) for o in options])
+            try:
+                problem = refusal(values, deferred, [damping_value(o) for o in options])
+            except ValueError:
+                if communicator is not None:  # the other ranks refuse the step too
+                    communicator.any_refuses(True)
+                raise
             if communicator is not None:
                 refused = communicator.any_refuses(problem is not None)
                 if refused and problem is None:

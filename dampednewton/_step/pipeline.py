@@ -116,28 +116,33 @@ class Pipeline:
         active = (
             monitor if monitor is not None and monitor.is_active(step_index) else None
         )
-        frozen = (
-            not shared.kronecker
-            and active is None
-            and self._between_refreshes(options, state, step_index)
+        # Between refreshes the Gram basis steps along its frozen bases: the lean
+        # path, or the general one (same step) with a monitor or data parallelism.
+        # Either way the damping adapts on refreshes only, so that neither changes
+        # the trajectory.
+        between = not shared.kronecker and self._between_refreshes(
+            options, state, step_index
         )
+        lean = between and active is None and self.communicator is None
         adaptive = distinct_adaptive(option.adaptive_damping for option in options)
+        adapts = not between and any(policy.ratio_needed() for policy in adaptive)
         rollback = StepRollback(
             [p for group in groups for p in group["params"]],
             state,
             step_index,
             self.seeded.created,
-            # Only a step that adapts the damping calls the closure again.
-            full=not frozen and any(policy.ratio_needed() for policy in adaptive),
+            full=adapts,  # only a step that adapts the damping calls the closure again
         )
         try:
             if shared.kronecker:
                 return self._kronecker_step(
                     closure, groups, options, shared, state, active
                 )
-            if frozen:
+            if lean:
                 return self._frozen_step(closure, groups, options, state)
-            return self._full_step(closure, groups, options, shared, state, active)
+            return self._full_step(
+                closure, groups, options, shared, state, active, adapts
+            )
         except BaseException:
             if rollback.restore(state[GLOBAL]["step"]):
                 self.clear()
@@ -151,8 +156,12 @@ class Pipeline:
         shared: SharedOptions,
         state: State,
         active: DiagnosticsMonitor | None,
+        adapts: bool,
     ) -> Tensor:
-        """A step with a BackPACK pass (refreshes and un-averaged groups)."""
+        """A step with a BackPACK pass (refreshes and un-averaged groups).
+
+        ``adapts``: whether the adaptive dampings take this step's reduction ratio.
+        """
         step_index = state[GLOBAL]["step"]
         generator = self.mc_generator(groups, state)
         with GeneratorSnapshot(generator) as snapshot:
@@ -213,7 +222,7 @@ class Pipeline:
         ]
         self.recorder.record(stats, thresholds, small, results, scales, record)
         adaptive = distinct_adaptive(option.adaptive_damping for option in options)
-        if adaptive:
+        if adaptive and adapts:
             multiples = [o.lr * scale for o, scale in zip(options, scales, strict=True)]
             state[GLOBAL]["reduction_ratio"] = adapt(
                 adaptive,
@@ -299,13 +308,9 @@ class Pipeline:
     def _between_refreshes(
         self, options: Sequence[GroupOptions], state: State, step: int
     ) -> bool:
-        """Whether every group steps along its frozen basis (the lean path).
-
-        Steps with a diagnostics monitor active (checked by the caller) or under
-        data parallelism take the same step through the general pipeline.
-        """
+        """Whether every group steps along its frozen basis (no refresh is due)."""
         stats = state.get(GROUPS)
-        if not stats or self.communicator is not None:
+        if not stats:
             return False
         if state[GLOBAL].get(REFRESH_DUE, False):
             return False

@@ -47,7 +47,10 @@ def _run_translating_errors(
     if isinstance(module, _Loss):
         check_loss_options(module)
         check_loss_shapes(module, module_input(module), getattr(module, "input1", None))
-        check_targets(module, getattr(extension, "deferred_checks", None))
+        deferred = getattr(extension, "deferred_checks", None)
+        check_targets(module, deferred)
+        if deferred is not None and isinstance(extension, SqrtGGNExact | SqrtGGNMC):
+            deferred.local_samples += module_input(module).shape[0]
     else:
         check_no_autocast(module)
     try:

@@ -159,6 +159,8 @@ class DeferredChecks:
         loss_name: The loss module, for the warning.
         loss_weights: The gradient reaching the loss in each micro-batch's backward
             pass (0-dim each).
+        local_samples: Samples of this process's batch (its micro-batches'), as the
+            loss modules saw them (0: not counted).
     """
 
     ignored_targets: Tensor | None = None
@@ -168,6 +170,7 @@ class DeferredChecks:
     loss_unscaled: Tensor | None = None
     loss_name: str = ""
     loss_weights: list[Tensor] = field(default_factory=list)
+    local_samples: int = 0
 
     def add_loss_weight(self, weight: Tensor) -> None:
         """Record a micro-batch's loss weight and update :attr:`loss_unscaled`.
@@ -248,6 +251,8 @@ def check_plain_loss_call(
     if not isinstance(loss, _Loss):
         return
     check_loss_options(loss)
+    if deferred is not None and inputs:
+        deferred.local_samples += inputs[0].shape[0]
     if len(inputs) > 1:
         check_loss_shapes(loss, inputs[0], inputs[1])
         check_targets(loss, deferred, inputs[1])

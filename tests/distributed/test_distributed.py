@@ -51,6 +51,7 @@ pytestmark = [
         (2, Job(model="cnn", steps=3, options={**KRONECKER, "mc_samples": 1})),
         (2, Job(model="mlp", steps=5, options=NOISE_FILTER, ddp=True)),
         (2, Job(model="cnn", steps=4, options=PACKED, ddp=True)),
+        (2, Job(model="mlp", steps=8, options={"damping": "lm"}, ddp=True)),
     ],
     ids=[
         "mlp-2",
@@ -62,6 +63,7 @@ pytestmark = [
         "cnn-kronecker-mc-2",
         "mlp-kronecker-noise-filter-ddp-2",
         "cnn-kronecker-packed-ddp-2",
+        "mlp-lm-between-refreshes-ddp-2",  # the damping adapts on refreshes only
     ],
 )
 def test_step_equals_single_process_on_concatenated_batch(world_size, job, tmp_path):
@@ -116,3 +118,28 @@ def test_state_dict_saved_on_rank_0_resumes_identically(mc_samples, options, tmp
             rank["history"][2:], rank["resumed"], strict=True
         ):
             assert torch.equal(continued, resumed)
+
+
+@pytest.mark.parametrize("step", [1, 2], ids=["refresh", "between"])
+@pytest.mark.parametrize("options", [{}, KRONECKER], ids=["gram", "kronecker"])
+def test_a_closure_that_raises_on_one_rank_raises_on_every_rank(
+    options, step, tmp_path
+):
+    """No rank waits for the failed one, and no rank's step is taken."""
+    job = Job(steps=4, fault_rank=1, fault_step=step, options=options)
+    ranks = spawn(job, 2, tmp_path)
+    assert "the closure failed after backward" in ranks[1]["errors"][step]
+    assert "raised on rank(s) [1]" in ranks[0]["errors"][step]
+    for rank in ranks:
+        assert [e is None for e in rank["errors"]] == [s != step for s in range(4)]
+        assert torch.equal(rank["history"][step], rank["history"][step - 1])
+    assert torch.equal(ranks[0]["history"][-1], ranks[1]["history"][-1])
+
+
+@pytest.mark.parametrize("step", [1, 2], ids=["refresh", "between"])
+def test_unequal_local_batches_are_refused_on_every_rank(step, tmp_path):
+    """The Kronecker basis averages factors and gradients: equal shares needed."""
+    job = Job(steps=3, fault_rank=1, fault_step=step, fault="short", options=KRONECKER)
+    for rank in spawn(job, 2, tmp_path):
+        assert "same local batch size" in rank["errors"][step]
+        assert torch.equal(rank["history"][step], rank["history"][step - 1])

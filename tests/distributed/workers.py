@@ -8,6 +8,7 @@ saves what the test compares to ``<out>/<rank>.pt``.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import gc
 import os
 import warnings
@@ -53,6 +54,11 @@ class Job:
         micro_batches: Sizes of the micro-batches that split each rank's batch
             (gradient accumulation, each loss weighted by its share ``N_m/N``);
             empty: one backward pass.
+        fault_rank: Rank whose closure goes wrong at step ``fault_step`` (``None``:
+            none): ``fault`` is ``'raise'`` (after its backward pass) or
+            ``'short'`` (a local batch one sample short).
+        fault_step: See ``fault_rank``.
+        fault: See ``fault_rank``.
     """
 
     model: str = "mlp"
@@ -64,6 +70,9 @@ class Job:
     resume_at: int | None = None
     route: str | None = None
     micro_batches: tuple[int, ...] = ()
+    fault_rank: int | None = None
+    fault_step: int = 1
+    fault: str = "raise"
 
 
 def make_model(name: str) -> nn.Module:
@@ -199,7 +208,11 @@ def run_rank(rank: int, world_size: int, init_file: str, out: str, job: Job) -> 
         forced = Route(job.route)
         dampednewton.backpack.global_batch.cheaper_route = lambda shapes: forced
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),  # a rank left waiting fails the test
     )
     try:
         results = _train(rank, world_size, job, Path(out))
@@ -215,16 +228,25 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
     stepped: nn.Module = DistributedDataParallel(model) if job.ddp else model
     optimizer = make_optimizer(model, job.options)
     loss_fn = extend(nn.CrossEntropyLoss())
-    history, losses, skipped, sent = [], [], [], []
+    history, losses, skipped, sent, errors = [], [], [], [], []
     resumed: tuple[nn.Module, DampedNewton] | None = None
     resumed_history = []
     for step in range(job.steps):
         inputs, labels = _local(job, world_size, rank, step)
         if job.resume_at is not None and step == job.resume_at:
             resumed = _resume(rank, job, out, model, optimizer)
-        losses.append(
-            optimizer.step(_closure(stepped, optimizer, loss_fn, inputs, labels, job))
-        )
+        faulty = rank == job.fault_rank and step == job.fault_step
+        if faulty and job.fault == "short":
+            inputs, labels = inputs[1:], labels[1:]
+        closure = _closure(stepped, optimizer, loss_fn, inputs, labels, job)
+        if faulty and job.fault == "raise":
+            closure = _raising_after(closure)
+        try:
+            losses.append(optimizer.step(closure))
+            errors.append(None)
+        except (RuntimeError, ValueError) as error:
+            losses.append(None)
+            errors.append(f"{type(error).__name__}: {error}")
         skipped.append(optimizer.state["global"]["skipped_steps"])
         sent.append(optimizer.communication_bytes)
         history.append(_flat(model))
@@ -240,7 +262,18 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
         "skipped": skipped,
         "resumed": resumed_history,
         "communication_bytes": sent,
+        "errors": errors,
     }
+
+
+def _raising_after(closure: Callable[[], Tensor]) -> Callable[[], Tensor]:
+    """The closure, raising after its backward pass (and the gradients' average)."""
+
+    def raising() -> Tensor:
+        closure()
+        raise RuntimeError("the closure failed after backward")
+
+    return raising
 
 
 def _local(job: Job, world_size: int, rank: int, step: int) -> tuple[Tensor, Tensor]:
