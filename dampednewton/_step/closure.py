@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from dampednewton.backpack.backward import BackwardCheck, quiet_backward_hook_wa
 from dampednewton.backpack.hooks import ExtendedModules
 from dampednewton.backpack.loss_checks import DeferredChecks, check_plain_loss_call
 from dampednewton.backpack.passes import Hook, backward_pass
+from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
 
 CLOSURE_PATTERN = """\
     def closure():
@@ -98,3 +100,26 @@ def run_closure(
 def recording(modules: ExtendedModules | None) -> AbstractContextManager:
     """``modules.recording()``, or nothing to record into."""
     return nullcontext() if modules is None else modules.recording()
+
+
+@contextmanager
+def failure_shared(communicator: Communicator | None) -> Iterator[None]:
+    """Tell the other ranks when the closure inside raises, then raise.
+
+    The other ranks wait for this one's pass (:meth:`Communicator.agree_on_pass`);
+    told that it failed, they raise too instead of waiting.
+
+    Args:
+        communicator: The ranks' collectives (``None``: one process, nothing to tell).
+
+    Yields:
+        Nothing; run the closure inside.
+    """
+    try:
+        yield
+    except Exception:
+        if communicator is not None:
+            communicator.agree_on_pass(
+                math.nan, UNKNOWN_BATCH_SIZE, failed=True, check_sizes=False
+            )
+        raise

@@ -24,7 +24,6 @@ accepted step.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 from torch import Generator, Tensor
 
-from dampednewton._step.closure import run_closure
+from dampednewton._step.closure import failure_shared, run_closure
 from dampednewton._step.guard import (
     STACKLEVEL_OF_CALLER,
     GeneratorSnapshot,
@@ -82,7 +81,7 @@ from dampednewton.backpack.layers import use_structured_sqrt_ggn
 from dampednewton.backpack.loss_checks import DeferredChecks
 from dampednewton.backpack.savefields import sqrt_ggn_savefield
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
+from dampednewton.distributed import Communicator
 from dampednewton.policies.basis import KroneckerBasis
 
 
@@ -164,7 +163,7 @@ class KroneckerSteps:
         if monitor is not None:
             extensions, hooks = with_monitor(extensions, hooks, monitor, step, None)
         with GeneratorSnapshot(generator if collector is not None else None) as saved:
-            try:
+            with failure_shared(communicator):
                 loss = run_closure(
                     closure,
                     params,
@@ -174,12 +173,6 @@ class KroneckerSteps:
                     monitor is None,
                     deferred,
                 )
-            except Exception:
-                if communicator is not None:  # the other ranks wait for this one
-                    communicator.agree_on_pass(
-                        math.nan, UNKNOWN_BATCH_SIZE, failed=True, check_sizes=False
-                    )
-                raise
             if communicator is not None:  # refuses unequal local batches everywhere
                 loss = communicator.mean_loss_of_pass(
                     loss, deferred.local_samples or None

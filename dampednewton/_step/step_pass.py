@@ -20,7 +20,7 @@ from torch import Generator, Tensor
 
 from dampednewton._step.amortized import FrozenBases, frozen_group_step, trust_bound
 from dampednewton._step.averaged_step import averaged_step
-from dampednewton._step.closure import run_closure
+from dampednewton._step.closure import failure_shared, run_closure
 from dampednewton._step.group_result import GroupStep
 from dampednewton._step.group_step import StepFinisher
 from dampednewton._step.options import GroupOptions, SharedOptions
@@ -37,7 +37,7 @@ from dampednewton.backpack.passes import Hook
 from dampednewton.backpack.savefields import GRAD_BATCH
 from dampednewton.computations.engine import GGNEngine, GGNSettings
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
+from dampednewton.distributed import Communicator
 from dampednewton.policies.damping import needs_sample_statistics
 
 StepEngine = GGNEngine[GroupStep | None]
@@ -149,7 +149,7 @@ class StepPass:
                 extension, ExactSqrtGGN | MonteCarloSqrtGGN | IndividualGradients
             ):
                 extension.deferred_checks = deferred
-        try:
+        with failure_shared(communicator):
             loss = run_closure(
                 closure,
                 params,
@@ -158,12 +158,6 @@ class StepPass:
                 self.extended_modules,
                 accumulation=monitor is None,
             )
-        except Exception:
-            if communicator is not None:  # the other ranks wait for this one
-                communicator.agree_on_pass(
-                    math.nan, UNKNOWN_BATCH_SIZE, failed=True, check_sizes=False
-                )
-            raise
         if communicator is not None:
             if deferred.model_output_finite is not None:
                 loss = loss.where(deferred.model_output_finite, math.nan)
