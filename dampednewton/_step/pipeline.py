@@ -125,13 +125,13 @@ class Pipeline:
         )
         lean = between and active is None and self.communicator is None
         adaptive = distinct_adaptive(option.adaptive_damping for option in options)
-        adapts = not between and any(policy.ratio_needed() for policy in adaptive)
         rollback = StepRollback(
             [p for group in groups for p in group["params"]],
             state,
             step_index,
             self.seeded.created,
-            full=adapts,  # only a step that adapts the damping calls the closure again
+            # Only a step that adapts the damping calls the closure again.
+            full=not between and any(policy.ratio_needed() for policy in adaptive),
         )
         try:
             if shared.kronecker:
@@ -141,7 +141,7 @@ class Pipeline:
             if lean:
                 return self._frozen_step(closure, groups, options, state)
             return self._full_step(
-                closure, groups, options, shared, state, active, adapts
+                closure, groups, options, shared, state, active, not between
             )
         except BaseException:
             if rollback.restore(state[GLOBAL]["step"]):
@@ -160,7 +160,8 @@ class Pipeline:
     ) -> Tensor:
         """A step with a BackPACK pass (refreshes and un-averaged groups).
 
-        ``adapts``: whether the adaptive dampings take this step's reduction ratio.
+        ``adapts``: whether the adaptive dampings see this step (not between
+        refreshes, where one process takes the lean path, which never adapts).
         """
         step_index = state[GLOBAL]["step"]
         generator = self.mc_generator(groups, state)
