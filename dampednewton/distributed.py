@@ -4,7 +4,7 @@ Under data parallelism each rank runs the closure's backward pass on its local b
 The step is the one of the global batch (the ranks' batches concatenated in rank
 order): the engine gathers each layer's BackPACK buffers along the sample dimension
 (:meth:`Communicator.gather_samples`), the ranks agree on the mean loss and on
-refusals (:meth:`Communicator.agree_on_pass`, :meth:`Communicator.any_refuses`), and
+refusals (:meth:`Communicator.agree_on_pass`, :meth:`Communicator.refusal`), and
 the Levenberg-Marquardt ratio uses the mean loss after the step
 (:meth:`Communicator.mean`). Everything else is computed identically on each rank
 from identical inputs; a diagnostics monitor sums, maximizes or stacks its small
@@ -108,6 +108,8 @@ class Communicator:
         self.world_size = dist.get_world_size(group)
         self.seconds = 0.0
         self.bytes_received = 0.0
+        # Ranks whose local loss of the last pass was not finite (for refusals).
+        self._nonfinite_loss_ranks: tuple[int, ...] = ()
 
     @contextmanager
     def _timed(self, tensor: Tensor, traffic: float) -> Iterator[None]:
@@ -173,6 +175,11 @@ class Communicator:
         failed_ranks = tuple(
             rank for rank in range(self.world_size) if table[rank, 2] != PASS_OK
         )
+        self._nonfinite_loss_ranks = tuple(
+            rank
+            for rank, local_loss in enumerate(table[:, 0].tolist())
+            if not math.isfinite(local_loss) and rank not in failed_ranks
+        )
         sizes = {int(size) for size in table[:, 1].tolist()}
         if check_sizes and not failed_ranks and len(sizes - {UNKNOWN_BATCH_SIZE}) > 1:
             raise ValueError(
@@ -222,19 +229,35 @@ class Communicator:
             )
         return torch.tensor(agreement.mean_loss, dtype=loss.dtype, device=loss.device)
 
-    def any_refuses(self, refuses: bool) -> bool:
-        """Whether any rank refuses the step (all-reduced flag).
+    def refusal(self, problem: str | None) -> str | None:
+        """Why the step is refused on every rank, naming the ranks (all-reduced).
 
         Args:
-            refuses: Whether this rank refuses.
+            problem: Why this rank refuses (``None``: it does not).
 
         Returns:
-            ``True`` if at least one rank refuses.
+            ``None`` if no rank refuses, else the reason: where the mean loss is not
+            finite, the ranks whose local loss is not; else this rank's problem and
+            the other refusing ranks, or the refusing ranks.
         """
-        flag = torch.tensor([1.0 if refuses else 0.0], dtype=torch.float64)
-        with self._timed(flag, self._all_reduce_traffic):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            return bool(flag.item() > 0)
+        flags = torch.zeros(self.world_size, dtype=torch.float64)
+        flags[self.rank] = problem is not None
+        with self._timed(flags, self._all_reduce_traffic):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            refusing = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+        if not refusing:
+            return None
+        if self._nonfinite_loss_ranks:
+            return (
+                "the mean loss is not finite: the local loss is not finite on "
+                f"rank(s) {list(self._nonfinite_loss_ranks)}"
+            )
+        others = [rank for rank in refusing if rank != self.rank]
+        if problem is None:
+            return f"rank(s) {others} refused the step (their errors say why)"
+        return f"{problem} on rank {self.rank}" + (
+            f" (and rank(s) {others} refused it)" if others else ""
+        )
 
     def mean(self, value: float) -> float:
         """The mean of a number over the ranks (NaN if one is not finite).

@@ -314,7 +314,8 @@ class DampedNewton(Optimizer):
                 extended with BackPACK, or when the closure ran several backward
                 passes or did not zero the gradients.
             ValueError: For invalid hyperparameters in a group, shared settings that
-                differ between groups, or a loss without ``reduction='mean'``.
+                differ between groups, a loss without ``reduction='mean'``, or an
+                adaptive damping object that another optimizer adapts.
             TypeError: For hyperparameters of the wrong type.
             FloatingPointError: For a non-finite loss or step with
                 ``nonfinite='raise'``.

@@ -6,13 +6,17 @@ term included, momentum and weight decay not, see
 :mod:`dampednewton._step.quadratic_model`). The loss after the step comes from
 calling the closure again, outside the BackPACK context, on the same batch. A policy
 object shared by several groups (torch copies the default into every group) is
-updated once.
+updated once. An object adapts the damping of one optimizer only (:func:`claim`):
+shared by two, each would move the other's ``δ`` by its own steps.
 """
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,6 +40,48 @@ def distinct_adaptive(
     """
     distinct = {id(policy): policy for policy in policies if policy is not None}
     return list(distinct.values())
+
+
+# id(policy) → (the policy, the pipeline that adapts it), both weakly referenced.
+_ADAPTED_BY: dict[int, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
+
+
+def claim(policies: Iterable[AdaptiveDamping], owner: object) -> None:
+    """Record ``owner`` as the one that adapts each policy; refuse another's policy.
+
+    Policies that cannot be weakly referenced go unchecked.
+
+    Args:
+        policies: Distinct adaptive policies (:func:`distinct_adaptive`).
+        owner: The optimizer's pipeline.
+
+    Raises:
+        ValueError: If a policy is adapted by another optimizer that is still alive.
+    """
+    for policy in policies:
+        entry = _ADAPTED_BY.get(id(policy))
+        if entry is not None and entry[0]() is policy:
+            other = entry[1]()
+            if other is owner:
+                continue
+            if other is not None:
+                gc.collect()  # an optimizer replaced but not yet collected frees it
+                other = entry[1]()
+            if other is not None:
+                name = type(policy).__name__
+                raise ValueError(
+                    f"This {name} object already adapts the damping of another "
+                    "DampedNewton optimizer, which would move its δ by this one's "
+                    f"steps. Give each optimizer its own (a new {name}(...) or "
+                    "copy.deepcopy(damping)); the groups of one optimizer may share "
+                    "one."
+                )
+        try:
+            policy_ref = weakref.ref(policy)
+        except TypeError:
+            continue
+        _ADAPTED_BY[id(policy)] = (policy_ref, weakref.ref(owner))
+        weakref.finalize(policy, _ADAPTED_BY.pop, id(policy), None)
 
 
 def adapt(

@@ -219,14 +219,12 @@ class KroneckerSteps:
             values = read_checks(loss, steps, deferred, finite)
             try:
                 problem = refusal(values, deferred, [damping_value(o) for o in options])
-            except ValueError:
+            except ValueError as error:
                 if communicator is not None:  # the other ranks refuse the step too
-                    communicator.any_refuses(True)
+                    communicator.refusal(str(error))
                 raise
             if communicator is not None:
-                refused = communicator.any_refuses(problem is not None)
-                if refused and problem is None:
-                    problem = "another rank refused the step"
+                problem = communicator.refusal(problem)
             if problem is not None:
                 saved.restore()
                 refuse(problem, nonfinite, stacklevel=STACKLEVEL_OF_CALLER + 2)

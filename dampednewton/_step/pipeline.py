@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Generator, Tensor
 
-from dampednewton._step.adaptation import adapt, distinct_adaptive
+from dampednewton._step.adaptation import adapt, claim, distinct_adaptive
 from dampednewton._step.amortized import (
     gradient_vector,
     record_step_lengths,
@@ -125,6 +125,7 @@ class Pipeline:
         )
         lean = between and active is None and self.communicator is None
         adaptive = distinct_adaptive(option.adaptive_damping for option in options)
+        claim(adaptive, self)
         rollback = StepRollback(
             [p for group in groups for p in group["params"]],
             state,
@@ -192,9 +193,7 @@ class Pipeline:
                 )
             problem = nonfinite_problem(loss, status, passed.solved)
             if self.communicator is not None:
-                refused = self.communicator.any_refuses(problem is not None)
-                if refused and problem is None:
-                    problem = "another rank refused the step"
+                problem = self.communicator.refusal(problem)
             if problem is not None:
                 snapshot.restore()
                 refuse(problem, self.nonfinite, stacklevel=STACKLEVEL_OF_CALLER + 1)

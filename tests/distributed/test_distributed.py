@@ -93,6 +93,15 @@ def test_nan_loss_on_one_rank_every_rank_refuses(options, tmp_path):
     assert torch.equal(ranks[0]["history"][2], ranks[1]["history"][2])
 
 
+@pytest.mark.parametrize("options", [{}, KRONECKER], ids=["gram", "kronecker"])
+def test_a_refusal_names_the_rank_whose_loss_is_not_finite(options, tmp_path):
+    job = Job(steps=2, nan_rank=1, nan_step=1, options=options)
+    for rank in spawn(job, 2, tmp_path):
+        assert rank["errors"][0] is None
+        assert "local loss is not finite on rank(s) [1]" in rank["errors"][1]
+        assert torch.equal(rank["history"][1], rank["history"][0])
+
+
 def test_monte_carlo_nan_output_on_one_rank_every_rank_refuses(tmp_path):
     job = Job(
         steps=2, nan_rank=0, nan_step=0, options={"nonfinite": "skip", "mc_samples": 1}

@@ -244,7 +244,7 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
         try:
             losses.append(optimizer.step(closure))
             errors.append(None)
-        except (RuntimeError, ValueError) as error:
+        except (RuntimeError, ValueError, FloatingPointError) as error:
             losses.append(None)
             errors.append(f"{type(error).__name__}: {error}")
         skipped.append(optimizer.state["global"]["skipped_steps"])

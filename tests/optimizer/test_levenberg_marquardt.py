@@ -141,3 +141,33 @@ def test_levenberg_marquardt_adapts_each_policy_object_once(owners):
     assert all(value != 1.0 for value in expected), "the case must move δ"
     assert [policy.value for policy in policies] == expected
     assert [policy.updates for policy in policies] == [1] * len(policies)
+
+
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+def test_a_policy_adapted_by_another_optimizer_is_refused(basis):
+    """Two optimizers of one LM object: the second step refuses, changing nothing.
+
+    Both would move one ``δ`` by their own steps. Once the first optimizer is gone
+    (a notebook cell run again), the object serves the next one.
+    """
+    options = BATCH_GGN if basis == "gram" else {}
+    case = build_case(PROBLEM["mlp-ce"])
+    other = build_case(PROBLEM["mlp-ce"])
+    policy = LevenbergMarquardt(value=1.0)
+    first = DampedNewton(other.model.parameters(), damping=policy, **options)
+    first.step(make_closure(first, other.model, other.loss_fn, other.X, other.y))
+    value, updates = policy.value, policy.updates
+    second = DampedNewton(case.model.parameters(), damping=policy, **options)
+    params = [p.detach().clone() for p in case.model.parameters()]
+
+    with pytest.raises(ValueError, match="another DampedNewton optimizer"):
+        second.step(make_closure(second, case.model, case.loss_fn, case.X, case.y))
+
+    assert all(
+        torch.equal(p, q) for p, q in zip(params, case.model.parameters(), strict=True)
+    )
+    assert (policy.value, policy.updates) == (value, updates)
+    assert second.state["global"]["step"] == 0
+    del first
+    second.step(make_closure(second, case.model, case.loss_fn, case.X, case.y))
+    assert policy.updates == updates + 1
