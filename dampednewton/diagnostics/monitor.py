@@ -45,22 +45,23 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor, nn
 
 from dampednewton.backpack.backward import quiet_backward_hook_warning
 from dampednewton.backpack.passes import backward_pass
-from dampednewton.backpack.savefields import (
-    DIAG_GGN_MC,
-    DIAGONALS,
-    GRAD_BATCH,
-    SUM_GRAD_SQUARED,
-)
+from dampednewton.backpack.savefields import DIAG_GGN_MC
 from dampednewton.diagnostics.log import DiagnosticsLog, Record
 from dampednewton.diagnostics.ranks import SINGLE_PROCESS, Ranks, global_batch
-from dampednewton.diagnostics.reducer import DiagnosticSpec, Reducer, reducer_of
+from dampednewton.diagnostics.reducer import (
+    DiagnosticSpec,
+    Reducer,
+    quantities_batch_size,
+    reducer_of,
+    to_host,
+)
 from dampednewton.diagnostics.specs import CurvatureTrace
+from dampednewton.diagnostics.specs.histogram_reducer import HistogramReducer
 from dampednewton.distributed import resolve_process_group
 
 _USAGE = (
@@ -174,6 +175,37 @@ class DiagnosticsMonitor:
         """
         return 0.0 if self.communicator is None else self.communicator.bytes_received
 
+    def state_dict(self) -> dict[str, Any]:
+        """The histograms' adaptive network ranges by label (not the log)."""
+        return {
+            "network_ranges": {
+                reducer.spec.label: reducer.network_ranges
+                for reducer in self._reducers
+                if isinstance(reducer, HistogramReducer)
+            }
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue from a state saved by :meth:`state_dict`.
+
+        Raises:
+            ValueError: For the ranges of other histograms than this monitor's.
+        """
+        saved = dict(state_dict["network_ranges"])
+        histograms = {
+            reducer.spec.label: reducer
+            for reducer in self._reducers
+            if isinstance(reducer, HistogramReducer)
+        }
+        if set(saved) != set(histograms):
+            raise ValueError(
+                f"The state holds the ranges of the histograms {sorted(saved)}, this "
+                f"monitor has {sorted(histograms)}: create it with the diagnostics "
+                "of the saved run."
+            )
+        for label, reducer in histograms.items():
+            reducer.resume_from(saved[label])
+
     def is_active(self, step: int) -> bool:
         """Return whether any diagnostic is scheduled at ``step``.
 
@@ -227,7 +259,7 @@ class DiagnosticsMonitor:
                 return
             reached: list[Tensor] = []
             for param in module.parameters(recurse=False):
-                batch_size = _batch_size(module, param)
+                batch_size = quantities_batch_size(module, param)
                 if batch_size is None:
                     continue
                 pending.batch_sizes.add(batch_size)
@@ -353,7 +385,7 @@ class DiagnosticsMonitor:
         for reducer in pending.reducers:
             record.update(
                 {
-                    key: _to_cpu(value)
+                    key: to_host(value)
                     for key, value in reducer.assemble(named, batch_size).items()
                 }
             )
@@ -364,26 +396,3 @@ class DiagnosticsMonitor:
             self.log.replace(replaced, record)
         self._finished = _FinishedStep(pending, replaced)
         return self.log[replaced]
-
-
-def _batch_size(module: nn.Module, param: Tensor) -> int | None:
-    """Number of samples of the module's last input, if BackPACK processed it."""
-    if not any(
-        hasattr(param, savefield)
-        for savefield in (GRAD_BATCH, SUM_GRAD_SQUARED, *DIAGONALS)
-    ):
-        return None
-    # The module input gives the full batch even if another party's BatchGrad
-    # subsampled grad_batch (which still stores ∇ℓ_n/N with the full N).
-    module_input = getattr(module, "input0", None)
-    if module_input is not None:
-        return module_input.shape[0]
-    grad_batch = getattr(param, GRAD_BATCH, None)
-    return None if grad_batch is None else grad_batch.shape[0]
-
-
-def _to_cpu(value: Tensor) -> int | float | np.ndarray:
-    value = value.detach().cpu()
-    if value.dim() > 0:
-        return value.numpy()
-    return value.item()

@@ -17,9 +17,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+import numpy as np
 from backpack.extensions.backprop_extension import BackpropExtension
-from torch import Tensor
+from torch import Tensor, nn
 
+from dampednewton.backpack.savefields import (
+    DIAGONALS,
+    GRAD_BATCH,
+    SUM_GRAD_SQUARED,
+)
 from dampednewton.diagnostics.ranks import Ranks
 from dampednewton.diagnostics.schedules import Schedule
 
@@ -156,3 +162,27 @@ def reducer_of(spec: DiagnosticSpec) -> Reducer:
             "spec with make_reducer())."
         )
     return make_reducer()
+
+
+def quantities_batch_size(module: nn.Module, param: Tensor) -> int | None:
+    """Number of samples of the module's last input, if BackPACK processed it."""
+    if not any(
+        hasattr(param, savefield)
+        for savefield in (GRAD_BATCH, SUM_GRAD_SQUARED, *DIAGONALS)
+    ):
+        return None
+    # The module input gives the full batch even if another party's BatchGrad
+    # subsampled grad_batch (which still stores ∇ℓ_n/N with the full N).
+    module_input = getattr(module, "input0", None)
+    if module_input is not None:
+        return module_input.shape[0]
+    grad_batch = getattr(param, GRAD_BATCH, None)
+    return None if grad_batch is None else grad_batch.shape[0]
+
+
+def to_host(value: Tensor) -> int | float | np.ndarray:
+    """A record entry on the host: a Python number or a NumPy array."""
+    value = value.detach().cpu()
+    if value.dim() > 0:
+        return value.numpy()
+    return value.item()

@@ -197,3 +197,53 @@ def test_network_histogram_is_sum_of_layers_with_a_fixed_range(case):
     for field in ("counts", "below", "above", "nan"):
         layers = sum(record[f"grad_hist/{field}/{name}"] for name in names)
         np.testing.assert_array_equal(record[f"grad_hist/{field}"], layers)
+
+
+def _histogram_monitor(case) -> DiagnosticsMonitor:
+    return DiagnosticsMonitor(
+        [
+            GradientHistogram(bins=8, range_policy=PercentileRange(2.0, 98.0)),
+            GradientParameterHistogram(bins=(4, 3)),
+        ],
+        case.model.named_parameters(),
+    )
+
+
+def test_a_resumed_monitor_continues_the_network_ranges(case, tmp_path):
+    """Steps 2 and 3 after ``torch.save``/``load`` of the state: the same records."""
+    monitor = _histogram_monitor(case)
+    optimizer = torch.optim.SGD(case.model.parameters(), lr=0.1)
+    records = []
+    for step in range(4):
+        if step == 2:
+            torch.save(monitor.state_dict(), tmp_path / "monitor.pt")
+            parameters = [p.detach().clone() for p in case.model.parameters()]
+        records.append(run_monitored_step(case, monitor, step))
+        optimizer.step()
+    with torch.no_grad():
+        for param, saved in zip(case.model.parameters(), parameters, strict=True):
+            param.copy_(saved)
+    resumed = _histogram_monitor(case)
+    fresh = run_monitored_step(case, _histogram_monitor(case), 2)
+    resumed.load_state_dict(torch.load(tmp_path / "monitor.pt"))
+    for step in (2, 3):
+        record = run_monitored_step(case, resumed, step)
+        optimizer.step()
+        assert record.keys() == records[step].keys()
+        for key, value in record.items():
+            np.testing.assert_array_equal(value, records[step][key], err_msg=key)
+    # Without the state, the network histogram starts at the initial range again.
+    assert not np.array_equal(fresh["grad_hist/edges"], records[2]["grad_hist/edges"])
+
+
+def test_a_monitor_refuses_the_state_of_other_histograms(case):
+    saved = _histogram_monitor(case).state_dict()
+    other = DiagnosticsMonitor([GradientHistogram(label="other")])
+    with pytest.raises(ValueError, match=r"\['grad_hist', 'grad_param_hist'\]"):
+        other.load_state_dict(saved)
+    saved["network_ranges"]["grad_hist"] = ((0.0, 1.0), (0.0, 1.0))
+    with pytest.raises(ValueError, match=r"one network range per axis \(1\)"):
+        _histogram_monitor(case).load_state_dict(saved)
+    saved["network_ranges"]["grad_hist"] = ((1.0, 0.0),)
+    with pytest.raises(ValueError, match="low < high"):
+        _histogram_monitor(case).load_state_dict(saved)

@@ -27,6 +27,7 @@ from dampednewton.diagnostics.ranks import (
     summed_over_ranks,
 )
 from dampednewton.diagnostics.reducer import Entries, NamedParams, pieces_of, quantity
+from dampednewton.diagnostics.specs.checks import check_range
 
 if TYPE_CHECKING:
     from dampednewton.diagnostics.specs.histograms import (
@@ -90,6 +91,23 @@ class HistogramReducer:
         self._ranks: Ranks = SINGLE_PROCESS
         self._binning_ranges: Ranges = self.network_ranges
         self._pieces: dict[int, tuple] = {}
+
+    def resume_from(self, network_ranges: Ranges) -> None:
+        """Continue with saved network ranges (of a checkpointed run).
+
+        Raises:
+            ValueError: Unless they are one finite ``(low, high)`` per axis.
+        """
+        axes = len(self.spec.initial_ranges)
+        if len(network_ranges) != axes:
+            raise ValueError(
+                f"The histogram {self.spec.label!r} needs one network range per "
+                f"axis ({axes}), the saved ones are {network_ranges}."
+            )
+        self.network_ranges = tuple(
+            check_range(f"the saved network range of {self.spec.label!r}", axis)
+            for axis in network_ranges
+        )
 
     def extensions(self) -> list[BackpropExtension]:
         """Return ``[BatchGrad()]``."""
