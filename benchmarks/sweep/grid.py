@@ -72,6 +72,20 @@ def skip_reason(cfg: DictConfig) -> str | None:
     return None
 
 
+def grid_size(cfg: DictConfig) -> int | None:
+    """Number of points of the job's optimizer's grid (``None``: no grid for it).
+
+    Args:
+        cfg: The job config.
+
+    Returns:
+        The number of points.
+    """
+    if cfg.grid is None or cfg.optimizer_name not in cfg.grid:
+        return None
+    return len(grid_points(config_dict(cfg.grid[cfg.optimizer_name], resolve=True)))
+
+
 def select_grid_point(cfg: DictConfig) -> dict[str, Any] | None:
     """Write the job's grid point into ``cfg.optimizer``.
 

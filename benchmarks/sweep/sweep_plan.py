@@ -28,12 +28,14 @@ from benchmarks.sweep.eta import (
     prior_seconds,
     remaining_seconds,
 )
-from benchmarks.sweep.grid import skip_reason
+from benchmarks.sweep.grid import grid_size, skip_reason
 
 _RANGE = re.compile(r"range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)")
 #: Characters of override values this expansion does not parse (quoting, escapes,
 #: sweep functions other than ``range``, interpolations).
 _UNPARSED = set("()'\"\\$")
+_RULE_NOT_TAKEN = "a damping rule they do not take"
+_BEYOND_GRID = "grid_point beyond their optimizer's grid"
 
 
 def _sweep_values(value: str) -> list[str] | None:
@@ -117,6 +119,12 @@ def compose_job(config: DictConfig, overrides: Sequence[str]) -> DictConfig:
         HydraConfig.instance().set_config(config)
 
 
+def _grid_point(job: Sequence[str]) -> int | None:
+    """The job's ``grid_point`` override (the last one), ``None`` without one."""
+    values = [o.split("=", 1)[1] for o in job if o.split("=", 1)[0] == "grid_point"]
+    return int(values[-1]) if values and values[-1].lstrip("-").isdigit() else None
+
+
 @dataclass
 class SweepPlan:
     """The jobs of a multirun with their kinds and prior costs.
@@ -124,14 +132,17 @@ class SweepPlan:
     The costs come from :mod:`benchmarks.sweep.eta`.
 
     Attributes:
-        kinds: The kind of every job, in launch order.
+        kinds: The kind of every job, in launch order (a job beyond its grid has
+            a kind of its own).
         prior: Kind → prior seconds of one job (0 for a kind that is skipped).
         names: Kind → ``"<optimizer> on <problem>"`` (kinds that run only).
+        skipped: Kind → why its jobs are skipped (kinds that are).
     """
 
     kinds: list[tuple[str, ...]]
     prior: dict[tuple[str, ...], float]
     names: dict[tuple[str, ...], str]
+    skipped: dict[tuple[str, ...], str]
 
     @classmethod
     def of(cls, config: DictConfig) -> SweepPlan | None:
@@ -154,15 +165,21 @@ class SweepPlan:
         if jobs is None:
             return None
         kinds = [job_kind(job) for job in jobs]
-        prior, names = {}, {}
+        prior, names, skipped, sizes = {}, {}, {}, {}
         for kind, job in dict(zip(kinds, jobs, strict=True)).items():
             job_config = compose_job(config, job)
             if skip_reason(job_config) is not None:
-                prior[kind] = 0.0
+                prior[kind], skipped[kind] = 0.0, _RULE_NOT_TAKEN
                 continue
             prior[kind] = prior_seconds(job_config)
             names[kind] = f"{job_config.optimizer_name} on {job_config.problem.name}"
-        return cls(kinds, prior, names)
+            sizes[kind] = grid_size(job_config)
+        for index, job in enumerate(jobs):
+            size, point = sizes.get(kinds[index]), _grid_point(job)
+            if size is not None and point is not None and point >= size:
+                kinds[index] = beyond = (*kinds[index], _BEYOND_GRID)
+                prior[beyond], skipped[beyond] = 0.0, _BEYOND_GRID
+        return cls(kinds, prior, names, skipped)
 
     def describe(self) -> str:
         """What will run and how long it should take, from the priors alone.
@@ -172,11 +189,10 @@ class SweepPlan:
             priors ...``.
         """
         counts = Counter(self.names[kind] for kind in self.kinds if kind in self.names)
-        skipped = len(self.kinds) - counts.total()
+        reasons = Counter(self.skipped[k] for k in self.kinds if k in self.skipped)
         total = remaining_seconds(self.kinds, {}, self.prior)
         parts = [f"{n} {name}" for name, n in counts.items()]
-        if skipped:
-            parts.append(f"{skipped} skipped: a damping rule they do not take")
+        parts += [f"{n} skipped: {reason}" for reason, n in reasons.items()]
         return (
             f"{len(self.kinds)} jobs ("
             + ", ".join(parts)

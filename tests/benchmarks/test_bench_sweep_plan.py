@@ -75,3 +75,19 @@ def test_plan_of_a_sweep_crossing_optimizers_and_damping_rules():
         assert names.count(f"{name} on noisy_quadratic") == 4 * 5
     assert plan.describe().startswith("160 jobs (20 sgd on noisy_quadratic, ")
     assert ", 60 skipped: a damping rule they do not take): about " in plan.describe()
+
+
+def test_plan_skips_the_grid_points_beyond_a_grid():
+    overrides = ["+sweep=damping"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        config = compose("config", overrides=overrides, return_hydra_config=True)
+        with open_dict(config):  # as the command line's sweep over grid_point
+            config.hydra.overrides.task = [*overrides, "grid_point=range(12)"]
+        plan = SweepPlan.of(config)
+    assert len(plan.kinds) == 2 * 12 * 3
+    running = [kind for kind in plan.kinds if kind not in plan.skipped]
+    assert len(running) == 2 * 10 * 3, "each optimizer's grid has 10 points"
+    assert plan.describe().startswith(
+        "72 jobs (30 dampednewton on digits_mlp, 30 dampednewton_vivit on digits_mlp, "
+        "12 skipped: grid_point beyond their optimizer's grid): about "
+    )
