@@ -31,7 +31,10 @@ from dampednewton.backpack.loss_checks import (
     supported_modules,
 )
 from dampednewton.backpack.savefields import module_input
-from dampednewton.backpack.unsupported import custom_module_message
+from dampednewton.backpack.unsupported import (
+    check_supported_configuration,
+    custom_module_message,
+)
 from dampednewton.math.finite import all_finite, finite_flag
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 
@@ -53,6 +56,7 @@ def _run_translating_errors(
             deferred.local_samples += module_input(module).shape[0]
     else:
         check_no_autocast(module)
+        check_supported_configuration(module)
     try:
         call.__call__(extension, module, g_inp, g_out)
     except NotImplementedError as error:
@@ -71,6 +75,13 @@ def _run_translating_errors(
         if next(module.children(), None) is not None:
             raise NotImplementedError(
                 custom_module_message(module, type(extension).__name__, supported)
+            ) from error
+        if isinstance(module, _Loss):
+            raise NotImplementedError(
+                f"BackPACK's {type(extension).__name__} cannot handle the loss "
+                f"{module}. Supported losses: CrossEntropyLoss, MSELoss and "
+                "BCEWithLogitsLoss (for NLLLoss after LogSoftmax: CrossEntropyLoss "
+                "on the logits)."
             ) from error
         raise NotImplementedError(
             f"BackPACK's {type(extension).__name__} cannot handle module {module} "
@@ -93,11 +104,30 @@ def _run_translating_errors(
     except AssertionError as error:
         if "expects a backpropagation quantity" in str(error):
             raise RuntimeError(
-                f"No curvature information reached {module}: the loss function, or a "
-                "module between it and this one (an activation, a layer added after "
-                "extend), is not extended with BackPACK. Call `loss_fn = "
-                "backpack.extend(loss_fn)` and `model = backpack.extend(model)` after "
-                "the model's last change."
+                f"No curvature information reached {module}. Either the loss "
+                "function, or a module between it and this one (an activation, a "
+                "layer added after extend), is not extended with BackPACK: call "
+                "`loss_fn = backpack.extend(loss_fn)` and `model = "
+                "backpack.extend(model)` after the model's last change. Or the "
+                "forward pass applies a function or tensor operation after this "
+                "module (torch.relu, x.mean(...), indexing the outputs), which "
+                "BackPACK cannot back-propagate through: use modules (nn.ReLU, "
+                "nn.Flatten, nn.AvgPool2d, ...) in an nn.Sequential."
+            ) from error
+        raise
+    except RuntimeError as error:
+        message = str(error)
+        if "Difference in dimension must be 1" in message:
+            raise RuntimeError(
+                f"BackPACK cannot back-propagate through a reshape after {module} "
+                "(`x.view(...)` or `x.reshape(...)` in forward): flatten with "
+                "nn.Flatten() or torch.flatten(x, 1) instead."
+            ) from error
+        if "expected scalar type" in message:
+            raise RuntimeError(
+                f"BackPACK's derivatives of {type(module).__name__} fail in "
+                f"{g_out[0].dtype} (they create float32 tensors): hold the model in "
+                "float32."
             ) from error
         raise
 

@@ -75,10 +75,7 @@ def check_loss_options(loss: _Loss) -> None:
             raise ValueError(f"{name}({option}=...) is not supported. {reweight}")
     if not isinstance(loss, CrossEntropyLoss):
         return
-    drop = (
-        "Drop the samples to ignore before the loss instead: keep = targets != "
-        f"{loss.ignore_index}; loss_fn(outputs[keep], targets[keep])."
-    )
+    drop = drop_ignored_samples(loss.ignore_index)
     if loss.ignore_index != DEFAULT_IGNORE_INDEX:
         raise ValueError(
             f"CrossEntropyLoss(ignore_index={loss.ignore_index}) is not supported: "
@@ -129,8 +126,18 @@ def ignored_targets_error(ignored: int, total: int, ignore_index: int) -> ValueE
         f"{ignored} of the {total} targets equal CrossEntropyLoss's "
         f"ignore_index={ignore_index}: the loss averages over the other "
         "samples, BackPACK's GGN over all of them, so the step would be "
-        "wrong. Drop the samples to ignore before the loss instead: keep = targets "
-        f"!= {ignore_index}; loss_fn(outputs[keep], targets[keep])."
+        f"wrong. {drop_ignored_samples(ignore_index)}"
+    )
+
+
+def drop_ignored_samples(ignore_index: int) -> str:
+    """How to leave samples out of the loss instead of ``ignore_index``."""
+    return (
+        "Drop the samples to ignore before the model instead: keep = targets != "
+        f"{ignore_index}; loss_fn(model(inputs[keep]), targets[keep]) (outputs "
+        "indexed between the model and the loss are hidden from BackPACK). Targets "
+        "per position (sequences, segmentation masks) cannot be ignored: BackPACK's "
+        "GGN takes every position."
     )
 
 

@@ -1,10 +1,18 @@
-"""What to say when BackPACK cannot handle a model: the error's advice."""
+"""What to say when BackPACK cannot handle a model: the error's advice.
+
+Besides the modules BackPACK has no rule for, some configurations of supported ones
+have rules that are wrong: its convolution derivatives take ``padding`` as numbers
+and zeros, so a ``padding="same"`` or a ``padding_mode`` other than ``"zeros"`` would
+give a silently wrong curvature and individual gradients, for the layer and for
+every layer before it (:func:`check_supported_configuration` refuses them).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from torch.nn import Module
+from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
 
 
 def custom_module_message(
@@ -31,17 +39,67 @@ def custom_module_message(
         if next(child.children(), None) is None
         and type(child).__name__ not in supported
     }
-    unsupported = (
-        f" Of its submodules, BackPACK does not support {', '.join(sorted(leaves))} "
-        "either; replace them by supported modules."
-        if leaves
-        else ""
-    )
-    return (
+    head = (
         f"BackPACK's {extension} cannot handle {name}, a custom module with "
         "submodules: backpack.extend treats every module but nn.Sequential as one "
-        f"operation, and has no rule for {name}.{unsupported} Write the model as an "
-        "nn.Sequential of supported modules, or let BackPACK convert it: `model = "
-        "backpack.extend(model, use_converter=True)` (torch.fx; it also handles "
-        f"residual connections). Supported modules: {', '.join(supported)}."
+        f"operation, and has no rule for {name}."
     )
+    if leaves:  # converting it would not help
+        return (
+            f"{head} Of its submodules, BackPACK does not support "
+            f"{', '.join(sorted(leaves))} either: the model needs supported modules "
+            f"only. Supported modules: {', '.join(supported)}."
+        )
+    return (
+        f"{head} Write the model as an nn.Sequential of supported modules, or let "
+        "BackPACK convert it: `model = backpack.extend(model, use_converter=True)` "
+        "(torch.fx; it also handles residual connections). Supported modules: "
+        f"{', '.join(supported)}."
+    )
+
+
+def check_supported_configuration(module: Module) -> None:
+    """Refuse a configuration whose BackPACK derivatives are wrong or crash.
+
+    Args:
+        module: A module the backward pass reached.
+
+    Raises:
+        NotImplementedError: For a convolution with a ``padding_mode`` other than
+            ``"zeros"`` or ``padding="same"``, and a transposed convolution with
+            ``output_padding``.
+    """
+    if not isinstance(module, _ConvNd):
+        return
+    name = type(module).__name__
+    wrong = (
+        "BackPACK's convolution derivatives take the padding as numbers of zeros, so "
+        "the curvature and individual gradients of this layer and of every layer "
+        "before it would be wrong."
+    )
+    if module.padding_mode != "zeros":
+        raise NotImplementedError(
+            f"{name}(padding_mode={module.padding_mode!r}) is not supported: {wrong} "
+            "Use padding_mode='zeros'."
+        )
+    if module.padding == "same":
+        sizes = [
+            d * (k - 1)
+            for d, k in zip(module.dilation, module.kernel_size, strict=True)
+        ]
+        fix = (
+            f"padding={tuple(size // 2 for size in sizes)}, the same function"
+            if all(size % 2 == 0 for size in sizes)
+            else "an odd kernel size with padding=(kernel_size - 1) // 2, or pad "
+            "the input with a supported padding module before the layer"
+        )
+        raise NotImplementedError(
+            f"{name}(padding='same') is not supported: {wrong} Use {fix}."
+        )
+    if isinstance(module, _ConvTransposeNd) and any(module.output_padding):
+        raise NotImplementedError(
+            f"{name}(output_padding={module.output_padding}) is not supported: "
+            "BackPACK's transposed-convolution derivatives do not take it. Use "
+            "output_padding=0 (e.g. kernel_size=4, stride=2, padding=1 doubles the "
+            "size as kernel_size=3, stride=2, padding=1, output_padding=1 does)."
+        )

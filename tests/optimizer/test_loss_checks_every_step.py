@@ -30,7 +30,7 @@ from tests.utils import (
 
 MLP_CE, MLP_BCE = PROBLEMS[0], PROBLEMS[2]
 REWEIGHT = r"without weights and rebalance by sampling.*WeightedRandomSampler"
-DROP = r"Drop the samples to ignore before the loss.*outputs\[keep\], targets\[keep\]"
+DROP = r"ignore before the model.*loss_fn\(model\(inputs\[keep\]\), targets\[keep\]\)"
 SUM = r"uses reduction='sum', but the GGN computations and the diagnostics assume"
 IGNORED = r"1 of the 4 targets equal CrossEntropyLoss's ignore_index=-100.*" + DROP
 

@@ -127,3 +127,37 @@ def test_a_step_in_inference_mode_says_so():
     with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
         optimizer.step(closure)
     optimizer.step(closure)  # outside of it, the same closure steps
+
+
+class _FlattenedByView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.activation = nn.Conv2d(1, 2, 3, padding=1), nn.Tanh()
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.activation(self.conv(inputs))
+        return self.head(hidden.view(hidden.size(0), -1))
+
+
+def test_a_reshape_by_view_is_refused_with_the_flatten_to_use():
+    torch.manual_seed(0)
+    model = extend(_FlattenedByView().double(), use_converter=True)
+    inputs, targets = _data()
+    inputs = inputs.reshape(16, 1, 3, 2)
+    optimizer = DampedNewton(model.parameters(), seed=0)
+    loss_fn = extend(nn.CrossEntropyLoss())
+    values = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"reshape after Tanh.*nn\.Flatten\(\)"):
+        optimizer.step(make_closure(optimizer, model, loss_fn, inputs, targets))
+    assert_parameters_equal(list(model.parameters()), values)
+
+
+def test_a_negative_log_likelihood_loss_is_refused_with_the_loss_to_use():
+    inputs, targets = _data()
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(6, 3), nn.LogSoftmax(dim=1)).double())
+    optimizer = DampedNewton(model.parameters(), seed=0)
+    closure = make_closure(optimizer, model, extend(nn.NLLLoss()), inputs, targets)
+    with pytest.raises(NotImplementedError, match="CrossEntropyLoss on the logits"):
+        optimizer.step(closure)
