@@ -395,5 +395,37 @@ class DampedNewton(Optimizer):
         if extra is not None:
             self._pipeline.seeded.load_state_dict(extra, self._device())
 
+    def __getstate__(self) -> dict[str, Any]:
+        """``torch.optim``'s pickled state, and what rebuilds the step's machinery.
+
+        A copy (``copy.deepcopy``, ``pickle``) keeps the monitor, the ``nonfinite``
+        policy and the Monte-Carlo generator's state, and steps as the original
+        would; its process group is the default one (as for ``process_group=None``).
+        """
+        state = super().__getstate__()
+        pipeline = self._pipeline
+        state["monitor"] = self.monitor
+        state["pipeline"] = {
+            "nonfinite": pipeline.nonfinite,
+            "generator": pipeline.seeded.state_dict(self._device()),
+        }
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a copy made through :meth:`__getstate__`.
+
+        ``torch.optim``'s ``load_state_dict`` sets its state through here too,
+        without the machinery, which then stays.
+        """
+        state = dict(state)
+        pipeline = state.pop("pipeline", None)
+        super().__setstate__(state)
+        if pipeline is None:
+            return
+        seeded = SeededGenerator(pipeline["generator"]["seed"])
+        seeded.load_state_dict(pipeline["generator"], self._device())
+        communicator = check_process_group(None, self.monitor)
+        self._pipeline = Pipeline(pipeline["nonfinite"], communicator, seeded)
+
     def _device(self) -> torch.device:
         return self.param_groups[0]["params"][0].device

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import pickle
 
@@ -202,3 +203,26 @@ def test_unpicklable_settings_load_in_memory_and_continue_in_lock_step():
         list(resumed.model.parameters()), list(original.model.parameters())
     )
     assert_same_state(snapshot(resumed_optimizer), snapshot(optimizer))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+def test_a_copied_optimizer_steps_as_the_original(basis: str, how: str):
+    """``copy.deepcopy``/``pickle`` of model and optimizer together: lock step.
+
+    Monte-Carlo curvature and the Kronecker basis' steps between refreshes (step 2
+    and 4 of the ramp 0, 1, 3, 7) make the generator and the kept bases matter.
+    """
+    original = build_case(MLP_CE)
+    options = dict(VIVIT_STEP) if basis == "gram" else {}
+    optimizer = DampedNewton(original.model.parameters(), seed=1, **options)
+    run(optimizer, original, STEPS_BEFORE)
+    if how == "deepcopy":
+        model, copied = copy.deepcopy((original.model, optimizer))
+    else:
+        model, copied = pickle.loads(pickle.dumps((original.model, optimizer)))
+    twin = dataclasses.replace(original, model=model)
+    run(optimizer, original, STEPS_AFTER)
+    run(copied, twin, STEPS_AFTER)
+    assert_parameters_equal(list(model.parameters()), list(original.model.parameters()))
+    assert_same_state(snapshot(copied), snapshot(optimizer))
