@@ -123,23 +123,28 @@ def _refreshed_batch(
     decay: float,
     refreshes: int,
 ) -> RefreshedBatch:
-    """Average and decompose the factors of layers of one shape together."""
+    """Average and decompose the factors of layers of one shape together.
+
+    A layer without stored factors (new to the group, or whose factors changed
+    shape since: a bias frozen or unfrozen) starts its average at this refresh's
+    factors.
+    """
+    means = [layer.mean() for layer in members]
     stored = [
-        state[layer.weight if layer.weight is not None else layer.bias]
-        for layer in members
+        _current(state[layer.weight if layer.weight is not None else layer.bias], mean)
+        for layer, mean in zip(members, means, strict=True)
     ]
     if len(members) == 1:
-        inputs, outputs = members[0].mean()
+        inputs, outputs = means[0]
     else:
-        means = [layer.mean() for layer in members]
         inputs = torch.stack([mean[0] for mean in means])
         outputs = torch.stack([mean[1] for mean in means])
-    if decay > 0:
-        inputs = _averaged(inputs, stored, INPUT_FACTOR, decay)
-        outputs = _averaged(outputs, stored, OUTPUT_FACTOR, decay)
     # The eigenpairs are those of the bias-corrected averages (the eigenvectors of
     # the averages themselves): one division per factor.
     correction = 1 - decay ** (refreshes + 1)
+    if decay > 0:
+        inputs = _averaged(inputs, stored, INPUT_FACTOR, decay, correction)
+        outputs = _averaged(outputs, stored, OUTPUT_FACTOR, decay, correction)
     output_eigen, input_eigen = decomposed(
         basis,
         stored,
@@ -164,20 +169,38 @@ def _refreshed_batch(
     )
 
 
+def _current(entry: Mapping[str, Any], mean: tuple[Tensor, Tensor]) -> Mapping:
+    """A layer's stored state, or none where its factors' shapes are not the mean's."""
+    inputs, outputs = entry.get(INPUT_FACTOR), entry.get(OUTPUT_FACTOR)
+    if inputs is None or outputs is None:
+        return entry
+    if inputs.shape == mean[0].shape and outputs.shape == mean[1].shape:
+        return entry
+    return {}
+
+
 def _averaged(
-    new: Tensor, stored: list[dict[str, Any]], key: str, decay: float
+    new: Tensor,
+    stored: Sequence[Mapping[str, Any]],
+    key: str,
+    decay: float,
+    correction: float,
 ) -> Tensor:
-    """``βF + (1 − β)F_batch`` of stacked factors (``F = 0`` where none is stored)."""
+    """``βF + (1 − β)F_batch`` of stacked factors.
+
+    Where none is stored, ``correction·F_batch``: the bias-corrected average is then
+    this refresh's factor (at the first refresh ``correction = 1 − β``, ``F = 0``).
+    """
     old = [entry.get(key) for entry in stored]
     present = [factor for factor in old if factor is not None]
     if not present:
-        return (1 - decay) * new
+        return correction * new
     if len(present) == len(old):
         previous = present[0] if len(present) == 1 else torch.stack(present)
         return torch.lerp(new, previous, decay)
     return torch.stack(
         [
-            (1 - decay) * factor
+            correction * factor
             if stored_factor is None
             else torch.lerp(factor, stored_factor, decay)
             for factor, stored_factor in zip(new.unbind(0), old, strict=True)

@@ -34,6 +34,7 @@ from tests.reference.kronecker import kfac_direction, kfac_model, kronecker_fact
 from tests.utils import (
     Case,
     build_case,
+    copy_parameters,
     make_closure,
 )
 
@@ -260,3 +261,43 @@ def test_levenberg_marquardt_reads_the_kronecker_model():
     assert optimizer.state["global"]["reduction_ratio"] == pytest.approx(
         ratio, rel=1e-8
     )
+
+
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_a_bias_frozen_or_unfrozen_restarts_its_layer_average(change):
+    """The factors change shape (the bias's 1 in the inputs): the average restarts.
+
+    Refreshes at steps 0, 1, 3 (the ramp): the last layer's bias changes at step 2,
+    so the refresh at step 3 stores this batch's factors for that layer, bias
+    corrected as a first refresh would (the exact GGN, the float64 reference).
+    """
+    case = build_case(case_by_id("mlp-ce"))
+    last = layers_of(case.model)[-1]
+    if change == "unfreeze":
+        last.bias.requires_grad_(False)
+    decay = 0.9
+    optimizer = DampedNewton(
+        case.model.parameters(), averaging=CurvatureAveraging(decay=decay), **EXACT
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    for _ in range(2):
+        optimizer.step(closure)
+    last.bias.requires_grad_(change == "unfreeze")
+    bias = last.bias.detach().clone()
+    optimizer.step(closure)  # between refreshes
+    copy_parameters(case.reference_model, case.model)  # where the refresh starts
+    optimizer.step(closure)
+    if change == "freeze":
+        assert torch.equal(last.bias, bias)
+    inputs, outputs = kronecker_factors(
+        case.reference_model,
+        case.reference_loss_fn,
+        layers_of(case.reference_model)[-1],
+        case.X,
+        case.y,
+        bias=change == "unfreeze",
+    )
+    correction = 1 - decay**3
+    state = optimizer.state[last.weight]
+    assert_close(state[INPUT_FACTOR] / correction, inputs, rtol=1e-10, atol=1e-12)
+    assert_close(state[OUTPUT_FACTOR] / correction, outputs, rtol=1e-10, atol=1e-12)
