@@ -128,10 +128,16 @@ def check_loss_type(loss: object) -> None:
 
     Raises:
         TypeError: If it is not a tensor.
+        ValueError: If it is not a single number.
     """
     if not isinstance(loss, Tensor):
         raise TypeError(
             f"The closure must return the loss tensor, got {type(loss).__name__}."
+        )
+    if loss.dim() != 0:
+        raise ValueError(
+            "The closure must return the mean loss, a tensor of one number, got "
+            f"shape {tuple(loss.shape)}: use the loss function's reduction='mean'."
         )
 
 

@@ -45,8 +45,18 @@ from dampednewton.policies.damping import (
 
 NONFINITE_MODES = ("raise", "skip")
 SHARED_SETTINGS = ("mc_samples", "subsampling_ggn", "subsampling_grad")
-# Keys a group may carry besides the hyperparameters: a label, and LR schedulers' own.
-EXTRA_GROUP_KEYS = ("name", "initial_lr")
+# Keys a group may carry besides the hyperparameters: a label, torch's parameter
+# names, and the keys torch's LR schedulers (and SWALR) write into the groups.
+EXTRA_GROUP_KEYS = (
+    "name",
+    "param_names",
+    "initial_lr",
+    "max_lr",
+    "min_lr",
+    "max_momentum",
+    "base_momentum",
+    "swa_lr",
+)
 
 
 def check_nonfinite(mode: Any) -> str:

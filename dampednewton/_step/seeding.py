@@ -49,8 +49,17 @@ class SeededGenerator:
 
         Returns:
             The generator.
+
+        Raises:
+            RuntimeError: For the meta device.
         """
         if self._generator is None:
+            if device.type == "meta":
+                raise RuntimeError(
+                    "The parameters are on the meta device, which holds no values: "
+                    "materialize the model (e.g. model.to_empty(device='cpu') and "
+                    "initialize it) before creating the optimizer."
+                )
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         return self._generator
 

@@ -16,12 +16,13 @@ import torch
 from backpack import backpack, extend
 from torch import nn
 
-from dampednewton import DampedNewton, EigvalshComputation
+from dampednewton import DampedNewton, EigvalshComputation, GramBasis
 from tests.assertions import assert_close
 from tests.cases import PROBLEMS
 from tests.utils import (
     EXACT_VIVIT_STEP,
     VIVIT_STEP,
+    assert_parameters_equal,
     build_case,
     flat,
     make_closure,
@@ -87,3 +88,18 @@ def test_other_refusals_of_a_supported_loss_keep_backpacks_reason():
         r"Only binary targets",
     ):
         optimizer.step(closure)
+
+
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+@pytest.mark.parametrize("step", [0, 2], ids=["refresh", "between"])
+def test_a_closure_returning_several_losses_is_refused(basis, step):
+    case = build_case(PROBLEMS[0])
+    options = {"basis": GramBasis()} if basis == "gram" else {}
+    optimizer = DampedNewton(case.model.parameters(), seed=0, **options)
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    for _ in range(step):
+        optimizer.step(closure)
+    params = [p.detach().clone() for p in case.model.parameters()]
+    with pytest.raises(ValueError, match=r"mean loss, a tensor of one number.*\(2,\)"):
+        optimizer.step(lambda: closure().repeat(2))
+    assert_parameters_equal(list(case.model.parameters()), params)

@@ -161,3 +161,16 @@ def test_a_negative_log_likelihood_loss_is_refused_with_the_loss_to_use():
     closure = make_closure(optimizer, model, extend(nn.NLLLoss()), inputs, targets)
     with pytest.raises(NotImplementedError, match="CrossEntropyLoss on the logits"):
         optimizer.step(closure)
+
+
+def test_a_model_on_the_meta_device_is_refused_with_what_to_do():
+    with torch.device("meta"):
+        model = extend(nn.Sequential(nn.Linear(6, 3)))
+    optimizer = DampedNewton(model.parameters())
+    inputs = torch.empty(4, 6, device="meta")
+    targets = torch.zeros(4, dtype=torch.long, device="meta")
+    closure = make_closure(
+        optimizer, model, extend(nn.CrossEntropyLoss()), inputs, targets
+    )
+    with pytest.raises(RuntimeError, match=r"meta device.*model\.to_empty"):
+        optimizer.step(closure)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import CosineAnnealingLR, LRScheduler, StepLR
+from torch.optim.lr_scheduler import CosineAnnealingLR, LRScheduler, OneCycleLR, StepLR
 
 from dampednewton import DampedNewton
 from tests.assertions import assert_close
@@ -131,3 +131,16 @@ def test_a_schedule_scales_the_defaults_steps_where_the_trust_region_binds():
         atol=1e-12 * updates[0].abs().max().item(),
         name="update at lr 0.5 against half the update at lr 1",
     )
+
+
+def test_groups_carry_the_keys_torch_and_its_schedulers_write():
+    """``param_names`` (an optimizer of named parameters) and OneCycleLR's keys."""
+    case = build_case(MLP_CE)
+    first, *_, last = layer_groups(case.model)
+    optimizer = DampedNewton([(f"first.{i}", p) for i, p in enumerate(first)])
+    OneCycleLR(optimizer, max_lr=1.0, total_steps=10, cycle_momentum=False)
+    copied = dict(optimizer.param_groups[0])
+    copied.update(params=list(last), param_names=["last.0", "last.1"])
+    optimizer.add_param_group(copied)
+    assert optimizer.param_groups[1]["param_names"] == ["last.0", "last.1"]
+    assert optimizer.param_groups[1]["max_lr"] == 1.0
