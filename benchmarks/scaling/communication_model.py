@@ -8,9 +8,9 @@ Per step, each of ``R`` ranks with ``n`` local samples:
   buffers are all-gathered along the samples, so a rank receives the other ranks'
   ``(R − 1)·n`` samples of ``b`` bytes each (:func:`gathered_layout` computes ``b``
   from the model's shapes the way the engine stores them), plus the agreement on the
-  pass (three float64 numbers per rank), the refusal flag and, on Levenberg-Marquardt
-  damping's adaptation steps, the mean loss after the step (one all-reduced float64
-  each). This grows with ``R`` without bound.
+  pass (three float64 numbers per rank), the refusal flags (one float64 per rank,
+  all-reduced) and, on Levenberg-Marquardt damping's adaptation steps, the mean loss
+  after the step (one all-reduced float64). This grows with ``R`` without bound.
 * **The Kronecker basis' factors** (:func:`kronecker_bytes`): on a refresh, one ring
   all-reduce of every layer's two factors (``(d_in + 1)² + d_out²`` numbers per layer,
   :func:`kronecker_numbers`), the agreement and the refusal flag; between refreshes
@@ -51,7 +51,7 @@ FLOAT32_BYTES = 4
 AGREEMENT_BYTES = 3 * 8
 """Per rank and pass: loss, batch size and status, all-gathered as float64."""
 REFUSAL_BYTES = 8
-"""The refusal flag, all-reduced as one float64."""
+"""The refusal flags, all-reduced as one float64 per rank (the refusing ranks)."""
 LOSS_AFTER_STEP_BYTES = 8
 """Levenberg-Marquardt's mean loss after the step, one float64."""
 FIXED_COLLECTIVES = 2
@@ -210,11 +210,12 @@ def dampednewton_bytes(
             (Levenberg-Marquardt, on its adaptation steps).
 
     Returns:
-        ``(R − 1)·(n·b + agreement) + 2 (R − 1)/R · (flag + loss)``; 0 for one
+        ``(R − 1)·(n·b + agreement) + 2 (R − 1)/R · (R·flag + loss)``; 0 for one
         rank.
     """
     gathered = (world_size - 1) * (local_batch * bytes_per_sample + AGREEMENT_BYTES)
-    reduced = REFUSAL_BYTES + (LOSS_AFTER_STEP_BYTES if reduction_ratio else 0)
+    flags = REFUSAL_BYTES * world_size
+    reduced = flags + (LOSS_AFTER_STEP_BYTES if reduction_ratio else 0)
     return gathered + all_reduce_bytes(world_size, reduced)
 
 
@@ -251,9 +252,9 @@ def kronecker_bytes(
         refresh: A refresh step (factors all-reduced) or a step between refreshes.
 
     Returns:
-        ``(R − 1)·agreement + 2 (R − 1)/R · (flag + factors)``; 0 for one rank.
+        ``(R − 1)·agreement + 2 (R − 1)/R · (R·flag + factors)``; 0 for one rank.
     """
-    reduced = REFUSAL_BYTES + (factor_bytes if refresh else 0.0)
+    reduced = REFUSAL_BYTES * world_size + (factor_bytes if refresh else 0.0)
     return (world_size - 1) * AGREEMENT_BYTES + all_reduce_bytes(world_size, reduced)
 
 

@@ -62,10 +62,11 @@ def test_convolutions_gather_structured_buffers_or_the_dense_square_root():
 def test_bytes_per_step_follow_the_ring_formulas():
     assert dampednewton_bytes(100.0, 1, 8) == 0
     assert dampednewton_bytes(100.0, 4, 8) == pytest.approx(
-        3 * (8 * 100 + AGREEMENT_BYTES) + 1.5 * REFUSAL_BYTES
+        3 * (8 * 100 + AGREEMENT_BYTES) + 1.5 * 4 * REFUSAL_BYTES
     )
     assert dampednewton_bytes(100.0, 4, 8, reduction_ratio=True) == pytest.approx(
-        3 * (8 * 100 + AGREEMENT_BYTES) + 1.5 * (REFUSAL_BYTES + LOSS_AFTER_STEP_BYTES)
+        3 * (8 * 100 + AGREEMENT_BYTES)
+        + 1.5 * (4 * REFUSAL_BYTES + LOSS_AFTER_STEP_BYTES)
     )
     assert all_reduce_bytes(4, 1000) == 1500
     assert all_reduce_bytes(1, 1000) == 0
@@ -79,10 +80,10 @@ def test_kronecker_factors_by_hand():
     assert kronecker_numbers(model) == 36 + 49 + 1 + 4 + 9 + 1
     assert kronecker_bytes(400.0, 1) == 0
     assert kronecker_bytes(400.0, 4) == pytest.approx(
-        3 * AGREEMENT_BYTES + 1.5 * (REFUSAL_BYTES + 400)
+        3 * AGREEMENT_BYTES + 1.5 * (4 * REFUSAL_BYTES + 400)
     )
     assert kronecker_bytes(400.0, 4, refresh=False) == pytest.approx(
-        3 * AGREEMENT_BYTES + 1.5 * REFUSAL_BYTES
+        3 * AGREEMENT_BYTES + 1.5 * 4 * REFUSAL_BYTES
     )
 
 

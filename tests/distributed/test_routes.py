@@ -146,6 +146,6 @@ def test_communication_bytes_equal_cost_model(mc_samples, tmp_path):
         for layer in layers
     )
     agreement = (world_size - 1) * 3 * FLOAT64  # loss, batch size, failure flag
-    refusal = 2 * (world_size - 1) / world_size * FLOAT64  # all-reduced flag
+    refusal = 2 * (world_size - 1) * FLOAT64  # all-reduced flags, one per rank
     for rank in spawn(job, world_size, tmp_path):
         assert rank["communication_bytes"] == [gathers + agreement + refusal]
