@@ -238,9 +238,11 @@ class KroneckerSteps:
                 stacklevel=STACKLEVEL_OF_CALLER + 1,
             )
         for index, refreshed in fresh.items():
-            self._batches[index] = commit_layers(
-                refreshed, groups[index], stats[index], state
-            )
+            batches = commit_layers(refreshed, groups[index], stats[index], state)
+            if batches is None:  # read from the state at the next step
+                self._batches.pop(index, None)
+            else:
+                self._batches[index] = batches
         if fresh:
             global_state.update({REFRESH_DUE: False, REFRESH_LOSS: values["loss"]})
         elif loss_rose(options, global_state, values["loss"]):

@@ -76,7 +76,8 @@ def refreshed_layers(
     """The group's layers with their updated averages and bases, batched by shape.
 
     Raises:
-        RuntimeError: For a trainable parameter that no curvature reached.
+        RuntimeError: For a trainable parameter with a gradient that no curvature
+            reached.
     """
     basis_policy = option.basis
     assert isinstance(basis_policy, KroneckerBasis)
@@ -90,7 +91,10 @@ def refreshed_layers(
         covered.update(id(p) for p in (layer.weight, layer.bias) if p is not None)
         shapes.setdefault(_shape_key(layer), []).append(layer)
     for param in group["params"]:
-        if param.requires_grad and id(param) not in covered:
+        # A parameter this step's forward pass did not use has no gradient either:
+        # it keeps its factors and does not move.
+        unused = param.grad is None
+        if param.requires_grad and not unused and id(param) not in covered:
             raise RuntimeError(
                 "No curvature reached a parameter of shape "
                 f"{tuple(param.shape)}: extend model and loss function with BackPACK "
@@ -277,8 +281,13 @@ def commit_layers(
     group: dict[str, Any],
     stats: dict[str, Any],
     state: Any,
-) -> list[LayerBatch]:
-    """Store a group's refreshed layers; return their batches."""
+) -> list[LayerBatch] | None:
+    """Store a group's refreshed layers; return their batches.
+
+    The layers this step's forward pass did not use keep their stored bases: then
+    ``None``, the batches are to be read from the state
+    (:func:`~dampednewton._step.kronecker_state.stored_bases`).
+    """
     position = {id(p): i for i, p in enumerate(group["params"])}
     pairs = []
     for entry in refreshed:
@@ -303,6 +312,20 @@ def commit_layers(
                     None if basis.bias is None else position[id(basis.bias)],
                 )
             )
+    # A layer this step's forward pass did not use keeps its basis for the next steps.
+    params = group["params"]
+    refreshed_positions = {i for pair in pairs for i in pair}
+    kept = [
+        pair
+        for pair in stats.get(LAYERS, ())
+        if refreshed_positions.isdisjoint(pair)
+        and all(
+            params[i].requires_grad and params[i].grad is None
+            for i in pair
+            if i is not None
+        )
+    ]
+    pairs += kept
     # In the group's order of the parameters that hold each layer's state.
     stats[LAYERS] = tuple(
         sorted(pairs, key=lambda pair: pair[1] if pair[0] is None else pair[0])
@@ -313,7 +336,7 @@ def commit_layers(
         for entry in refreshed
         for basis in entry.batch.layers
     )
-    return [entry.batch for entry in refreshed]
+    return None if kept else [entry.batch for entry in refreshed]
 
 
 def mean_over_ranks(

@@ -285,9 +285,12 @@ def _result(engine: StepEngine | None, block: StepBlock) -> GroupStep | None:
     """A group's step from the engine (``None`` without trainable parameters).
 
     Raises:
-        RuntimeError: When no curvature reached the group's parameters.
+        RuntimeError: When no curvature reached the group's parameters (but some
+            have a gradient).
     """
-    if not any(p.requires_grad for p in block.params):
+    # No step for a group without trainable parameters, or that this step's forward
+    # pass did not use (no gradient either, as torch.optim skips them).
+    if not any(p.requires_grad and p.grad is not None for p in block.params):
         return None
     if engine is None:
         raise RuntimeError("A refreshed group's step needs the engine.")
@@ -299,7 +302,9 @@ def _result(engine: StepEngine | None, block: StepBlock) -> GroupStep | None:
             "model and loss function with BackPACK (`model = backpack.extend("
             "model)`, `loss_fn = backpack.extend(loss_fn)`), make sure the closure "
             "calls `loss.backward()` and that every parameter is used in the "
-            "forward pass. A torch.compile'd model can skip BackPACK's hooks "
+            "forward pass (a group's parameters all, or none: put parameters that "
+            "some steps leave unused in groups of their own). A torch.compile'd "
+            "model can skip BackPACK's hooks "
             "(TorchDynamo reuses graphs compiled for a plain model of the same "
             "class and does not guard on hooks), and gains nothing from "
             "compilation here: step with the uncompiled model."

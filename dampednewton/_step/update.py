@@ -129,7 +129,8 @@ def update_parameters(
     (``torch._foreach_*``: the weight decay, the momentum buffers, the parameters)
     where every direction has its parameter's dtype and every buffer exists (from
     the second step with momentum on); otherwise parameter by parameter. Frozen
-    parameters (``requires_grad=False``) do not move.
+    parameters (``requires_grad=False``) and, as in ``torch.optim``, parameters
+    without a gradient (unused by this step's forward pass) do not move.
 
     Args:
         pairs: ``(parameter, its direction s)``.
@@ -137,7 +138,7 @@ def update_parameters(
         options: The group's options.
         scale: ``ν``.
     """
-    moving = [(p, d) for p, d in pairs if p.requires_grad]
+    moving = [(p, d) for p, d in pairs if p.requires_grad and p.grad is not None]
     params = [p for p, _ in moving]
     directions = [d for _, d in moving]
     mu = options.momentum

@@ -1,0 +1,103 @@
+"""Parameters that a step's forward pass does not use are not moved, as in torch.optim.
+
+Such a parameter has no gradient (``.grad is None``). With the Kronecker basis its
+layer keeps its curvature at a refresh and steps along it again once used; with the
+Gram basis a group that the step leaves unused takes no step, and a group used in
+part is refused at a refresh (its block's curvature is incomplete).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+from dampednewton import DampedNewton, GramBasis
+from tests.cases import PROBLEMS
+from tests.utils import Case, build_case
+
+MLP_CE = PROBLEMS[0]
+UNUSED_STEPS = (2, 3)  # between refreshes, then the refresh at step 3
+
+
+def _closure(optimizer: DampedNewton, case: Case, unused: bool) -> Callable[[], Tensor]:
+    """The loss with the first layer's output detached (its parameters unused)."""
+    first, *rest = case.model
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        hidden = first(case.X)
+        if unused:
+            hidden = hidden.detach()
+        loss = case.loss_fn(torch.nn.Sequential(*rest)(hidden), case.y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def _state_of(optimizer: DampedNewton, params) -> list[dict]:
+    return [
+        {
+            k: v.clone() if isinstance(v, Tensor) else v
+            for k, v in optimizer.state[p].items()
+        }
+        for p in params
+    ]
+
+
+def test_an_unused_layer_keeps_its_values_and_curvature_and_steps_again():
+    case = build_case(MLP_CE)
+    twin = build_case(MLP_CE)  # the first layer frozen instead of unused
+    first = list(case.model[0].parameters())
+    optimizer = DampedNewton(case.model.parameters(), seed=0)
+    frozen = DampedNewton(twin.model.parameters(), seed=0)
+    for step in range(5):
+        unused = step in UNUSED_STEPS
+        values, state = [p.clone() for p in first], _state_of(optimizer, first)
+        twin.model[0].requires_grad_(not unused)
+        optimizer.step(_closure(optimizer, case, unused))
+        frozen.step(_closure(frozen, twin, False))
+        if unused:
+            assert all(torch.equal(p, v) for p, v in zip(first, values, strict=True))
+            for saved, param in zip(state, first, strict=True):
+                assert saved.keys() == optimizer.state[param].keys()
+                for key, value in saved.items():
+                    assert torch.equal(optimizer.state[param][key], value), key
+        if step <= UNUSED_STEPS[-1]:  # the rest of the model: as with a frozen layer
+            for mine, other in zip(
+                case.model.parameters(), twin.model.parameters(), strict=True
+            ):
+                assert torch.equal(mine, other)
+    # Used again between refreshes (step 4), the layer steps along its kept basis;
+    # the frozen twin's layer joins at the next refresh only.
+    assert not torch.equal(first[0], twin.model[0].weight)
+
+
+def test_a_gram_group_that_a_step_leaves_unused_takes_no_step():
+    case = build_case(MLP_CE)
+    groups = [{"params": list(layer.parameters())} for layer in case.model[::2]]
+    optimizer = DampedNewton(groups, basis=GramBasis(), seed=0)
+    first = groups[0]["params"]
+    for step in range(5):
+        unused = step in UNUSED_STEPS
+        values = [p.clone() for p in first]
+        last = [p.clone() for p in groups[-1]["params"]]
+        optimizer.step(_closure(optimizer, case, unused))
+        moved = [not torch.equal(p, v) for p, v in zip(first, values, strict=True)]
+        assert moved == [not unused] * len(first)
+        assert not torch.equal(groups[-1]["params"][0], last[0])
+
+
+def test_a_gram_group_used_in_part_is_refused_at_a_refresh():
+    case = build_case(MLP_CE)
+    optimizer = DampedNewton(case.model.parameters(), basis=GramBasis(), seed=0)
+    optimizer.step(_closure(optimizer, case, False))
+    values = [p.clone() for p in case.model.parameters()]
+    with pytest.raises(RuntimeError, match="groups of their own"):
+        optimizer.step(_closure(optimizer, case, True))
+    assert all(
+        torch.equal(p, v) for p, v in zip(case.model.parameters(), values, strict=True)
+    )
