@@ -24,6 +24,7 @@ from torch.nn.modules.loss import _Loss
 
 from dampednewton.backpack.buffers import LinearBuffers, SharedLinearBuffers
 from dampednewton.backpack.savefields import module_input
+from dampednewton.backpack.unsupported import tied_parameter_message
 from dampednewton.math.kronecker_factors import input_factor, output_factor
 from dampednewton.math.precision import upcast
 
@@ -114,6 +115,7 @@ class FactorCollector:
         self.extension = extension
         self.subsampled = subsampled
         self.layers: dict[int, LayerFactors] = {}
+        self._modules: dict[int, int] = {}  # the module of each layer's first param
         self._loss_weight: Tensor | None = None
         self._batch_size = 0
         self._passes = 0
@@ -123,7 +125,7 @@ class FactorCollector:
 
         Raises:
             NotImplementedError: For a parameter of the optimizer in a layer the
-                Kronecker basis does not cover.
+                Kronecker basis does not cover, or in two modules.
             ValueError: For several micro-batches with a sub-sample.
         """
         if isinstance(module, _Loss):
@@ -154,6 +156,8 @@ class FactorCollector:
         inputs, outputs = layer_factors(
             buffers, bias is not None, weight is None, self._batch_size
         )
+        if self._modules.setdefault(id(first), id(module)) != id(module):
+            raise NotImplementedError(tied_parameter_message(first, module))
         layer = self.layers.get(id(first))
         if layer is None:
             self.layers[id(first)] = LayerFactors(

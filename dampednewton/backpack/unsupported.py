@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
 
@@ -103,3 +104,22 @@ def check_supported_configuration(module: Module) -> None:
             "output_padding=0 (e.g. kernel_size=4, stride=2, padding=1 doubles the "
             "size as kernel_size=3, stride=2, padding=1, output_padding=1 does)."
         )
+
+
+def tied_parameter_message(param: Tensor, module: Module) -> str:
+    """Why a parameter used by two modules (weight tying) is refused.
+
+    Args:
+        param: The parameter.
+        module: The second module that uses it.
+
+    Returns:
+        The message.
+    """
+    return (
+        f"A parameter of shape {tuple(param.shape)} is used by two modules (weight "
+        f"tying; the second is {module}): BackPACK computes each module's "
+        "quantities apart, so its curvature would be that of one use. Untie the "
+        "weights, or leave the tied parameter out of the optimizer (step it with "
+        "another one, e.g. torch.optim.Adam, in the same closure)."
+    )

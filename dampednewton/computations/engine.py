@@ -57,6 +57,7 @@ from dampednewton.backpack.savefields import (
     module_input,
     sqrt_ggn_savefield,
 )
+from dampednewton.backpack.unsupported import tied_parameter_message
 from dampednewton.computations.block import Block
 from dampednewton.computations.groups import (
     check_subsampling_in_range,
@@ -250,6 +251,7 @@ class GGNEngine(Generic[ResultT]):
 
     def _reset(self) -> None:
         self._batch_size = None
+        self._modules: dict[int, int] = {}  # the module that uses each parameter
         self._passes.clear()
         self._restart_blocks()
 
@@ -312,6 +314,8 @@ class GGNEngine(Generic[ResultT]):
             index = self._group_of_param.get(id(param))
             if index is None:
                 continue
+            if self._modules.setdefault(id(param), id(module)) != id(module):
+                raise NotImplementedError(tied_parameter_message(param, module))
             block = self._blocks.get(index)
             if block is None or id(param) not in block.pending:
                 continue

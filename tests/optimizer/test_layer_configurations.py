@@ -1,5 +1,8 @@
 """Layer configurations whose BackPACK derivatives are wrong or crash are refused.
 
+Also one weight in two modules (weight tying): BackPACK computes each module's
+quantities apart, so the curvature would be that of one use.
+
 BackPACK's convolution derivatives take the padding as numbers of zeros: for
 ``padding="same"`` or ``padding_mode="circular"`` they give a silently wrong GGN (2–9 %
 off in the eigenvalues, a step 50 % off), also for the layers before such a
@@ -31,6 +34,7 @@ class Mistake:
     error: type[Exception]
     match: str
     frozen: tuple[int, ...] = field(default=())  # layers whose parameters are frozen
+    tied: tuple[int, ...] = field(default=())  # layers that share the first's weight
     dtype: torch.dtype = torch.float64
 
 
@@ -87,6 +91,23 @@ MISTAKES = [
         NotImplementedError,
         r"ConvTranspose2d\(output_padding=\(1, 1\)\) is not supported",
     ),
+    *(
+        Mistake(
+            f"tied-weights-{'with' if bias else 'without'}-biases",
+            (
+                nn.Linear(4, 4, bias=bias),
+                nn.Tanh(),
+                nn.Linear(4, 4, bias=bias),
+                nn.Tanh(),
+                nn.Linear(4, 3),
+            ),
+            (4,),
+            NotImplementedError,
+            r"shape \(4, 4\) is used by two modules \(weight tying",
+            tied=(0, 2),
+        )
+        for bias in (True, False)
+    ),
     Mistake(
         "embedding-in-float64",
         (nn.Embedding(5, 4), nn.Flatten(), nn.Linear(8, 3)),
@@ -102,6 +123,8 @@ def _build(mistake: Mistake) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     model = extend(nn.Sequential(*mistake.layers).to(mistake.dtype))
     for index in mistake.frozen:
         model[index].requires_grad_(False)
+    for index in mistake.tied[1:]:
+        model[index].weight = model[mistake.tied[0]].weight
     generator = torch.Generator().manual_seed(0)
     if isinstance(mistake.layers[0], nn.Embedding):
         inputs = torch.randint(0, 5, (6, *mistake.input_shape), generator=generator)
