@@ -78,12 +78,14 @@ def refreshed_layers(
     Raises:
         RuntimeError: For a trainable parameter with a gradient that no curvature
             reached.
+        ValueError: For a layer split between groups.
     """
     basis_policy = option.basis
     assert isinstance(basis_policy, KroneckerBasis)
     decay = 0.0 if option.averaging is None else option.averaging.decay
     shapes: dict[tuple, list[LayerFactors]] = {}
     covered: set[int] = set()
+    _check_whole_layers(group, factors)
     for param in group["params"]:
         layer = factors.get(id(param))
         if layer is None:
@@ -106,6 +108,27 @@ def refreshed_layers(
         _refreshed_batch(members, state, basis_policy, decay, stats.get(UPDATES, 0))
         for members in shapes.values()
     ]
+
+
+def _check_whole_layers(
+    group: dict[str, Any], factors: dict[int, LayerFactors]
+) -> None:
+    """Refuse a layer whose weight and bias are in different groups.
+
+    Raises:
+        ValueError: If one of the group's parameters shares its layer with a
+            parameter of another group.
+    """
+    members = {id(p) for p in group["params"]}
+    for layer in factors.values():
+        pair = [p for p in (layer.weight, layer.bias) if p is not None]
+        if len({id(p) in members for p in pair}) > 1:
+            raise ValueError(
+                "A layer's weight and bias are in different parameter groups: the "
+                "Kronecker basis steps each layer as one block (its bias is a "
+                "column of the input factor). Put them in one group, or use "
+                "GramBasis() for groups that split layers."
+            )
 
 
 def _shape_key(layer: LayerFactors) -> tuple:

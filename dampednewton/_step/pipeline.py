@@ -42,6 +42,7 @@ from dampednewton._step.records import (
     REFRESH_DUE,
     REFRESH_LOSS,
     StepRecorder,
+    check_basis_unchanged,
     empty_group_stats,
     store_factors,
 )
@@ -112,6 +113,7 @@ class Pipeline:
         they were (:class:`~dampednewton._step.guard.StepRollback`).
         """
         options, shared = self.validated.get(groups)
+        check_basis_unchanged(state.get(GROUPS, ()), shared.kronecker)
         step_index = state[GLOBAL]["step"]
         active = (
             monitor if monitor is not None and monitor.is_active(step_index) else None

@@ -91,6 +91,39 @@ def store_factors(
                 stats[FROZEN] = step.frozen.as_dict()
 
 
+def check_basis_unchanged(
+    group_stats: Sequence[dict[str, Any]], kronecker: bool
+) -> None:
+    """Refuse a group whose basis changed since its last step.
+
+    The two bases keep different curvature in the state: a group stepped with one
+    cannot continue with the other.
+
+    Args:
+        group_stats: Every group's statistics.
+        kronecker: Whether the groups now have the Kronecker basis.
+
+    Raises:
+        ValueError: For a group whose statistics are the other basis'.
+    """
+    other, name = (
+        ("curvature_weights", "GramBasis")
+        if kronecker
+        else (
+            "kronecker_layers",
+            "KroneckerBasis",
+        )
+    )
+    for index, stats in enumerate(group_stats):
+        if other in stats:
+            raise ValueError(
+                f"Parameter group {index} was stepped with {name}: a group's basis "
+                "cannot change during training, the two keep different curvature. "
+                "Create a new DampedNewton with the other basis (its curvature and "
+                "momentum start afresh)."
+            )
+
+
 def empty_group_stats() -> dict[str, Any]:
     """The statistics of a group that has not stepped yet.
 

@@ -254,12 +254,31 @@ def check_plain_loss_call(
     Raises:
         ValueError: For an option BackPACK's GGN does not support
             (:func:`check_loss_options`).
+        RuntimeError: Under ``torch.autocast``.
     """
     if not isinstance(loss, _Loss):
         return
     check_loss_options(loss)
+    if inputs and _autocast_enabled(inputs[0].device.type):
+        raise RuntimeError(
+            "The closure runs under torch.autocast, whose mixed dtypes BackPACK "
+            "cannot back-propagate (refused at every step, also between curvature "
+            "refreshes). Run the closure without autocast and hold the model in "
+            "half precision instead (model.to(torch.bfloat16)): DampedNewton "
+            "computes its curvature and step in float32."
+        )
     if deferred is not None and inputs:
         deferred.local_samples += inputs[0].shape[0]
     if len(inputs) > 1:
         check_loss_shapes(loss, inputs[0], inputs[1])
         check_targets(loss, deferred, inputs[1])
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for the device type (torch 2.4's API too)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # before the device_type argument
+        if device_type == "cpu":
+            return torch.is_autocast_cpu_enabled()
+        return torch.is_autocast_enabled()

@@ -16,7 +16,7 @@ import torch
 from backpack import extend
 from torch import nn
 
-from dampednewton import DampedNewton, KroneckerBasis, NoiseFilter
+from dampednewton import DampedNewton, GramBasis, KroneckerBasis, NoiseFilter
 from tests.assertions import assert_close
 from tests.utils import EXACT_VIVIT_STEP, flat, make_closure, reference_step
 
@@ -138,27 +138,33 @@ def test_a_bfloat16_checkpoint_keeps_the_float32_state_and_resumes_bitwise(basis
         assert torch.equal(mine, theirs)
 
 
-def test_autocast_is_refused_with_the_half_precision_model_instead():
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+@pytest.mark.parametrize("steps_before", [0, 2], ids=["refresh", "between"])
+def test_autocast_is_refused_with_the_half_precision_model_instead(steps_before, basis):
+    """On every step: at a refresh, and switched on between refreshes."""
     generator = torch.Generator().manual_seed(0)
     model = extend(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)))
     loss_fn = extend(nn.CrossEntropyLoss())
     inputs = torch.randn(8, 6, generator=generator)
     targets = torch.randint(0, 3, (8,), generator=generator)
-    optimizer = DampedNewton(model.parameters(), seed=0)
-    before = [p.detach().clone() for p in model.parameters()]
+    options = {"basis": GramBasis()} if basis == "gram" else {}
+    optimizer = DampedNewton(model.parameters(), seed=0, **options)
 
-    def closure():
+    def closure(autocast: bool):
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = loss_fn(model(inputs), targets)
         loss.backward()
         return loss
 
+    for _ in range(steps_before):
+        optimizer.step(lambda: closure(False))
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(
         RuntimeError, match=r"(?s)autocast.*model\.to\(torch\.bfloat16\)"
     ):
-        optimizer.step(closure)
+        optimizer.step(lambda: closure(True))
     assert all(
         torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)
     )
-    assert optimizer.state["global"]["step"] == 0
+    assert optimizer.state["global"]["step"] == steps_before
