@@ -20,6 +20,7 @@ from dampednewton._step.checkpoint import (
     without_parameter_tensors,
 )
 from dampednewton._step.closure import CLOSURE_PATTERN
+from dampednewton._step.defaults import BASIS_DEFAULT, basis_defaults
 from dampednewton._step.guard import check_not_inference_mode
 from dampednewton._step.options import (
     GroupOptions,
@@ -27,65 +28,17 @@ from dampednewton._step.options import (
     check_known_keys,
     check_nonfinite,
     check_process_group,
+    warn_ignored_options,
 )
 from dampednewton._step.pipeline import GLOBAL, GROUPS, Pipeline
 from dampednewton._step.records import empty_group_stats
 from dampednewton._step.seeding import SeededGenerator
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.policies.basis import Basis, KroneckerBasis, as_basis
+from dampednewton.policies.basis import Basis, KroneckerBasis
 from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature
 from dampednewton.policies.criteria import Criterion
-from dampednewton.policies.damping import Damping, LevenbergMarquardt
-
-DEFAULT_DAMPING = 0.1
-"""Initial ``δ`` of the Gram basis' default Levenberg-Marquardt damping."""
-DEFAULT_DAMPING_INTERVAL = 5
-"""Steps between adaptations of that damping (K-FAC's T₃)."""
-
-
-class _BasisDefault:
-    """The marker of an option whose default depends on the basis."""
-
-    def __repr__(self) -> str:
-        return "<the basis' default>"
-
-
-BASIS_DEFAULT: Any = _BasisDefault()
-"""Default of ``newton_fraction``, ``averaging``, ``kl_clip``, ``momentum`` and
-``weight_decay``: the value of :func:`basis_defaults` for the constructor's
-``basis``."""
-
-
-def basis_defaults(basis: Basis) -> dict[str, Any]:
-    """The options tuned for a basis (by time to target; see docs/benchmarks.md).
-
-    Args:
-        basis: :class:`KroneckerBasis` or :class:`GramBasis`.
-
-    Returns:
-        ``damping``, ``newton_fraction``, ``averaging``, ``kl_clip``,
-        ``momentum`` and ``weight_decay`` (new policy objects on every call).
-    """
-    if isinstance(as_basis(basis), KroneckerBasis):
-        return {
-            "damping": 3e-3,
-            "newton_fraction": 1.0,
-            "averaging": CurvatureAveraging(decay=0.95, interval=15),
-            "kl_clip": 1e-3,
-            "momentum": 0.5,
-            "weight_decay": 1e-3,
-        }
-    return {
-        "damping": LevenbergMarquardt(
-            value=DEFAULT_DAMPING, interval=DEFAULT_DAMPING_INTERVAL
-        ),
-        "newton_fraction": 0.3,
-        "averaging": CurvatureAveraging(),
-        "kl_clip": 1.0,
-        "momentum": 0.0,
-        "weight_decay": 0.0,
-    }
+from dampednewton.policies.damping import Damping
 
 
 class DampedNewton(Optimizer):
@@ -208,10 +161,10 @@ class DampedNewton(Optimizer):
         params: Iterable[Tensor] | Iterable[dict],
         lr: float = 1.0,
         damping: float | Damping | None = None,
-        criterion: int | Criterion = 20,
+        criterion: int | Criterion = BASIS_DEFAULT,
         *,
         basis: Basis = KroneckerBasis(),  # noqa: B008
-        complement: float | ComplementPolicy | None = SmallestCurvature(),  # noqa: B008
+        complement: float | ComplementPolicy | None = BASIS_DEFAULT,
         newton_fraction: float = BASIS_DEFAULT,
         averaging: CurvatureAveraging | None = BASIS_DEFAULT,
         kl_clip: float | None = BASIS_DEFAULT,
@@ -233,6 +186,11 @@ class DampedNewton(Optimizer):
             ValueError: For invalid hyperparameters.
             TypeError: For hyperparameters of the wrong type.
         """
+        warn_ignored_options(basis, criterion=criterion, complement=complement)
+        if criterion is BASIS_DEFAULT:
+            criterion = 20
+        if complement is BASIS_DEFAULT:
+            complement = SmallestCurvature()
         tuned = basis_defaults(basis)
         if damping is None:
             damping = tuned["damping"]
@@ -285,8 +243,14 @@ class DampedNewton(Optimizer):
         """
         check_known_keys(param_group, self.defaults)
         super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for key in ("subsampling_ggn", "subsampling_grad"):
+            # Plain lists: a Hydra ListConfig or a range would not load with
+            # torch.load(weights_only=True).
+            if group[key] is not None and not isinstance(group[key], list):
+                group[key] = list(group[key])
         try:
-            GroupOptions.from_group(self.param_groups[-1])
+            GroupOptions.from_group(group)
             SharedOptions.from_groups(self.param_groups)
         except (ValueError, TypeError):
             self.param_groups.pop()
@@ -298,7 +262,7 @@ class DampedNewton(Optimizer):
     # step requires a closure and returns its Tensor loss.
     def step(  # type: ignore[override]
         self, closure: Callable[[], Tensor] | None = None
-    ) -> Tensor:
+    ) -> Tensor | None:
         """Run the closure in a BackPACK context and take a damped Newton step.
 
         Args:
@@ -306,7 +270,9 @@ class DampedNewton(Optimizer):
                 returns the loss. Required.
 
         Returns:
-            The loss returned by the closure (before the update).
+            The loss returned by the closure (before the update); ``None`` when it
+            returned ``None`` without a backward pass (Lightning's skipped batch,
+            ``training_step`` returning ``None``): no step is taken then.
 
         Raises:
             RuntimeError: Without a closure, inside ``torch.inference_mode()``,
@@ -396,11 +362,10 @@ class DampedNewton(Optimizer):
             self._pipeline.seeded.load_state_dict(extra, self._device())
 
     def __getstate__(self) -> dict[str, Any]:
-        """``torch.optim``'s pickled state, and what rebuilds the step's machinery.
+        """``torch.optim``'s pickled state and what rebuilds the step's machinery.
 
-        A copy (``copy.deepcopy``, ``pickle``) keeps the monitor, the ``nonfinite``
-        policy and the Monte-Carlo generator's state, and steps as the original
-        would; its process group is the default one (as for ``process_group=None``).
+        A copy (``copy.deepcopy``, ``pickle``) steps as the original; its process
+        group is the default one (as for ``process_group=None``).
         """
         state = super().__getstate__()
         pipeline = self._pipeline
@@ -412,11 +377,7 @@ class DampedNewton(Optimizer):
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Restore a copy made through :meth:`__getstate__`.
-
-        ``torch.optim``'s ``load_state_dict`` sets its state through here too,
-        without the machinery, which then stays.
-        """
+        """Restore a copy (``load_state_dict`` passes no machinery: it stays)."""
         state = dict(state)
         pipeline = state.pop("pipeline", None)
         super().__setstate__(state)

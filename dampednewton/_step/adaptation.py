@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dampednewton._step.guard import STACKLEVEL_OF_CALLER
 from dampednewton._step.quadratic_model import StepModel, predicted_change
 from dampednewton.backpack.backward import quiet_backward_hook_warning
 from dampednewton.policies.damping import AdaptiveDamping
@@ -49,7 +51,8 @@ _ADAPTED_BY: dict[int, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
 def claim(policies: Iterable[AdaptiveDamping], owner: object) -> None:
     """Record ``owner`` as the one that adapts each policy; refuse another's policy.
 
-    Policies that cannot be weakly referenced go unchecked.
+    Policies that cannot be weakly referenced go unchecked. A policy that an earlier
+    optimizer adapted continues from its state, with a warning.
 
     Args:
         policies: Distinct adaptive policies (:func:`distinct_adaptive`).
@@ -80,6 +83,14 @@ def claim(policies: Iterable[AdaptiveDamping], owner: object) -> None:
             policy_ref = weakref.ref(policy)
         except TypeError:
             continue
+        if entry is not None and entry[0]() is policy:
+            warnings.warn(
+                f"This {type(policy).__name__} object was adapted by an earlier "
+                f"DampedNewton optimizer ({policy}): this one continues from its "
+                "state. For a fresh start pass a new one (with Hydra: instantiate "
+                "the optimizer's config anew rather than calling a stored partial).",
+                stacklevel=STACKLEVEL_OF_CALLER + 1,
+            )
         _ADAPTED_BY[id(policy)] = (policy_ref, weakref.ref(owner))
         weakref.finalize(policy, _ADAPTED_BY.pop, id(policy), None)
 

@@ -120,6 +120,15 @@ def check_not_inference_mode() -> None:
         )
 
 
+class ClosureReturnedNone(TypeError):
+    """The closure returned ``None`` instead of the loss.
+
+    Without a backward pass (no gradient), Lightning's way to skip a batch
+    (``training_step`` returning ``None``): the step is skipped, as ``torch.optim``
+    skips parameters without gradients. Otherwise a mistake (a missing ``return``).
+    """
+
+
 def check_loss_type(loss: object) -> None:
     """Refuse a closure that did not return the loss tensor.
 
@@ -130,6 +139,11 @@ def check_loss_type(loss: object) -> None:
         TypeError: If it is not a tensor.
         ValueError: If it is not a single number.
     """
+    if loss is None:
+        raise ClosureReturnedNone(
+            "The closure must return the loss tensor, got None (it back-propagated: "
+            "a missing `return loss`?)."
+        )
     if not isinstance(loss, Tensor):
         raise TypeError(
             f"The closure must return the loss tensor, got {type(loss).__name__}."

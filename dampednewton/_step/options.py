@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
+from dampednewton._step.defaults import BASIS_DEFAULT
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.distributed import Communicator, resolve_process_group
 from dampednewton.policies.basis import (
@@ -57,6 +59,29 @@ EXTRA_GROUP_KEYS = (
     "base_momentum",
     "swa_lr",
 )
+
+
+def warn_ignored_options(basis: Any, **gram_options: Any) -> None:
+    """Warn about the Gram basis' options given to the Kronecker basis.
+
+    Args:
+        basis: The constructor's basis.
+        **gram_options: ``criterion`` and ``complement`` as given
+            (:data:`BASIS_DEFAULT` when not).
+    """
+    if not isinstance(as_basis(basis), KroneckerBasis):
+        return
+    given = sorted(
+        name for name, value in gram_options.items() if value is not BASIS_DEFAULT
+    )
+    if given:
+        warnings.warn(
+            f"Options of the Gram basis' directions ({', '.join(given)}) have no "
+            "effect with the Kronecker basis (the default): it steps along every "
+            "pair of its factors' eigenvectors (their number: KroneckerBasis("
+            "rank=..., exact_size=...)). Pass basis=GramBasis() to use them.",
+            stacklevel=3,
+        )
 
 
 def check_nonfinite(mode: Any) -> str:

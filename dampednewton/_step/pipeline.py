@@ -27,6 +27,7 @@ from dampednewton._step.amortized import (
 from dampednewton._step.closure import run_closure
 from dampednewton._step.guard import (
     STACKLEVEL_OF_CALLER,
+    ClosureReturnedNone,
     GeneratorSnapshot,
     StepRollback,
     check_loss_type,
@@ -106,8 +107,11 @@ class Pipeline:
         groups: Groups,
         state: State,
         monitor: DiagnosticsMonitor | None,
-    ) -> Tensor:
+    ) -> Tensor | None:
         """Take one step on ``groups`` and ``state``; return the closure's loss.
+
+        ``None`` when the closure returned ``None`` without back-propagating (a
+        skipped batch): nothing changes.
 
         A step that raises leaves the parameters, the state and the generator as
         they were (:class:`~dampednewton._step.guard.StepRollback`).
@@ -146,6 +150,13 @@ class Pipeline:
             return self._full_step(
                 closure, groups, options, shared, state, active, not between
             )
+        except ClosureReturnedNone:
+            if rollback.restore(state[GLOBAL]["step"]):
+                self.clear()
+            params = (p for group in groups for p in group["params"])
+            if self.communicator is not None or any(p.grad is not None for p in params):
+                raise
+            return None  # a skipped batch: nothing back-propagated, nothing moves
         except BaseException:
             if rollback.restore(state[GLOBAL]["step"]):
                 self.clear()

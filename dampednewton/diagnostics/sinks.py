@@ -39,6 +39,7 @@ monitor only (Lightning's loggers write on rank 0 by themselves).
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -304,9 +305,15 @@ class LightningLoggerSink:
 
         Raises:
             ImportError: If ``arrays`` is set and Lightning is not installed.
-            ValueError: If ``arrays`` is set and the logger is not a
-                ``TensorBoardLogger``.
+            ValueError: If there is no logger, or ``arrays`` is set and it is not
+                a ``TensorBoardLogger``.
         """
+        if logger is None:
+            raise ValueError(
+                "LightningLoggerSink got no logger (a Trainer(logger=False) has "
+                "none): give the Trainer a logger, or write the records with "
+                "TensorBoardSink(log_dir) instead."
+            )
         if arrays and not _is_tensorboard_logger(logger):
             raise ValueError(
                 f"{type(logger).__name__} cannot show histograms; use a "
@@ -343,11 +350,16 @@ def _summary_writer(log_dir: str | os.PathLike[str]) -> SummaryWriter:
 
 
 def _is_tensorboard_logger(logger: object) -> bool:
-    try:
-        from lightning.fabric.loggers import TensorBoardLogger
-    except ImportError as error:
+    """Whether ``logger`` is a TensorBoard logger (``lightning`` or standalone)."""
+    classes = []
+    for module in ("lightning.fabric.loggers", "lightning_fabric.loggers"):
+        try:
+            classes.append(importlib.import_module(module).TensorBoardLogger)
+        except ImportError:
+            continue
+    if not classes:
         raise ImportError(
             "LightningLoggerSink needs Lightning: pip install "
             '"dampednewton[lightning]" (or pip install lightning).'
-        ) from error
-    return isinstance(logger, TensorBoardLogger)
+        )
+    return isinstance(logger, tuple(classes))

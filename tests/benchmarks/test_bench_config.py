@@ -291,3 +291,13 @@ def test_problem_presets_compare_the_optimizers_and_peers_on_half_decade_grids(
             assert high / low == pytest.approx(10**0.5, rel=0.06), f"{name}: {values}"
     if preset.startswith("fmnist"):
         assert gpu.problem.batch_size == 128
+
+
+def test_a_list_override_loads_from_a_weights_only_checkpoint(compose_config, tmp_path):
+    """Hydra gives ListConfigs: the optimizer keeps plain lists in its groups."""
+    cfg = compose_config(["optimizer=dampednewton", "optimizer.subsampling_ggn=[0,2]"])
+    model = torch.nn.Linear(3, 2)
+    optimizer = instantiate(cfg.optimizer)(model.parameters())
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer.pt")
+    loaded = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    assert loaded["param_groups"][0]["subsampling_ggn"] == [0, 2]

@@ -121,6 +121,7 @@ class Classifier(pl.LightningModule):
 def plain_loop(
     steps: int,
     after_backward: Callable[[nn.Module], object] | None = None,
+    skip: Callable[[int], bool] | None = None,
     **optimizer_settings: Any,
 ) -> tuple[nn.Module, DampedNewton, list[float]]:
     """Train the same model on the same batches with the README's closure loop.
@@ -128,6 +129,7 @@ def plain_loop(
     Args:
         steps: Optimizer steps (the batches repeat epoch after epoch).
         after_backward: Called with the model after ``loss.backward()`` (clipping).
+        skip: Whether to skip the batch of a step (no step taken).
         **optimizer_settings: Overrides of :data:`OPTIMIZER_SETTINGS`.
 
     Returns:
@@ -139,7 +141,9 @@ def plain_loop(
         model.parameters(), **{**OPTIMIZER_SETTINGS, **optimizer_settings}
     )
     losses: list[float] = []
-    for inputs, targets in _cycle(make_batches(), steps):
+    for step, (inputs, targets) in enumerate(_cycle(make_batches(), steps)):
+        if skip is not None and skip(step):
+            continue
 
         def closure(inputs: Tensor = inputs, targets: Tensor = targets) -> Tensor:
             optimizer.zero_grad()

@@ -176,3 +176,24 @@ def test_model_checkpoint_resumes_bitwise(tmp_path):
     assert_same_state(
         resumed_trainer.optimizers[0].state_dict(), whole.optimizers[0].state_dict()
     )
+
+
+class SkippingClassifier(Classifier):
+    """Skips every batch of index 1 (Lightning: ``training_step`` returns None)."""
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_batch_skipped_by_training_step_takes_no_step():
+    """The run equals the closure loop over the batches that were not skipped."""
+    module = SkippingClassifier()
+    fit(module, STEPS)
+    model, optimizer, losses = plain_loop(STEPS, skip=lambda step: step % 4 == 1)
+    assert module.losses == losses
+    assert_parameters_equal(list(module.model.parameters()), list(model.parameters()))
+    assert_same_state(
+        module.optimizers().optimizer.state_dict(), optimizer.state_dict()
+    )

@@ -264,3 +264,16 @@ def test_lightning_logger_without_histograms(tmp_path):
     for row, record in zip(rows, log, strict=True):
         for key, value in split_record(record).scalars.items():
             assert float(row[key]) == value, key
+
+
+def test_lightning_logger_sink_refuses_a_trainer_without_logger():
+    with pytest.raises(ValueError, match=r"logger=False.*TensorBoardSink"):
+        LightningLoggerSink(None, arrays=False)
+
+
+def test_the_standalone_pytorch_lightning_tensorboard_logger_gets_histograms(tmp_path):
+    standalone = pytest.importorskip("pytorch_lightning.loggers")
+    logger = standalone.TensorBoardLogger(tmp_path, name="run")
+    log = train_with_sinks(LightningLoggerSink(logger))
+    logger.experiment.flush()
+    assert_written(read_events(logger.log_dir), log)

@@ -148,7 +148,8 @@ def test_a_policy_adapted_by_another_optimizer_is_refused(basis):
     """Two optimizers of one LM object: the second step refuses, changing nothing.
 
     Both would move one ``δ`` by their own steps. Once the first optimizer is gone
-    (a notebook cell run again), the object serves the next one.
+    (a notebook cell run again, a stored Hydra partial called again), the object
+    serves the next one, which continues from its adapted state with a warning.
     """
     options = BATCH_GGN if basis == "gram" else {}
     case = build_case(PROBLEM["mlp-ce"])
@@ -169,5 +170,6 @@ def test_a_policy_adapted_by_another_optimizer_is_refused(basis):
     assert (policy.value, policy.updates) == (value, updates)
     assert second.state["global"]["step"] == 0
     del first
-    second.step(make_closure(second, case.model, case.loss_fn, case.X, case.y))
+    with pytest.warns(UserWarning, match="adapted by an earlier DampedNewton"):
+        second.step(make_closure(second, case.model, case.loss_fn, case.X, case.y))
     assert policy.updates == updates + 1

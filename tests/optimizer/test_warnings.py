@@ -14,7 +14,12 @@ import torch
 from backpack import backpack
 from packaging.version import Version
 
-from dampednewton import DampedNewton, EigvalshComputation, LevenbergMarquardt
+from dampednewton import (
+    DampedNewton,
+    EigvalshComputation,
+    GramBasis,
+    LevenbergMarquardt,
+)
 from dampednewton.backpack.backward import FULL_BACKWARD_HOOK_WARNING
 from dampednewton.diagnostics import GSNR, DiagnosticsMonitor
 from tests.cases import PROBLEMS, readme_problem
@@ -172,3 +177,20 @@ def test_the_computations_keep_backpacks_own_warning():
 
     messages = [str(w.message) for w in recorded(scaled_backward)]
     assert any("seems to have been modified" in m for m in messages), messages
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"criterion": 8}, {"complement": None}, {"complement": 0.5}],
+    ids=["criterion", "no-complement", "complement"],
+)
+def test_gram_options_given_to_the_kronecker_basis_warn(options):
+    """They would do nothing; the defaults and the Gram basis stay silent."""
+    params = [torch.nn.Parameter(torch.ones(2))]
+    name = next(iter(options))
+    with pytest.warns(UserWarning, match=rf"directions \({name}\) have no effect"):
+        DampedNewton(params, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DampedNewton(params)
+        DampedNewton(params, basis=GramBasis(), **options)
