@@ -36,6 +36,7 @@ from dampednewton._step.seeding import SeededGenerator
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.policies.basis import Basis, KroneckerBasis
+from dampednewton.policies.checks import check_subsampling
 from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature
 from dampednewton.policies.criteria import Criterion
 from dampednewton.policies.damping import Damping
@@ -186,7 +187,7 @@ class DampedNewton(Optimizer):
             ValueError: For invalid hyperparameters.
             TypeError: For hyperparameters of the wrong type.
         """
-        warn_ignored_options(basis, criterion=criterion, complement=complement)
+        gram_options = {"criterion": criterion, "complement": complement}
         if criterion is BASIS_DEFAULT:
             criterion = 20
         if complement is BASIS_DEFAULT:
@@ -229,6 +230,7 @@ class DampedNewton(Optimizer):
         self._pipeline = Pipeline(check_nonfinite(nonfinite), communicator, seeded)
         super().__init__(params, defaults)
         self.state[GLOBAL] = {"step": 0, "skipped_steps": 0}
+        warn_ignored_options(self.param_groups[0]["basis"], **gram_options)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group (one GGN block) after validating its settings.
@@ -244,14 +246,13 @@ class DampedNewton(Optimizer):
         check_known_keys(param_group, self.defaults)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        for key in ("subsampling_ggn", "subsampling_grad"):
-            # Plain lists: a Hydra ListConfig or a range would not load with
-            # torch.load(weights_only=True).
-            if group[key] is not None and not isinstance(group[key], list):
-                group[key] = list(group[key])
         try:
             GroupOptions.from_group(group)
             SharedOptions.from_groups(self.param_groups)
+            for key in ("subsampling_ggn", "subsampling_grad"):
+                # Checked plain lists: a Hydra ListConfig or a range would not
+                # load with torch.load(weights_only=True).
+                group[key] = check_subsampling(group[key], key)
         except (ValueError, TypeError):
             self.param_groups.pop()
             raise
@@ -365,11 +366,11 @@ class DampedNewton(Optimizer):
         """``torch.optim``'s pickled state and what rebuilds the step's machinery.
 
         A copy (``copy.deepcopy``, ``pickle``) steps as the original; its process
-        group is the default one (as for ``process_group=None``).
+        group is the default one (``process_group=None``), and it has no diagnostics
+        monitor (one watches its own parameters: attach a new one).
         """
         state = super().__getstate__()
         pipeline = self._pipeline
-        state["monitor"] = self.monitor
         state["pipeline"] = {
             "nonfinite": pipeline.nonfinite,
             "generator": pipeline.seeded.state_dict(self._device()),
@@ -383,6 +384,7 @@ class DampedNewton(Optimizer):
         super().__setstate__(state)
         if pipeline is None:
             return
+        self.monitor = None
         seeded = SeededGenerator(pipeline["generator"]["seed"])
         seeded.load_state_dict(pipeline["generator"], self._device())
         communicator = check_process_group(None, self.monitor)

@@ -88,7 +88,7 @@ def step_function(device: torch.device, diagnostics: list | None) -> Callable[[]
 def newton_step_function(
     device: torch.device, mc_samples: int, diagnostics: list | None
 ) -> Callable[[], object]:
-    """One ``DampedNewton`` step (top-10, constant damping), optionally monitored."""
+    """One ``DampedNewton`` step (defaults, constant damping), optionally monitored."""
     X, y = make_data(device)
     model, loss_fn = extend(make_model(device)), extend(nn.CrossEntropyLoss())
     monitor = (
@@ -100,7 +100,6 @@ def newton_step_function(
         model.parameters(),
         lr=1e-3,
         damping=1e-2,
-        criterion=10,
         mc_samples=mc_samples,
         monitor=monitor,
         seed=0,

@@ -239,8 +239,9 @@ class KroneckerSteps:
             )
         for index, refreshed in fresh.items():
             batches = commit_layers(refreshed, groups[index], stats[index], state)
-            if batches is None:  # read from the state at the next step
+            if batches is None:  # a layer kept its basis: all read from the state
                 self._batches.pop(index, None)
+                self._batches_of(index, groups[index], stats[index], state)
             else:
                 self._batches[index] = batches
         if fresh:

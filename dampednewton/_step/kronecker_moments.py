@@ -78,11 +78,16 @@ def stored_moments(
         basis: The layer's basis of this step.
 
     Returns:
-        The moments, or ``None``.
+        The moments, or ``None`` (also where the layer's factors changed shape).
     """
     old_output = entry.get(f"{OUTPUT_EIGEN}_vectors")
     old_inputs = entry.get(f"{INPUT_EIGEN}_vectors")
     if FIRST_MOMENT not in entry or old_output is None or old_inputs is None:
+        return None
+    new_output, new_inputs = basis.output.vectors, basis.inputs.vectors
+    if old_output.shape[0] != new_output.shape[0] or (
+        old_inputs.shape[0] != new_inputs.shape[0]
+    ):  # the layer's factors changed shape (a bias frozen or unfrozen): restart
         return None
     moments = DirectionMoments(
         entry[FIRST_MOMENT],
@@ -90,7 +95,6 @@ def stored_moments(
         entry[FIRST_WEIGHT],
         entry[SECOND_WEIGHT],
     )
-    new_output, new_inputs = basis.output.vectors, basis.inputs.vectors
     if old_output is new_output and old_inputs is new_inputs:
         return moments
     return rotated(moments, new_output.T @ old_output, old_inputs.T @ new_inputs)

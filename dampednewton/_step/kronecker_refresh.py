@@ -337,11 +337,11 @@ def commit_layers(
             )
     # A layer this step's forward pass did not use keeps its basis for the next steps.
     params = group["params"]
-    refreshed_positions = {i for pair in pairs for i in pair}
+    refreshed_positions = {i for pair in pairs for i in pair if i is not None}
     kept = [
         pair
         for pair in stats.get(LAYERS, ())
-        if refreshed_positions.isdisjoint(pair)
+        if refreshed_positions.isdisjoint(i for i in pair if i is not None)
         and all(
             params[i].requires_grad and params[i].grad is None
             for i in pair

@@ -63,11 +63,17 @@ def check_subsampling(indices: Sequence[int] | None, name: str) -> list[int] | N
 
     Raises:
         ValueError: If the indices are empty, negative or repeated.
-        TypeError: If an index is not an integer.
+        TypeError: If the indices are no sequence, or an index is not an integer.
     """
     if indices is None:
         return None
-    indices = list(indices)
+    try:
+        indices = list(indices)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be a sequence of sample indices (e.g. range(32)) or None, "
+            f"got {indices!r}."
+        ) from None
     if not indices:
         raise ValueError(f"{name} is empty; use None for all samples.")
     for index in indices:

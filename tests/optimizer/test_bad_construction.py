@@ -235,6 +235,11 @@ ADD_GROUP_CASES = {
         ValueError,
         "'subsampling_grad' must be",
     ),
+    "subsampling-ggn-not-a-sequence": (
+        {"subsampling_ggn": 4},
+        TypeError,
+        r"subsampling_ggn must be a sequence of sample indices \(e.g. range\(32\)\)",
+    ),
     "parameter-in-two-groups": ({"first": True}, ValueError, "more than one"),
 }
 

@@ -217,3 +217,27 @@ def test_noise_filter_settings_say_what_to_do():
     basis = KroneckerBasis(noise_filter=NoiseFilter(0.9, 0.99, 0.2))
     assert pickle.loads(pickle.dumps(basis)) == basis
     assert isinstance(GramBasis(), GramBasis)  # the Gram basis has no filter field
+
+
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_moments_start_anew_when_a_bias_is_frozen_or_unfrozen(change):
+    """The layer's factors change shape at the next refresh: so do its moments."""
+    case = build_case(case_by_id("mlp-ce"))
+    first = case.model[0]
+    first.bias.requires_grad_(change == "freeze")
+    optimizer = DampedNewton(
+        case.model.parameters(),
+        basis=KroneckerBasis(noise_filter=FILTER),
+        averaging=CurvatureAveraging(interval=2, ramp=False),
+        seed=0,
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    for _ in range(3):  # refreshes at steps 0 and 2
+        optimizer.step(closure)
+    first.bias.requires_grad_(change == "unfreeze")
+    optimizer.step(closure)  # step 3, between refreshes
+    optimizer.step(closure)  # step 4 refreshes: the moments start again
+    assert optimizer.state[first.weight]["noise_filter_first_weight"] == pytest.approx(
+        1 - FILTER.beta1, rel=1e-14
+    )
+    optimizer.step(closure)

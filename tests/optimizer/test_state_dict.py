@@ -17,6 +17,7 @@ from dampednewton import (
     RelativeThreshold,
     TopK,
 )
+from dampednewton.diagnostics import GSNR, DiagnosticsMonitor
 from tests.cases import PROBLEMS
 from tests.utils import (
     VIVIT_STEP,
@@ -226,3 +227,22 @@ def test_a_copied_optimizer_steps_as_the_original(basis: str, how: str):
     run(copied, twin, STEPS_AFTER)
     assert_parameters_equal(list(model.parameters()), list(original.model.parameters()))
     assert_same_state(snapshot(copied), snapshot(optimizer))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_monitored_optimizer_has_no_monitor_and_steps(how: str):
+    """A monitor watches its own parameters: the copy steps without one."""
+    original = build_case(MLP_CE)
+    monitor = DiagnosticsMonitor([GSNR()], original.model.named_parameters())
+    optimizer = DampedNewton(original.model.parameters(), seed=1, monitor=monitor)
+    run(optimizer, original, STEPS_BEFORE)
+    if how == "deepcopy":
+        model, copied = copy.deepcopy((original.model, optimizer))
+    else:
+        model, copied = pickle.loads(pickle.dumps((original.model, optimizer)))
+    assert copied.monitor is None and optimizer.monitor is monitor
+    twin = dataclasses.replace(original, model=model)
+    run(optimizer, original, STEPS_AFTER)
+    run(copied, twin, STEPS_AFTER)
+    assert_parameters_equal(list(model.parameters()), list(original.model.parameters()))
+    assert len(monitor.log) == STEPS_BEFORE + STEPS_AFTER

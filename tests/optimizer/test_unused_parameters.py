@@ -12,9 +12,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from backpack import extend
 from torch import Tensor
 
 from dampednewton import DampedNewton, GramBasis
+from dampednewton.diagnostics import GSNR, DiagnosticsMonitor
 from tests.cases import PROBLEMS
 from tests.utils import Case, build_case
 
@@ -101,3 +103,32 @@ def test_a_gram_group_used_in_part_is_refused_at_a_refresh():
     assert all(
         torch.equal(p, v) for p, v in zip(case.model.parameters(), values, strict=True)
     )
+
+
+def test_an_unused_layer_without_bias_keeps_its_basis_and_curvature_record():
+    """Bias-free layers too; the monitor's layer curvatures list every layer."""
+    torch.manual_seed(0)
+    model = extend(
+        torch.nn.Sequential(
+            torch.nn.Linear(6, 5, bias=False),
+            torch.nn.Tanh(),
+            torch.nn.Linear(5, 3, bias=False),
+        ).double()
+    )
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(16, 6, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, 3, (16,), generator=generator)
+    case = Case(
+        model, extend(torch.nn.CrossEntropyLoss()), model, None, inputs, targets
+    )
+    monitor = DiagnosticsMonitor([GSNR()], model.named_parameters())
+    optimizer = DampedNewton(model.parameters(), seed=0, monitor=monitor)
+    first = model[0].weight
+    for step in range(5):
+        unused = step in UNUSED_STEPS
+        value = first.detach().clone()
+        optimizer.step(_closure(optimizer, case, unused))
+        assert torch.equal(first, value) == unused
+        assert len(optimizer.state["groups"][0]["kronecker_layers"]) == 2
+        record = monitor.log[-1]
+        assert len(record["newton/layer_curvatures/group0"]) == 2

@@ -194,3 +194,4 @@ def test_gram_options_given_to_the_kronecker_basis_warn(options):
         warnings.simplefilter("error")
         DampedNewton(params)
         DampedNewton(params, basis=GramBasis(), **options)
+        DampedNewton([{"params": params, "basis": GramBasis()}], **options)
