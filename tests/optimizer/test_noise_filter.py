@@ -174,15 +174,20 @@ def test_a_floor_of_one_is_the_plain_step(twins, damping):
     assert_same_parameters(case.model, plain.model, rtol=1e-12, atol=1e-14)
 
 
-def test_moments_start_anew_after_steps_without_the_filter():
-    """Switched off across a refresh and on again: stale moments are not rotated."""
-    case = build_case(case_by_id("mlp-ce"))
-    optimizer = DampedNewton(
+def _filtered_every_second_step(case: Case) -> DampedNewton:
+    """The filter with refreshes at steps 0, 2, 4, ..."""
+    return DampedNewton(
         case.model.parameters(),
         basis=KroneckerBasis(noise_filter=FILTER),
         averaging=CurvatureAveraging(interval=2, ramp=False),
         seed=0,
     )
+
+
+def test_moments_start_anew_after_steps_without_the_filter():
+    """Switched off across a refresh and on again: stale moments are not rotated."""
+    case = build_case(case_by_id("mlp-ce"))
+    optimizer = _filtered_every_second_step(case)
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     (group,) = optimizer.param_groups
     weight = case.model[0].weight
@@ -225,12 +230,7 @@ def test_moments_start_anew_when_a_bias_is_frozen_or_unfrozen(change):
     case = build_case(case_by_id("mlp-ce"))
     first = case.model[0]
     first.bias.requires_grad_(change == "freeze")
-    optimizer = DampedNewton(
-        case.model.parameters(),
-        basis=KroneckerBasis(noise_filter=FILTER),
-        averaging=CurvatureAveraging(interval=2, ramp=False),
-        seed=0,
-    )
+    optimizer = _filtered_every_second_step(case)
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     for _ in range(3):  # refreshes at steps 0 and 2
         optimizer.step(closure)
