@@ -63,7 +63,8 @@ def summary_line(result: RunResult) -> str:
     if result.status == "failed":
         return f"{head}: FAILED {result.error} (traceback: {result.result_file})"
     if result.status == "diverged":
-        return f"{head}: DIVERGED ({result.divergence}) after {result.train_time:.1f} s"
+        label = "AT CHANCE LEVEL" if result.at_chance_level else "DIVERGED"
+        return f"{head}: {label} ({result.divergence}) after {result.train_time:.1f} s"
     step = recorded(result.step_time, "step_time").median
     per_step = f" ({1e3 * step:.3g} ms/step)" if step is not None else ""
     final = recorded(result.final, "final")

@@ -175,6 +175,7 @@ def _train_from_config(cfg: DictConfig, result: RunResult, output_dir: Path) -> 
     )
     result.memory = memory.read()
     result.divergence = log.divergence
+    result.at_chance_level = log.at_chance_level
     result.device = str(device)
     result.device_name = (
         torch.cuda.get_device_name(device)

@@ -113,6 +113,8 @@ class RunResult:
         step_time: Median time per step.
         memory: Peak memory (:mod:`benchmarks.measure`).
         divergence: Why the run counts as diverged (``None``: it did not).
+        at_chance_level: It counts as diverged for ending at chance level (a
+            budget too short to learn, or a setting that does not learn).
         device: The device, e.g. ``"cpu"``.
         device_name: The CUDA device's or the CPU's name.
         num_threads: ``torch.get_num_threads()`` during the job.
@@ -156,6 +158,7 @@ class RunResult:
     step_time: StepTime | None = None
     memory: MemoryReading | None = None
     divergence: str | None = None
+    at_chance_level: bool = False
     device: str | None = None
     device_name: str | None = None
     num_threads: int | None = None

@@ -71,6 +71,8 @@ class TrainingLog:
     Attributes:
         curves: The evaluations.
         step_times: Wall-clock seconds of every step taken.
+        at_chance_level: The run counts as diverged because it ended at chance
+            level, not because its loss blew up (a budget too short to learn).
         divergence: Why the run counts as diverged (``None``: it did not); see
             :func:`train`.
         steps_to_target: Per target of the protocol, the first evaluated step whose
@@ -83,6 +85,7 @@ class TrainingLog:
     curves: Curves = field(default_factory=Curves)
     step_times: list[float] = field(default_factory=list)
     divergence: str | None = None
+    at_chance_level: bool = False
     steps_to_target: list[int | None] = field(default_factory=list)
     time_to_target: list[float | None] = field(default_factory=list)
     resumed_from_step: int | None = None
@@ -303,6 +306,7 @@ def train(
             checkpointing.save(step, problem.model, optimizer, log)
     if not log.diverged and protocol.metric == "accuracy":
         log.divergence = _chance_level(protocol, problem.num_classes, log)
+        log.at_chance_level = log.diverged
     return log
 
 

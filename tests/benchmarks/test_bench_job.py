@@ -144,6 +144,7 @@ def test_finite_blowup_is_diverged_and_stops_early(compose_config, tmp_path):
     assert result["steps_taken"] == step < 30
     assert result["final"]["test_metric"] is None
     assert "DIVERGED (train loss" in summary_line(summary)
+    assert result["at_chance_level"] is False
 
 
 def test_non_finite_loss_is_diverged(compose_config, tmp_path):
@@ -175,7 +176,7 @@ def test_chance_threshold_is_a_fraction_of_the_gap_to_one():
 @pytest.mark.parametrize("margin", [0.15, None], ids=["default", "off"])
 def test_chance_level_accuracy_is_diverged(compose_config, tmp_path, margin):
     """A learning rate too small to learn leaves digits_mlp near 10% accuracy."""
-    _, result = _job(
+    summary, result = _job(
         compose_config,
         tmp_path,
         [
@@ -195,6 +196,8 @@ def test_chance_level_accuracy_is_diverged(compose_config, tmp_path, margin):
             "gap to 1)"
         )
         assert result["steps_taken"] == 20, "the chance rule does not stop training"
+        assert result["at_chance_level"] is True
+        assert "AT CHANCE LEVEL (final test accuracy" in summary_line(summary)
 
 
 def test_failing_job_is_recorded_not_raised(compose_config, tmp_path):
