@@ -88,7 +88,8 @@ def run_closure(
                 recording(modules),
             ):
                 loss = closure()
-    problem = check.problem(accumulation)
+    # A closure that returns None without a backward pass skips its batch.
+    problem = None if loss is None else check.problem(accumulation)
     if problem is not None:
         raise RuntimeError(
             f"DampedNewton refused the step: {problem}; parameters and optimizer "

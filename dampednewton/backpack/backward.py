@@ -187,9 +187,16 @@ class BackwardCheck:
         Returns:
             ``None`` after backward passes into zeroed (or ``None``) gradients that
             each started at a loss module (or after a single one), else a sentence
-            that says what happened and what to do.
+            that says what happened and what to do (also when no backward pass
+            reached any parameter).
         """
         passes = self.passes
+        if passes == 0 and self._params:
+            return (
+                "the closure ran no backward pass into the parameters (a parameter "
+                "that some steps do not use is fine, but none was reached). Call "
+                "loss.backward() in the closure"
+            )
         if passes > 1 and not accumulation:
             return (
                 f"the closure ran {passes} backward passes (gradient accumulation) at "

@@ -132,3 +132,26 @@ def test_an_unused_layer_without_bias_keeps_its_basis_and_curvature_record():
         assert len(optimizer.state["groups"][0]["kronecker_layers"]) == 2
         record = monitor.log[-1]
         assert len(record["newton/layer_curvatures/group0"]) == 2
+
+
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+@pytest.mark.parametrize("steps_before", [0, 2], ids=["refresh", "between"])
+def test_a_closure_without_backward_is_refused_not_skipped(basis, steps_before):
+    """No parameter reached at all is a missing ``loss.backward()``, not unused ones."""
+    case = build_case(MLP_CE)
+    options = {"basis": GramBasis()} if basis == "gram" else {}
+    optimizer = DampedNewton(case.model.parameters(), seed=0, **options)
+    for _ in range(steps_before):
+        optimizer.step(_closure(optimizer, case, False))
+
+    def forgot_backward() -> Tensor:
+        optimizer.zero_grad()
+        return case.loss_fn(case.model(case.X), case.y)
+
+    values = [p.clone() for p in case.model.parameters()]
+    with pytest.raises(RuntimeError, match=r"no backward pass.*loss\.backward\(\)"):
+        optimizer.step(forgot_backward)
+    assert all(
+        torch.equal(p, v) for p, v in zip(case.model.parameters(), values, strict=True)
+    )
+    assert optimizer.state["global"]["step"] == steps_before
