@@ -218,8 +218,9 @@ class DampedNewton(Optimizer):
             "nesterov": nesterov,
             "weight_decay": weight_decay,
             "mc_samples": mc_samples,
-            "subsampling_ggn": subsampling_ggn,
-            "subsampling_grad": subsampling_grad,
+            # Read once: an iterator would be consumed by the first group.
+            "subsampling_ggn": check_subsampling(subsampling_ggn, "subsampling_ggn"),
+            "subsampling_grad": check_subsampling(subsampling_grad, "subsampling_grad"),
             "warn_small_eigvals": warn_small_eigvals,
         }
         self.monitor = monitor
@@ -247,12 +248,12 @@ class DampedNewton(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            for key in ("subsampling_ggn", "subsampling_grad"):
+                # Checked plain lists (read once: an iterator is consumed): a Hydra
+                # ListConfig or a range would not load with weights_only=True.
+                group[key] = check_subsampling(group[key], key)
             GroupOptions.from_group(group)
             SharedOptions.from_groups(self.param_groups)
-            for key in ("subsampling_ggn", "subsampling_grad"):
-                # Checked plain lists: a Hydra ListConfig or a range would not
-                # load with torch.load(weights_only=True).
-                group[key] = check_subsampling(group[key], key)
         except (ValueError, TypeError):
             self.param_groups.pop()
             raise

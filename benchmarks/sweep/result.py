@@ -231,6 +231,11 @@ class RunResult:
         """
         data = dict(data)
         data.pop("diverged", None)
+        # Files written before the flag: the chance rule's reason says it.
+        data.setdefault(
+            "at_chance_level",
+            (data.get("divergence") or "").startswith("final test accuracy"),
+        )
         best = data.pop("best", None) or {}
         nested = {
             "curves": Curves,

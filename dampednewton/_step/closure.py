@@ -72,8 +72,8 @@ def run_closure(
         if plain:
             assert modules is not None
 
-            def watch(module: Module, inputs: tuple[Tensor, ...]) -> None:
-                check.count_forward(module)
+            def watch(module: Module, inputs: tuple[Tensor, ...], output: Any) -> None:
+                check.count_forward(module, output)
                 check_plain_loss_call(module, inputs, deferred)
 
             with modules.suspended(), modules.watching_losses(watch):

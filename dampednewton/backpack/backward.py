@@ -125,6 +125,7 @@ class BackwardCheck:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._passes = [0] * len(self._params)
         self._stale: list[Tensor] = []
+        self._loss_backwards = 0  # backward passes seen to start at a loss module
         self.micro_batches = 0
 
     def __enter__(self) -> BackwardCheck:
@@ -164,19 +165,27 @@ class BackwardCheck:
         check_fresh_forward(module)
         if isinstance(module, _Loss):
             self.micro_batches += 1
+            self._loss_backwards += 1
 
-    def count_forward(self, module: Module) -> None:
+    def count_forward(self, module: Module, output: object = None) -> None:
         """Count a micro-batch at a loss module's forward pass.
 
         Passes without BackPACK's hooks (between curvature refreshes) count the
         micro-batches here instead of in :meth:`module_hook`: a graph
         back-propagated twice then has more backward passes than forward ones.
+        A hook on the loss counts the backward passes that start there.
 
         Args:
             module: The loss module that ran.
+            output: Its output, the loss.
         """
         if isinstance(module, _Loss):
             self.micro_batches += 1
+            if isinstance(output, Tensor) and output.requires_grad:
+                output.register_hook(self._count_loss_backward)
+
+    def _count_loss_backward(self, _grad: Tensor) -> None:
+        self._loss_backwards += 1
 
     def problem(self, accumulation: bool = True) -> str | None:
         """What was wrong with the backward passes inside the context, if anything.
@@ -191,11 +200,11 @@ class BackwardCheck:
             reached any parameter).
         """
         passes = self.passes
-        if passes == 0 and self._params:
+        if passes == 0 and self._params and self._loss_backwards == 0:
             return (
-                "the closure ran no backward pass into the parameters (a parameter "
-                "that some steps do not use is fine, but none was reached). Call "
-                "loss.backward() in the closure"
+                "the closure ran no backward pass (no parameter was reached, and no "
+                "backward pass started at the loss). Call loss.backward() in the "
+                "closure"
             )
         if passes > 1 and not accumulation:
             return (

@@ -14,6 +14,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from backpack import hook_run_extensions, hook_store_io
@@ -83,9 +84,9 @@ class ExtendedModules:
 
     @contextmanager
     def watching_losses(
-        self, watch: Callable[[Module, tuple[Tensor, ...]], None]
+        self, watch: Callable[[Module, tuple[Tensor, ...], Any], None]
     ) -> Iterator[None]:
-        """Call ``watch(module, inputs)`` after every forward of a recorded loss module.
+        """Call ``watch(module, inputs, output)`` after each forward of a recorded loss.
 
         After :attr:`unseen_losses` was set, every extended loss module is watched.
 
@@ -99,7 +100,7 @@ class ExtendedModules:
 
             def watch_extended(module: Module, inputs: tuple, output: Tensor) -> None:
                 if isinstance(module, _Loss) and getattr(module, EXTENDED_FLAG, False):
-                    watch(module, inputs)
+                    watch(module, inputs, output)
 
             handles = [
                 torch.nn.modules.module.register_module_forward_hook(watch_extended)
@@ -107,7 +108,7 @@ class ExtendedModules:
         else:
             handles = [
                 module.register_forward_hook(
-                    lambda module, inputs, _output: watch(module, inputs)
+                    lambda module, inputs, output: watch(module, inputs, output)
                 )
                 for module in list(self._modules)
                 if isinstance(module, _Loss)

@@ -65,3 +65,20 @@ def test_failed_record_has_no_training_fields():
 def test_unknown_status_is_an_error():
     with pytest.raises(ValueError, match="status must be one of"):
         RunResult("p", "sgd", 0, status="done")
+
+
+@pytest.mark.parametrize(
+    ("divergence", "at_chance_level"),
+    [
+        ("final test accuracy 0.1 ≤ 0.19 (chance 1/10 + 0.1 of the gap to 1)", True),
+        ("train loss 12 > 10 × initial 1 at step 30", False),
+        (None, False),
+    ],
+)
+def test_a_result_written_before_the_chance_flag_reads_it_from_the_reason(
+    divergence, at_chance_level
+):
+    data = RunResult("digits_mlp", "sgd", 0, status="ok").to_json()
+    del data["at_chance_level"]
+    data["divergence"] = divergence
+    assert RunResult.from_json(data).at_chance_level is at_chance_level

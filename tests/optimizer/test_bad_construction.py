@@ -263,3 +263,12 @@ def test_bad_add_param_group(bad: tuple[dict, type[Exception], str]):
     assert len(optimizer.param_groups) == 1
     assert_same_state(snapshot(optimizer), before)
     assert_parameters_equal(params, values)
+
+
+def test_subsampling_indices_given_as_an_iterator_are_read_once():
+    """Every group holds the same plain list (torch copies the default to each)."""
+    case = build_case(MLP_CE)
+    groups = [{"params": list(layer.parameters())} for layer in case.model[::2]]
+    optimizer = DampedNewton(groups, subsampling_ggn=(i for i in range(3)))
+    optimizer.add_param_group({"params": [], "subsampling_ggn": iter([0, 1, 2])})
+    assert [g["subsampling_ggn"] for g in optimizer.param_groups] == [[0, 1, 2]] * 3

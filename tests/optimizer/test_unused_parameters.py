@@ -155,3 +155,23 @@ def test_a_closure_without_backward_is_refused_not_skipped(basis, steps_before):
         torch.equal(p, v) for p, v in zip(case.model.parameters(), values, strict=True)
     )
     assert optimizer.state["global"]["step"] == steps_before
+
+
+def test_an_optimizer_whose_parameters_a_step_leaves_all_unused_takes_no_step():
+    """The closure back-propagated, into other parameters: as torch.optim, no step."""
+    case = build_case(MLP_CE)
+    first, _, last = case.model
+    optimizer = DampedNewton(first.parameters(), seed=0)
+
+    def other_parameters_only() -> Tensor:
+        optimizer.zero_grad()
+        loss = case.loss_fn(last(torch.tanh(first(case.X)).detach()), case.y)
+        loss.backward()
+        return loss
+
+    optimizer.step(_closure(optimizer, case, False))
+    values = [p.clone() for p in first.parameters()]
+    optimizer.step(other_parameters_only)
+    assert all(
+        torch.equal(p, v) for p, v in zip(first.parameters(), values, strict=True)
+    )
