@@ -150,16 +150,16 @@ class Pipeline:
             return self._full_step(
                 closure, groups, options, shared, state, active, not between
             )
-        except ClosureReturnedNone:
+        except BaseException as error:
             if rollback.restore(state[GLOBAL]["step"]):
                 self.clear()
             params = (p for group in groups for p in group["params"])
-            if self.communicator is not None or any(p.grad is not None for p in params):
-                raise
-            return None  # a skipped batch: nothing back-propagated, nothing moves
-        except BaseException:
-            if rollback.restore(state[GLOBAL]["step"]):
-                self.clear()
+            if (
+                isinstance(error, ClosureReturnedNone)
+                and self.communicator is None
+                and all(p.grad is None for p in params)
+            ):
+                return None  # a skipped batch: nothing back-propagated, nothing moves
             raise
 
     def _full_step(
