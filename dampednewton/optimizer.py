@@ -12,9 +12,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from dampednewton._step.checkpoint import (
+    attach_records,
     check_state_dict,
     mark_unpicklable,
     restore_parameter_tensors,
+    split_records,
     unwrap_settings,
     with_basis,
     without_parameter_tensors,
@@ -140,7 +142,7 @@ class DampedNewton(Optimizer):
             gradients, ``None`` for all (default: None).
         warn_small_eigvals: Warn once per group when a selected direction has an
             eigenvalue below this (counted in
-            ``state['groups'][i]['steps_with_small_eigenvalues']``) (default: 1e-4).
+            ``records['groups'][i]['steps_with_small_eigenvalues']``) (default: 1e-4).
         nonfinite: ``'raise'`` a ``FloatingPointError`` on a non-finite loss or
             step, or ``'skip'`` it with a warning (default: ``'raise'``).
         seed: Seed of the Monte-Carlo generator, ``None`` to draw one from torch's
@@ -154,8 +156,12 @@ class DampedNewton(Optimizer):
     backward pass and must agree across groups; every other option can differ.
     """
 
-    # Per parameter as in torch.optim, plus the entries GLOBAL and GROUPS.
+    # Per parameter, as in torch.optim (an entry for every parameter from the start).
     state: defaultdict[Any, Any]
+    records: dict[str, Any]
+    """The step counters (``records['global']``: ``'step'``, ``'skipped_steps'``)
+    and, after the first step, per group what its last step used and counters
+    (``records['groups'][i]``: eigenvalues, damping, trust-region scale, ...)."""
 
     def __init__(
         self,
@@ -229,8 +235,8 @@ class DampedNewton(Optimizer):
         if communicator is not None and seed is None:
             seeded.seed = communicator.broadcast_seed(seeded.seed)
         self._pipeline = Pipeline(check_nonfinite(nonfinite), communicator, seeded)
+        self.records = {GLOBAL: {"step": 0, "skipped_steps": 0}}
         super().__init__(params, defaults)
-        self.state[GLOBAL] = {"step": 0, "skipped_steps": 0}
         warn_ignored_options(self.param_groups[0]["basis"], **gram_options)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -257,8 +263,12 @@ class DampedNewton(Optimizer):
         except (ValueError, TypeError):
             self.param_groups.pop()
             raise
-        if GROUPS in self.state:
-            self.state[GROUPS].append(empty_group_stats())
+        if GROUPS in self.records:
+            self.records[GROUPS].append(empty_group_stats())
+        for param in group["params"]:
+            # Never empty: torch.distributed.checkpoint would initialize an empty
+            # state by a step without a closure.
+            self.state.setdefault(param, {})
 
     # torch's stub overloads step as (None) -> None | (() -> float) -> float; this
     # step requires a closure and returns its Tensor loss.
@@ -294,7 +304,9 @@ class DampedNewton(Optimizer):
                 f"inside a BackPACK context. Use\n{CLOSURE_PATTERN}"
             )
         check_not_inference_mode()
-        return self._pipeline.step(closure, self.param_groups, self.state, self.monitor)
+        return self._pipeline.step(
+            closure, self.param_groups, self.state, self.records, self.monitor
+        )
 
     @property
     def communication_seconds(self) -> float:
@@ -320,7 +332,7 @@ class DampedNewton(Optimizer):
         return 0.0 if communicator is None else communicator.bytes_received
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the optimizer state, including the Monte-Carlo generator's state.
+        """Return the optimizer state, with the records and the generator's state.
 
         Group settings that cannot be pickled (a lambda criterion, a local damping
         function) are kept by reference, wrapped so that ``torch.save`` refuses them
@@ -328,12 +340,15 @@ class DampedNewton(Optimizer):
         :class:`~dampednewton._step.checkpoint.UnpicklableSetting`).
 
         Returns:
-            A ``torch.optim`` state dict; the extra entry ``'dampednewton'`` holds
-            the seed and random state of Monte-Carlo sampling.
+            A ``torch.optim`` state dict: ``'state'`` per parameter only, so that
+            ``torch.distributed.checkpoint`` takes it; each param group's extra entry
+            ``'dampednewton'`` holds that group's :attr:`records` and, in group 0,
+            the step counters and the seed and random state of Monte-Carlo sampling.
         """
         state = super().state_dict()
         mark_unpicklable(state["param_groups"])
-        state["dampednewton"] = self._pipeline.seeded.state_dict(self._device())
+        generator = self._pipeline.seeded.state_dict(self._device())
+        attach_records(state, self.records, generator)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -342,10 +357,8 @@ class DampedNewton(Optimizer):
         Args:
             state_dict: State as returned by :meth:`state_dict`.
         """
-        state_dict = with_basis(state_dict)
-        check_state_dict(state_dict, self.param_groups)
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("dampednewton", None)
+        state_dict, records, generator = split_records(with_basis(state_dict))
+        check_state_dict(state_dict, records, generator, self.param_groups)
         state_dict["param_groups"] = unwrap_settings(state_dict["param_groups"])
         for group in state_dict["param_groups"]:
             GroupOptions.from_group(group)
@@ -354,14 +367,14 @@ class DampedNewton(Optimizer):
         restore_parameter_tensors(
             self.state, state_dict["param_groups"], self.param_groups, tensors
         )
-        # torch.optim keeps entries that are not per-parameter by reference: copy them,
-        # so that this optimizer's counters are not shared with the source's.
-        for key in (GLOBAL, GROUPS):
-            if key in self.state:
-                self.state[key] = copy.deepcopy(self.state[key])
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.state.setdefault(param, {})
+        # Copied: this optimizer's counters are not shared with the source's.
+        self.records = copy.deepcopy(records)
         self._pipeline.clear()
-        if extra is not None:
-            self._pipeline.seeded.load_state_dict(extra, self._device())
+        if generator is not None:
+            self._pipeline.seeded.load_state_dict(generator, self._device())
 
     def __getstate__(self) -> dict[str, Any]:
         """``torch.optim``'s pickled state and what rebuilds the step's machinery.
@@ -371,6 +384,7 @@ class DampedNewton(Optimizer):
         monitor (one watches its own parameters: attach a new one).
         """
         state = super().__getstate__()
+        state["records"] = self.records
         pipeline = self._pipeline
         state["pipeline"] = {
             "nonfinite": pipeline.nonfinite,

@@ -232,6 +232,11 @@ def snapshot(optimizer: DampedNewton) -> dict[str, Any]:
     return copy.deepcopy(optimizer.state_dict())
 
 
+def saved_counters(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The step counters in a DampedNewton state dict (param group 0's records)."""
+    return state_dict["param_groups"][0]["dampednewton"]["global"]
+
+
 def assert_same_state(actual: Any, expected: Any, path: str = "state_dict") -> None:
     """Assert that two (nested) state dicts are equal; tensors bitwise."""
     if isinstance(expected, Tensor):

@@ -108,7 +108,7 @@ def with_math(
 
 def math_arguments(optimizer: DampedNewton) -> tuple:
     """``group_step``'s arguments from the first group's stored state."""
-    group, stats = optimizer.param_groups[0], optimizer.state["groups"][0]
+    group, stats = optimizer.param_groups[0], optimizer.records["groups"][0]
     options = GroupOptions.from_group(group)
     bases = stored_bases(optimizer.state, stats, group["params"])
     assert bases is not None, "no stored bases: train past the first refresh"

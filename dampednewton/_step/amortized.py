@@ -2,7 +2,7 @@
 
 A refresh (a BackPACK pass that updates a group's averaged factor ``B``, see
 :mod:`dampednewton.averaging`) leaves the group the coefficients of
-:mod:`dampednewton.math.frozen_basis` in ``state['groups'][i]['frozen_basis']``.
+:mod:`dampednewton.math.frozen_basis` in ``records['groups'][i]['frozen_basis']``.
 Until the group's next refresh (``CurvatureAveraging.interval``) its step needs only
 the mean gradient ``ḡ``: two products with ``B`` and an update of Adam's size, after
 a backward pass with BackPACK's hooks suspended
@@ -37,7 +37,7 @@ def stored_frozen(stats: Mapping[str, Any]) -> FrozenBasis | None:
     """A group's frozen coefficients from its statistics (``None`` before a refresh).
 
     Args:
-        stats: The group's statistics (``optimizer.state['groups'][i]``).
+        stats: The group's statistics (``optimizer.records['groups'][i]``).
 
     Returns:
         The coefficients, or ``None``.

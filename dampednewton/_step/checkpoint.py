@@ -31,7 +31,7 @@ from torch import Tensor
 from dampednewton._step.kronecker_moments import MOMENT_KEYS
 from dampednewton._step.kronecker_state import OUTPUT_FACTOR
 from dampednewton._step.kronecker_state import STATE_KEYS as KRONECKER_STATE_KEYS
-from dampednewton._step.records import BASIS
+from dampednewton._step.records import BASIS, GLOBAL, GROUPS
 from dampednewton._step.update import MOMENTUM
 from dampednewton.math.precision import computation_dtype
 from dampednewton.policies.basis import GramBasis
@@ -153,8 +153,12 @@ def unwrap_settings(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 #: Per-parameter state entries DampedNewton writes (averaged basis, momentum buffer,
 #: a Kronecker layer's factors and eigenpairs).
 PARAMETER_STATE_KEYS = frozenset({BASIS, MOMENTUM}) | KRONECKER_STATE_KEYS | MOMENT_KEYS
-#: Its entries of the state that are not per parameter (optimizer.GLOBAL, GROUPS).
-GLOBAL_KEY, GROUPS_KEY = "global", "groups"
+#: The key of DampedNewton's records in each saved parameter group: the group's
+#: statistics (``'group'``) and, in group 0, the step counters (``'global'``) and the
+#: Monte-Carlo generator (``'generator'``). In the groups, not in ``'state'``, so that
+#: ``'state'`` is keyed by parameters only, as ``torch.distributed.checkpoint``
+#: requires; it keeps the groups' extra keys.
+RECORDS_KEY = "dampednewton"
 SAVE_HINT = (
     " Load the output of DampedNewton.state_dict() of an optimizer built on the same "
     "parameter groups (as many groups, as many parameters in each)."
@@ -202,32 +206,55 @@ def _check_groups(saved: Any, param_groups: Sequence[Mapping[str, Any]]) -> None
             )
 
 
-def _check_counters(state: Mapping[Any, Any], num_groups: int) -> None:
+def _check_records(records: Mapping[str, Any], num_groups: int) -> None:
     """The step counters and, when present, one statistics dict per group."""
-    counters = state.get(GLOBAL_KEY)
+    counters = records.get(GLOBAL)
     if not isinstance(counters, Mapping) or not all(
         isinstance(counters.get(key), int) for key in ("step", "skipped_steps")
     ):
         raise _refuse(
-            f"state['{GLOBAL_KEY}'] must hold the integer counters 'step' and "
+            f"the step counters (param group 0's '{RECORDS_KEY}' entry, "
+            f"'{GLOBAL}') must be a dict of the integers 'step' and "
             f"'skipped_steps', got {counters!r}"
         )
-    stats = state.get(GROUPS_KEY, [{}] * num_groups)
-    if not isinstance(stats, Sequence) or len(stats) != num_groups:
+    if GROUPS not in records and counters["step"] > 0:
         raise _refuse(
-            f"state['{GROUPS_KEY}'] must be a list of {num_groups} per-group dicts"
+            f"its step counters count {counters['step']} steps, but its param groups' "
+            f"'{RECORDS_KEY}' entries hold no group statistics ('group'). A "
+            "torch.distributed.checkpoint template built from an optimizer that never "
+            "stepped loads only the keys it has: take one step before building the "
+            "template (get_state_dict), then dcp.load and set_state_dict"
+        )
+    stats = records.get(GROUPS, [{}] * num_groups)
+    if (
+        not isinstance(stats, Sequence)
+        or len(stats) != num_groups
+        or not all(isinstance(entry, Mapping) for entry in stats)
+    ):
+        raise _refuse(
+            f"the group statistics (each param group's '{RECORDS_KEY}' entry, "
+            f"'group') must be {num_groups} dicts, one per group"
         )
 
 
-def _check_parameter_state(state: Mapping[Any, Any], num_params: int) -> None:
-    """Per-parameter entries: indices of this optimizer's parameters, own keys only."""
+def _check_parameter_state(
+    state: Mapping[Any, Any], saved: Sequence[Mapping[str, Any]]
+) -> None:
+    """Per-parameter entries: keys of the saved groups' parameters, own keys only.
+
+    The keys are torch's indices, or names where ``torch.distributed.checkpoint``
+    loads (the groups' ``params`` list the same keys).
+    """
+    try:
+        keys = {key for group in saved for key in group["params"]}
+    except TypeError as error:
+        raise _refuse(
+            f"its groups' 'params' are not indices or names ({error})"
+        ) from error
     for key, entry in state.items():
-        if key in (GLOBAL_KEY, GROUPS_KEY):
-            continue
-        if not isinstance(key, int) or not 0 <= key < num_params:
+        if key not in keys:
             raise _refuse(
-                f"its state has the entry {key!r}, neither a parameter index below "
-                f"{num_params} nor '{GLOBAL_KEY}'/'{GROUPS_KEY}'"
+                f"its state has the entry {key!r}, which is not in its groups' 'params'"
             )
         if not isinstance(entry, Mapping):
             raise _refuse(f"the state of parameter {key} is not a dict")
@@ -265,13 +292,78 @@ def _check_parameter_shapes(
                 )
 
 
+def attach_records(
+    state_dict: dict[str, Any], records: Mapping[str, Any], generator: Any
+) -> None:
+    """Put the records and the generator's state into a state dict's groups.
+
+    Args:
+        state_dict: A ``torch.optim`` state dict (its groups are changed in place).
+        records: The optimizer's step counters and group statistics.
+        generator: The Monte-Carlo generator's state.
+    """
+    stats = records.get(GROUPS)
+    for index, group in enumerate(state_dict["param_groups"]):
+        entry: dict[str, Any] = {} if stats is None else {"group": stats[index]}
+        if index == 0:
+            entry.update({GLOBAL: records[GLOBAL], "generator": generator})
+        group[RECORDS_KEY] = entry
+
+
+def split_records(state_dict: Any) -> tuple[Any, dict[str, Any], Any]:
+    """The state dict without its records, the records and the generator's state.
+
+    Also reads the layout of earlier versions, which kept the records in
+    ``'state'`` (``'global'``, ``'groups'``) and the generator at the top level. What
+    is not recognisably a state dict is returned as it is, for
+    :func:`check_state_dict` to refuse.
+
+    Args:
+        state_dict: What was passed to ``DampedNewton.load_state_dict``.
+
+    Returns:
+        The state dict (a copy where records were taken out), the records (empty
+        when none were found) and the generator's state (``None`` when absent).
+    """
+    if not isinstance(state_dict, Mapping):
+        return state_dict, {}, None
+    state_dict = dict(state_dict)
+    generator = state_dict.pop(RECORDS_KEY, None)  # earlier versions: top level
+    records: dict[str, Any] = {}
+    state = state_dict.get("state")
+    if isinstance(state, Mapping) and (GLOBAL in state or GROUPS in state):
+        state = dict(state)
+        records = {key: state.pop(key) for key in (GLOBAL, GROUPS) if key in state}
+        state_dict["state"] = state
+    groups = state_dict.get("param_groups")
+    if isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups):
+        entries = [group.get(RECORDS_KEY) for group in groups]
+        state_dict["param_groups"] = [
+            {key: value for key, value in group.items() if key != RECORDS_KEY}
+            for group in groups
+        ]
+        if entries and isinstance(entries[0], Mapping):
+            records.setdefault(GLOBAL, entries[0].get(GLOBAL))
+            generator = entries[0].get("generator", generator)
+        stats = [entry.get("group") for entry in entries if isinstance(entry, Mapping)]
+        if stats and any(entry is not None for entry in stats):
+            records.setdefault(GROUPS, stats)
+    return state_dict, records, generator
+
+
 def check_state_dict(
-    state_dict: Any, param_groups: Sequence[Mapping[str, Any]]
+    state_dict: Any,
+    records: Mapping[str, Any],
+    generator: Any,
+    param_groups: Sequence[Mapping[str, Any]],
 ) -> None:
     """Check that ``state_dict`` is DampedNewton's, for these groups, before loading.
 
     Args:
-        state_dict: What was passed to ``DampedNewton.load_state_dict``.
+        state_dict: What was passed to ``DampedNewton.load_state_dict``, without its
+            records (:func:`split_records`).
+        records: Its step counters and group statistics.
+        generator: Its Monte-Carlo generator's state (``None`` when absent).
         param_groups: The optimizer's own parameter groups.
 
     Raises:
@@ -279,8 +371,8 @@ def check_state_dict(
             has another number of groups or of parameters in a group, lacks a
             DampedNewton setting in a group (another optimizer's groups), holds
             per-parameter entries DampedNewton never writes (Adam's ``exp_avg``),
-            lacks the step counters, has a malformed ``'dampednewton'`` entry, or
-            holds state of another shape than a parameter's (another model).
+            lacks the step counters, has a malformed generator state, or holds
+            state of another shape than a parameter's (another model).
     """
     if not isinstance(state_dict, Mapping):
         raise _refuse(f"expected a dict, got {type(state_dict).__name__}")
@@ -291,19 +383,21 @@ def check_state_dict(
     state = state_dict["state"]
     if not isinstance(state, Mapping):
         raise _refuse("'state' must be a dict")
-    _check_counters(state, len(param_groups))
-    _check_parameter_state(state, sum(len(group["params"]) for group in param_groups))
+    _check_records(records, len(param_groups))
+    _check_parameter_state(state, state_dict["param_groups"])
     _check_parameter_shapes(state, state_dict["param_groups"], param_groups)
-    generator = state_dict.get("dampednewton")
     if generator is not None and not (
         isinstance(generator, Mapping) and {"seed", "generator"} <= set(generator)
     ):
-        raise _refuse("its 'dampednewton' entry must hold 'seed' and 'generator'")
+        raise _refuse(
+            f"the generator state (param group 0's '{RECORDS_KEY}' entry) must hold "
+            "'seed' and 'generator'"
+        )
 
 
 def without_parameter_tensors(
     state_dict: dict[str, Any],
-) -> tuple[dict[str, Any], dict[int, dict[str, Tensor]]]:
+) -> tuple[dict[str, Any], dict[Any, dict[str, Tensor]]]:
     """The state dict without its per-parameter floating tensors, and those tensors.
 
     ``torch.optim.Optimizer.load_state_dict`` casts every floating tensor of a
@@ -316,12 +410,12 @@ def without_parameter_tensors(
         state_dict: A validated state dict (``check_state_dict``).
 
     Returns:
-        The state dict to hand to torch, and per parameter index its tensors.
+        The state dict to hand to torch, and per saved parameter key its tensors.
     """
-    kept: dict[int, dict[str, Tensor]] = {}
+    kept: dict[Any, dict[str, Tensor]] = {}
     state = {}
     for key, entry in state_dict["state"].items():
-        if isinstance(key, int) and isinstance(entry, Mapping):
+        if isinstance(entry, Mapping):
             tensors = {
                 name: value
                 for name, value in entry.items()
@@ -337,7 +431,7 @@ def restore_parameter_tensors(
     state: Any,
     saved_groups: Sequence[Mapping[str, Any]],
     param_groups: Sequence[Mapping[str, Any]],
-    kept: Mapping[int, Mapping[str, Tensor]],
+    kept: Mapping[Any, Mapping[str, Tensor]],
 ) -> None:
     """Put :func:`without_parameter_tensors`' tensors back, copied to the device.
 
@@ -348,7 +442,7 @@ def restore_parameter_tensors(
         state: The optimizer's state after torch's ``load_state_dict``.
         saved_groups: The saved param groups (their ``params`` are indices).
         param_groups: The optimizer's param groups.
-        kept: Per saved parameter index, its tensors.
+        kept: Per saved parameter key, its tensors.
     """
     params = {
         index: param

@@ -189,8 +189,9 @@ class StepRollback:
 
     Args:
         params: Every parameter of the optimizer.
-        state: The optimizer's state (restored in place).
-        step: The state's step counter before the step.
+        state: The optimizer's per-parameter state (restored in place).
+        records: Its step counters and group statistics (restored in place).
+        step: The step counter before the step.
         generator: The Monte-Carlo generator, if created (``full`` only).
         full: Whether to copy everything.
     """
@@ -199,21 +200,25 @@ class StepRollback:
         self,
         params: Sequence[Tensor],
         state: dict[Any, Any],
+        records: dict[str, Any],
         step: int,
         generator: Generator | None,
         full: bool,
     ) -> None:
-        """Remember the state's keys, and everything with ``full``."""
-        self._state = state
+        """Remember the state's and the records' keys, and everything with ``full``."""
+        self._dicts = (state, records)
         self._step = step
-        self._keys = set(state)
+        self._keys = [set(state), set(records)]
         self._params = list(params)
-        self._copies: tuple[list[Tensor], dict[Any, Any], Any] | None = None
+        self._copies: tuple[list[Tensor], list[dict[Any, Any]], Any] | None = None
         if full:
             kept = {id(p): p for p in self._params}  # references, not copies
             self._copies = (
                 [p.detach().clone() for p in self._params],
-                {key: copy.deepcopy(value, kept) for key, value in state.items()},
+                [
+                    {key: copy.deepcopy(value, kept) for key, value in entries.items()}
+                    for entries in self._dicts
+                ],
                 None if generator is None else (generator, generator.get_state()),
             )
 
@@ -221,7 +226,7 @@ class StepRollback:
         """Undo the step.
 
         Args:
-            step: The state's step counter now.
+            step: The step counter now.
 
         Returns:
             Whether the state was replaced (then caches built from it are stale).
@@ -231,12 +236,14 @@ class StepRollback:
             with torch.no_grad():
                 for param, value in zip(self._params, values, strict=True):
                     param.copy_(value)
-            self._state.clear()
-            self._state.update(saved)
+            for live, copied in zip(self._dicts, saved, strict=True):
+                live.clear()
+                live.update(copied)
             if generator is not None:
                 generator[0].set_state(generator[1])
             return True
         if step == self._step:  # nothing was committed: drop what lookups added
-            for key in set(self._state) - self._keys:
-                del self._state[key]
+            for live, keys in zip(self._dicts, self._keys, strict=True):
+                for key in set(live) - keys:
+                    del live[key]
         return False

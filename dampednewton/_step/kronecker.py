@@ -67,7 +67,7 @@ from dampednewton._step.kronecker_state import (
 )
 from dampednewton._step.options import GroupOptions, SharedOptions
 from dampednewton._step.quadratic_model import trust_region_scale_on_host
-from dampednewton._step.records import GLOBAL, REFRESH_DUE, REFRESH_LOSS
+from dampednewton._step.records import REFRESH_DUE, REFRESH_LOSS
 from dampednewton._step.step_pass import with_monitor
 from dampednewton._step.update import update_parameters
 from dampednewton.backpack.extensions import (
@@ -114,6 +114,7 @@ class KroneckerSteps:
         shared: SharedOptions,
         state: Any,
         stats: list[dict[str, Any]],
+        global_state: dict[str, Any],
         *,
         step: int,
         generator: Generator | None,
@@ -129,7 +130,6 @@ class KroneckerSteps:
             What the step did (a refused step leaves parameters, state and
             generator untouched).
         """
-        global_state = state[GLOBAL]
         due = bool(global_state.get(REFRESH_DUE, False))
         refreshing = [
             due

@@ -2,7 +2,7 @@
 
 Per layer, on its first parameter (the weight, or a bias whose weight is not
 optimized): the averaged factors ``A`` and ``S`` (not bias-corrected) and their kept
-eigenpairs. Per group, in ``state['groups'][i]``: the layers as pairs of parameter
+eigenpairs. Per group, in ``records['groups'][i]``: the layers as pairs of parameter
 indices and the number of refreshes. Everything is tensors, numbers and tuples, so
 ``state_dict()`` survives ``torch.save`` / ``torch.load(weights_only=True)``.
 """

@@ -3,7 +3,7 @@
 :class:`Pipeline` holds what :class:`~dampednewton.DampedNewton` keeps between steps
 (the step pass with its frozen bases, the validated options, the recorder, the seeded
 generator, the communicator) and runs a step on the optimizer's param groups and
-state, in the order of :mod:`dampednewton._step`.
+state and records, in the order of :mod:`dampednewton._step`.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from dampednewton.distributed import Communicator
 from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_host
 
 State = dict[Any, Any]
+Records = dict[str, Any]
 Groups = list[dict[str, Any]]
 
 
@@ -71,9 +72,9 @@ def loss_tolerance(options: Sequence[GroupOptions]) -> float | None:
     return min(tolerances, default=None)
 
 
-def group_stats(state: State, groups: Groups) -> list[dict[str, Any]]:
-    """``state['groups']``, created for ``groups`` the first time."""
-    return state.setdefault(GROUPS, [empty_group_stats() for _ in groups])
+def group_stats(records: Records, groups: Groups) -> list[dict[str, Any]]:
+    """``records['groups']``, created for ``groups`` the first time."""
+    return records.setdefault(GROUPS, [empty_group_stats() for _ in groups])
 
 
 class Pipeline:
@@ -106,19 +107,22 @@ class Pipeline:
         closure: Callable[[], Tensor],
         groups: Groups,
         state: State,
+        records: Records,
         monitor: DiagnosticsMonitor | None,
     ) -> Tensor | None:
-        """Take one step on ``groups`` and ``state``; return the closure's loss.
+        """Take one step on ``groups``, ``state`` and ``records``; return the loss.
 
         ``None`` when the closure returned ``None`` without back-propagating (a
         skipped batch): nothing changes.
 
-        A step that raises leaves the parameters, the state and the generator as
+        ``state`` is the optimizer's per-parameter state, ``records`` its step
+        counters and per-group statistics (:mod:`._step.records`). A step that
+        raises leaves the parameters, the state, the records and the generator as
         they were (:class:`~dampednewton._step.guard.StepRollback`).
         """
         options, shared = self.validated.get(groups)
-        check_basis_unchanged(state.get(GROUPS, ()), shared.kronecker)
-        step_index = state[GLOBAL]["step"]
+        check_basis_unchanged(records.get(GROUPS, ()), shared.kronecker)
+        step_index = records[GLOBAL]["step"]
         active = (
             monitor if monitor is not None and monitor.is_active(step_index) else None
         )
@@ -127,7 +131,7 @@ class Pipeline:
         # Either way the damping adapts on refreshes only, so that neither changes
         # the trajectory.
         between = not shared.kronecker and self._between_refreshes(
-            options, state, step_index
+            options, records, step_index
         )
         lean = between and active is None and self.communicator is None
         adaptive = distinct_adaptive(option.adaptive_damping for option in options)
@@ -135,6 +139,7 @@ class Pipeline:
         rollback = StepRollback(
             [p for group in groups for p in group["params"]],
             state,
+            records,
             step_index,
             self.seeded.created,
             # Only a step that adapts the damping calls the closure again.
@@ -143,15 +148,15 @@ class Pipeline:
         try:
             if shared.kronecker:
                 return self._kronecker_step(
-                    closure, groups, options, shared, state, active
+                    closure, groups, options, shared, state, records, active
                 )
             if lean:
-                return self._frozen_step(closure, groups, options, state)
+                return self._frozen_step(closure, groups, options, state, records)
             return self._full_step(
-                closure, groups, options, shared, state, active, not between
+                closure, groups, options, shared, state, records, active, not between
             )
         except BaseException as error:
-            if rollback.restore(state[GLOBAL]["step"]):
+            if rollback.restore(records[GLOBAL]["step"]):
                 self.clear()
             params = (p for group in groups for p in group["params"])
             if (
@@ -169,6 +174,7 @@ class Pipeline:
         options: Sequence[GroupOptions],
         shared: SharedOptions,
         state: State,
+        records: Records,
         active: DiagnosticsMonitor | None,
         adapts: bool,
     ) -> Tensor:
@@ -177,8 +183,8 @@ class Pipeline:
         ``adapts``: whether the adaptive dampings see this step (not between
         refreshes, where one process takes the lean path, which never adapts).
         """
-        step_index = state[GLOBAL]["step"]
-        generator = self.mc_generator(groups, state)
+        step_index = records[GLOBAL]["step"]
+        generator = self.mc_generator(groups, records)
         with GeneratorSnapshot(generator) as snapshot:
             passed = self.step_pass.run(
                 closure,
@@ -186,11 +192,12 @@ class Pipeline:
                 options,
                 shared,
                 state,
+                records.get(GROUPS),
                 generator=generator,
                 monitor=active,
                 step=step_index,
                 communicator=self.communicator,
-                refresh=state[GLOBAL].get(REFRESH_DUE, False),
+                refresh=records[GLOBAL].get(REFRESH_DUE, False),
             )
             loss, results = passed.loss, passed.results
             check_loss_type(loss)
@@ -210,7 +217,7 @@ class Pipeline:
             if problem is not None:
                 snapshot.restore()
                 refuse(problem, self.nonfinite, stacklevel=STACKLEVEL_OF_CALLER + 1)
-                state[GLOBAL]["skipped_steps"] += 1
+                records[GLOBAL]["skipped_steps"] += 1
                 return loss
             record = None
             if active is not None:
@@ -223,13 +230,13 @@ class Pipeline:
         scales = apply_steps(
             [group["params"] for group in groups], options, results, state
         )
-        stats = group_stats(state, groups)
+        stats = group_stats(records, groups)
         store_factors(state, stats, groups, results)
         if any(result is not None and result.factor for result in results):
             record_step_lengths(stats, results, scales)
             self.step_pass.bases.clear()
-            state[GLOBAL].update({REFRESH_DUE: False, REFRESH_LOSS: loss.detach()})
-        state[GLOBAL]["step"] += 1
+            records[GLOBAL].update({REFRESH_DUE: False, REFRESH_LOSS: loss.detach()})
+        records[GLOBAL]["step"] += 1
         small = [
             0 if group is None else group.small_eigenvalues for group in status.groups
         ]
@@ -237,7 +244,7 @@ class Pipeline:
         adaptive = distinct_adaptive(option.adaptive_damping for option in options)
         if adaptive and adapts:
             multiples = [o.lr * scale for o, scale in zip(options, scales, strict=True)]
-            state[GLOBAL]["reduction_ratio"] = adapt(
+            records[GLOBAL]["reduction_ratio"] = adapt(
                 adaptive,
                 closure,
                 loss,
@@ -255,11 +262,12 @@ class Pipeline:
         options: Sequence[GroupOptions],
         shared: SharedOptions,
         state: State,
+        records: Records,
         monitor: DiagnosticsMonitor | None,
     ) -> Tensor:
         """A step of Kronecker-basis groups (:mod:`._step.kronecker`)."""
-        step_index = state[GLOBAL]["step"]
-        stats = group_stats(state, groups)
+        step_index = records[GLOBAL]["step"]
+        stats = group_stats(records, groups)
         adaptive = distinct_adaptive(option.adaptive_damping for option in options)
         taken = self.kronecker.run(
             closure,
@@ -268,8 +276,9 @@ class Pipeline:
             shared,
             state,
             stats,
+            records[GLOBAL],
             step=step_index,
-            generator=self.mc_generator(groups, state),
+            generator=self.mc_generator(groups, records),
             monitor=monitor,
             communicator=self.communicator,
             nonfinite=self.nonfinite,
@@ -278,7 +287,7 @@ class Pipeline:
         )
         if not taken.accepted:
             return taken.loss
-        state[GLOBAL]["step"] += 1
+        records[GLOBAL]["step"] += 1
         for index, (option, scale) in enumerate(
             zip(options, taken.scales, strict=True)
         ):
@@ -297,7 +306,7 @@ class Pipeline:
             multiples = [
                 o.lr * scale for o, scale in zip(options, taken.scales, strict=True)
             ]
-            state[GLOBAL]["reduction_ratio"] = adapt(
+            records[GLOBAL]["reduction_ratio"] = adapt(
                 adaptive,
                 closure,
                 taken.loss,
@@ -308,24 +317,24 @@ class Pipeline:
             )
         return taken.loss
 
-    def mc_generator(self, groups: Groups, state: State) -> Generator | None:
+    def mc_generator(self, groups: Groups, records: Records) -> Generator | None:
         """The Monte-Carlo generator, ``None`` for the exact GGN."""
         if groups[0]["mc_samples"] == 0:
             return None
         device = groups[0]["params"][0].device
         if self.communicator is not None:
             rank = self.communicator.rank
-            return self.seeded.for_rank(device, rank, state[GLOBAL]["step"])
+            return self.seeded.for_rank(device, rank, records[GLOBAL]["step"])
         return self.seeded.get(device)
 
     def _between_refreshes(
-        self, options: Sequence[GroupOptions], state: State, step: int
+        self, options: Sequence[GroupOptions], records: Records, step: int
     ) -> bool:
         """Whether every group steps along its frozen basis (no refresh is due)."""
-        stats = state.get(GROUPS)
+        stats = records.get(GROUPS)
         if not stats:
             return False
-        if state[GLOBAL].get(REFRESH_DUE, False):
+        if records[GLOBAL].get(REFRESH_DUE, False):
             return False
         return all(
             option.averaging is not None
@@ -340,6 +349,7 @@ class Pipeline:
         groups: Groups,
         options: Sequence[GroupOptions],
         state: State,
+        records: Records,
     ) -> Tensor:
         """A step between refreshes: plain backward pass, steps along frozen bases.
 
@@ -356,7 +366,7 @@ class Pipeline:
             steps, frozens = [], []
             for index, group in enumerate(groups):
                 basis = self.step_pass.bases.get(index, state, group["params"])
-                frozen = stored_frozen(state[GROUPS][index])
+                frozen = stored_frozen(records[GROUPS][index])
                 assert frozen is not None  # checked by _between_refreshes
                 gradient = gradient_vector(group["params"], basis)
                 steps.append(frozen_basis_step(basis, gradient, frozen))
@@ -364,7 +374,7 @@ class Pipeline:
             # One read: the loss (and the last refresh's), each step's slope and
             # squared length, and its frozen excess and length. A non-finite loss,
             # gradient or step makes a read value non-finite.
-            reference = state[GLOBAL].get(REFRESH_LOSS)
+            reference = records[GLOBAL].get(REFRESH_LOSS)
             read = [loss.detach(), loss.detach() if reference is None else reference]
             for step, frozen in zip(steps, frozens, strict=True):
                 read += [
@@ -388,11 +398,11 @@ class Pipeline:
                     self.nonfinite,
                     stacklevel=STACKLEVEL_OF_CALLER + 1,
                 )
-                state[GLOBAL]["skipped_steps"] += 1
+                records[GLOBAL]["skipped_steps"] += 1
                 return loss
             tolerance = loss_tolerance(options)
             if tolerance is not None and values[0] > (1 + tolerance) * values[1]:
-                state[GLOBAL][REFRESH_DUE] = True
+                records[GLOBAL][REFRESH_DUE] = True
             for index, (group, option, step) in enumerate(
                 zip(groups, options, steps, strict=True)
             ):
@@ -400,5 +410,5 @@ class Pipeline:
                 bound = trust_bound(option.kl_clip)
                 scale = trust_scale_on_host(slope, squares, excess, length, bound)
                 apply_flat_step(group["params"], step.direction, state, option, scale)
-        state[GLOBAL]["step"] += 1
+        records[GLOBAL]["step"] += 1
         return loss

@@ -1,6 +1,6 @@
 """What a step leaves behind: per-group statistics and ``newton/*`` diagnostics.
 
-``optimizer.state['groups'][i]`` holds group ``i``'s last step (eigenvalues, mean
+``optimizer.records['groups'][i]`` holds group ``i``'s last step (eigenvalues, mean
 slopes and curvatures, damping, coefficients, trust-region scale, complement
 curvature, number of directions) and counters of steps without a direction or with
 small eigenvalues, each warned about once per group.
@@ -222,7 +222,7 @@ class StepRecorder:
                     warnings.warn(
                         f"The criterion of parameter group {index} selected no "
                         "direction: the group does not move this step (counted in "
-                        "optimizer.state['groups'][i]['steps_without_direction']).",
+                        "optimizer.records['groups'][i]['steps_without_direction']).",
                         stacklevel=STACKLEVEL_OF_CALLER + 1,  # Pipeline._full_step
                     )
 
@@ -248,6 +248,6 @@ class StepRecorder:
             "inaccurate. Select fewer directions (a smaller criterion=k, or "
             "EigenvalueThreshold) or set warn_small_eigvals=0 to silence this. "
             "Warned once per group; the steps are counted in "
-            f"optimizer.state['groups'][{index}]['steps_with_small_eigenvalues'].",
+            f"optimizer.records['groups'][{index}]['steps_with_small_eigenvalues'].",
             stacklevel=STACKLEVEL_OF_CALLER + 2,  # record, Pipeline._full_step
         )

@@ -12,7 +12,7 @@ makes, and :func:`block_of` reads it back from the engine's block.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,21 +80,24 @@ def block_of(block: Block) -> StepBlock:
 
 
 def step_block(
-    group: dict[str, Any], options: GroupOptions, state: Mapping, index: int
+    group: dict[str, Any],
+    options: GroupOptions,
+    state: Mapping,
+    stats: Sequence[dict[str, Any]] | None,
+    index: int,
 ) -> StepBlock:
     """A group's :class:`StepBlock`, with its averaged factor and frozen coefficients.
 
     Args:
         group: The param group.
         options: Its validated options.
-        state: The optimizer's state (``state['groups'][index]`` holds the
-            group's statistics once it stepped).
+        state: The optimizer's state (the averaged basis per parameter).
+        stats: The groups' statistics (``None`` before the first step).
         index: The group's index.
 
     Returns:
         The block.
     """
-    stats = state.get("groups")
     factor = frozen = None
     if options.averaging is not None and stats:
         factor = stored_factor(state, stats[index], group)

@@ -81,6 +81,7 @@ class StepPass:
         options: Sequence[GroupOptions],
         shared: SharedOptions,
         state: Mapping,
+        stats: Sequence[dict[str, Any]] | None,
         *,
         generator: Generator | None,
         monitor: DiagnosticsMonitor | None,
@@ -102,7 +103,9 @@ class StepPass:
             groups: The param groups.
             options: Their validated options.
             shared: The options of the backward pass.
-            state: The optimizer's state (the groups' averaged factors).
+            state: The optimizer's state (the groups' averaged bases).
+            stats: The groups' statistics (their averaged factors' weights), or
+                ``None`` before the first step.
             generator: The Monte-Carlo generator, or ``None``.
             monitor: The diagnostics monitor if it is active this step.
             step: The step's index.
@@ -114,7 +117,7 @@ class StepPass:
             hooks' deferred checks.
         """
         blocks = [
-            step_block(group, option, state, index)
+            step_block(group, option, state, stats, index)
             for index, (group, option) in enumerate(zip(groups, options, strict=True))
         ]
         per_sample_gradients = shared.subsampling_grad is not None or any(

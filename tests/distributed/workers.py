@@ -247,7 +247,7 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
         except (RuntimeError, ValueError, FloatingPointError) as error:
             losses.append(None)
             errors.append(f"{type(error).__name__}: {error}")
-        skipped.append(optimizer.state["global"]["skipped_steps"])
+        skipped.append(optimizer.records["global"]["skipped_steps"])
         sent.append(optimizer.communication_bytes)
         history.append(_flat(model))
         if resumed is not None:

@@ -131,7 +131,7 @@ def _assert_same_steps(
             torch.testing.assert_close(
                 param, expected, rtol=1e-10, atol=1e-12, msg=f"step {step}"
             )
-    assert optimizer.state["global"]["step"] == STEPS
+    assert optimizer.records["global"]["step"] == STEPS
 
 
 @pytest.mark.parametrize("mc_samples", [0, 1], ids=["exact", "mc"])

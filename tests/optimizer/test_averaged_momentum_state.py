@@ -50,7 +50,7 @@ def test_averaged_momentum_state_round_trips(tmp_path):
         optimizer.step(closure)
         resumed.step(twin_closure)
         assert torch.equal(flat(case.model.parameters()), flat(twin.model.parameters()))
-    assert resumed.state["groups"][0]["curvature_updates"] == 3  # steps 0, 2, 4
+    assert resumed.records["groups"][0]["curvature_updates"] == 3  # steps 0, 2, 4
 
 
 def test_refused_step_keeps_factor_and_momentum():

@@ -46,12 +46,12 @@ def test_group_without_direction_does_not_move_and_warns_once():
     assert not [r for r in second_record if "no direction" in str(r.message)]
     assert_parameters_equal(second, frozen)
     assert all(not torch.equal(p, v) for p, v in zip(first, moving, strict=True))
-    stats = optimizer.state["groups"]
+    stats = optimizer.records["groups"]
     assert stats[1]["num_directions"] == 0
     assert stats[1]["steps_without_direction"] == 2
     assert stats[0]["num_directions"] == 2
     assert stats[0]["steps_without_direction"] == 0
-    assert optimizer.state["global"] == {"step": 2, "skipped_steps": 0}
+    assert optimizer.records["global"] == {"step": 2, "skipped_steps": 0}
 
 
 def test_group_added_later_is_stepped_and_logged():
@@ -68,7 +68,7 @@ def test_group_added_later_is_stepped_and_logged():
     assert optimizer.param_groups[1]["lr"] == 0.5
     assert optimizer.param_groups[1]["damping"] == 1.0  # default filled in
     assert all(not torch.equal(p, v) for p, v in zip(second, values, strict=True))
-    assert [s["num_directions"] for s in optimizer.state["groups"]] == [2, 3]
+    assert [s["num_directions"] for s in optimizer.records["groups"]] == [2, 3]
 
 
 def test_shared_settings_compare_by_value():
@@ -80,7 +80,7 @@ def test_shared_settings_compare_by_value():
     )
     optimizer.add_param_group({"params": second, "subsampling_ggn": (0, 2)})
     optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
-    assert optimizer.state["global"]["step"] == 1
+    assert optimizer.records["global"]["step"] == 1
 
 
 def test_step_enables_grad_itself():

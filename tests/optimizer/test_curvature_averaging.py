@@ -198,7 +198,7 @@ def test_averaged_curvature_matches_explicit_moving_average(
         basis = torch.cat(
             [optimizer.state[p]["curvature_basis"].flatten(1) for p in params], dim=1
         )
-        stats = optimizer.state["groups"][0]
+        stats = optimizer.records["groups"][0]
         assert stats["curvature_updates"] == updates
         assert_close(
             basis.T @ basis,

@@ -32,7 +32,7 @@ def test_levenberg_marquardt_on_a_quadratic_sees_ratio_one():
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     for step in range(3):
         optimizer.step(closure)
-        ratio = optimizer.state["global"]["reduction_ratio"]
+        ratio = optimizer.records["global"]["reduction_ratio"]
         assert ratio == pytest.approx(1.0, rel=1e-9)
         assert policy.value == pytest.approx(0.1 * (2 / 3) ** (step + 1))
 
@@ -45,7 +45,7 @@ def test_levenberg_marquardt_grows_damping_after_a_bad_step():
         case.model.parameters(), lr=1e3, damping=policy, criterion=2, **EXACT_VIVIT_STEP
     )
     optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
-    assert optimizer.state["global"]["reduction_ratio"] < 0.25
+    assert optimizer.records["global"]["reduction_ratio"] < 0.25
     assert policy.value == pytest.approx(1.5e-3)
 
 

@@ -84,7 +84,7 @@ def test_attached_diagnostics_match_standalone_and_keep_the_step(problem, dampin
         ):
             assert torch.equal(a, b), "diagnostics changed the step"
         record = monitor.log[-1]
-        stats = opt_attached.state["groups"][0]
+        stats = opt_attached.records["groups"][0]
         assert record["newton/num_directions/group0"] == stats["num_directions"]
         np.testing.assert_array_equal(record["newton/evals/group0"], stats["evals"])
     assert len(monitor.log) == NUM_STEPS

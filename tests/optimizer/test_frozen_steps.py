@@ -125,7 +125,7 @@ def test_refused_and_failed_frozen_steps_change_nothing():
     with pytest.warns(RuntimeWarning, match="refused the update"):
         optimizer.step(bad)
     assert torch.equal(flat(case.model.parameters()), params)
-    assert optimizer.state["global"]["skipped_steps"] == 1
+    assert optimizer.records["global"]["skipped_steps"] == 1
 
     strict = make_optimizer(case.model.parameters())
     strict.load_state_dict(state)
@@ -142,7 +142,7 @@ def test_refused_and_failed_frozen_steps_change_nothing():
         strict.step(failing)
     assert torch.equal(flat(case.model.parameters()), params)
     assert backpack_hooks(case.model) > 0
-    assert strict.state["global"]["step"] == 1
+    assert strict.records["global"]["step"] == 1
     strict.step(make_closure(strict, case.model, case.loss_fn, case.X, case.y))
     assert not torch.equal(flat(case.model.parameters()), params)
 
@@ -192,6 +192,6 @@ def test_a_loss_rise_between_refreshes_refreshes_at_the_next_step(tolerance):
     updates = []
     for batch in (closure, far, closure, closure):
         optimizer.step(batch)
-        updates.append(optimizer.state["groups"][0]["curvature_updates"])
-    assert optimizer.state["global"]["step"] == 4
+        updates.append(optimizer.records["groups"][0]["curvature_updates"])
+    assert optimizer.records["global"]["step"] == 4
     assert updates == ([1, 1, 2, 3] if tolerance is not None else [1, 1, 1, 2])

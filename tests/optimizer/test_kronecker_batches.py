@@ -50,7 +50,7 @@ def test_layers_of_one_shape_share_a_batch():
     optimizer = DampedNewton(case.model.parameters())
     optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
     params = list(case.model.parameters())
-    bases = stored_bases(optimizer.state, optimizer.state["groups"][0], params)
+    bases = stored_bases(optimizer.state, optimizer.records["groups"][0], params)
     assert bases is not None
     batches = layer_batches(bases)
     assert [len(batch.layers) for batch in batches] == [1, 2, 1]
@@ -66,7 +66,7 @@ def test_a_batch_computes_its_curvature_coefficients_when_first_asked():
     )
     optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
     params = list(case.model.parameters())
-    bases = stored_bases(optimizer.state, optimizer.state["groups"][0], params)
+    bases = stored_bases(optimizer.state, optimizer.records["groups"][0], params)
     assert bases is not None
     batch = layer_batches(bases)[1]
     lean = batch.coefficients(0.01, with_curvature=False)
@@ -119,7 +119,7 @@ def test_batched_steps_are_the_layer_by_layer_steps(basis, noise_filter):
     )
     train_twins(runs, steps=14)
     (optimizer, batched), (reference, alone) = runs
-    assert optimizer.state["groups"][0]["curvature_updates"] == 8
+    assert optimizer.records["groups"][0]["curvature_updates"] == 8
     # Batched and single products round differently.
     assert_same_parameters(batched.model, alone.model, rtol=1e-12, atol=1e-13)
     if noise_filter is not None:

@@ -58,7 +58,7 @@ def test_packed_steps_are_the_unpacked_steps(problem, basis):
     runs = twins(problem, basis)
     train_twins(runs, steps=10)
     (_, first), (packed, second) = runs
-    assert packed.state["groups"][0]["curvature_updates"] == 5
+    assert packed.records["groups"][0]["curvature_updates"] == 5
     # Padded and unpadded products round differently.
     assert_same_parameters(second.model, first.model, rtol=1e-12, atol=1e-13)
 

@@ -108,7 +108,7 @@ def test_averages_and_steps_between_refreshes():
     optimizer.step(closure)
     apply_reference(case, averaged, damping)
     assert_models_close(case)
-    assert optimizer.state["groups"][0]["curvature_updates"] == 2
+    assert optimizer.records["groups"][0]["curvature_updates"] == 2
 
 
 def test_refreshes_between_rotations_keep_the_eigenvectors():
@@ -178,7 +178,7 @@ def test_trust_region_scales_the_step(lr):
     optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
     apply_reference(case, factors, damping, scale=lr * scale)
     assert_models_close(case)
-    assert optimizer.state["groups"][0]["trust_region_scale"] == pytest.approx(
+    assert optimizer.records["groups"][0]["trust_region_scale"] == pytest.approx(
         scale, rel=1e-10
     )
 
@@ -258,7 +258,7 @@ def test_levenberg_marquardt_reads_the_kronecker_model():
     apply_reference(case, factors, 0.1)
     after = case.reference_loss_fn(case.reference_model(case.X), case.y).item()
     ratio = (after - before) / float(slope + curvature / 2)
-    assert optimizer.state["global"]["reduction_ratio"] == pytest.approx(
+    assert optimizer.records["global"]["reduction_ratio"] == pytest.approx(
         ratio, rel=1e-8
     )
 

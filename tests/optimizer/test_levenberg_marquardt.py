@@ -64,7 +64,7 @@ def test_reduction_ratio_uses_the_full_quadratic_model(complement):
     new_loss = case.reference_loss_fn(case.reference_model(case.X), case.y)
     predicted = gradient @ update + 0.5 * update @ G @ update
     expected = (new_loss - loss.detach()) / predicted
-    actual = optimizer.state["global"]["reduction_ratio"]
+    actual = optimizer.records["global"]["reduction_ratio"]
     assert actual == pytest.approx(expected.item(), rel=1e-9)
 
 
@@ -129,7 +129,7 @@ def test_levenberg_marquardt_adapts_each_policy_object_once(owners):
     new_loss = case.reference_loss_fn(case.reference_model(case.X), case.y)
     predicted = gradient @ update + 0.5 * update @ blocks @ update
     ratio = ((new_loss - loss.detach()) / predicted).item()
-    assert optimizer.state["global"]["reduction_ratio"] == pytest.approx(
+    assert optimizer.records["global"]["reduction_ratio"] == pytest.approx(
         ratio, rel=1e-9
     )
     expected = [
@@ -168,7 +168,7 @@ def test_a_policy_adapted_by_another_optimizer_is_refused(basis):
         torch.equal(p, q) for p, q in zip(params, case.model.parameters(), strict=True)
     )
     assert (policy.value, policy.updates) == (value, updates)
-    assert second.state["global"]["step"] == 0
+    assert second.records["global"]["step"] == 0
     del first
     with pytest.warns(UserWarning, match="adapted by an earlier DampedNewton"):
         second.step(make_closure(second, case.model, case.loss_fn, case.X, case.y))

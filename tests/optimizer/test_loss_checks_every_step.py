@@ -196,5 +196,5 @@ def test_a_new_bad_loss_module_between_refreshes_is_refused_by_the_next_step(
         assert re.search(bad.match, str(error))
         return
 
-    assert optimizer.state["global"]["step"] == 5
+    assert optimizer.records["global"]["step"] == 5
     _assert_refused_without_trace(case, optimizer, closure, bad.match)

@@ -72,7 +72,7 @@ def test_label_smoothing_step_matches_the_brute_force_step(smoothing: float):
 
     assert_close(flat(params) - before, expected.step, name="step")
     assert_close(
-        optimizer.state["groups"][0]["evals"], expected.evals, name="eigenvalues"
+        optimizer.records["groups"][0]["evals"], expected.evals, name="eigenvalues"
     )
 
 

@@ -48,7 +48,7 @@ def test_a_half_model_steps_as_the_float64_reference_of_its_weights(dtype, devic
 
     optimizer.step(make_closure(optimizer, model, loss_fn, inputs, targets))
 
-    stats = optimizer.state["groups"][0]
+    stats = optimizer.records["groups"][0]
     assert stats["evals"].dtype == torch.float32
     assert all(p.dtype == dtype for p in model.parameters())
     change = flat(
@@ -167,4 +167,4 @@ def test_autocast_is_refused_with_the_half_precision_model_instead(steps_before,
     assert all(
         torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)
     )
-    assert optimizer.state["global"]["step"] == steps_before
+    assert optimizer.records["global"]["step"] == steps_before

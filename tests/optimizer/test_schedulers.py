@@ -123,7 +123,7 @@ def test_a_schedule_scales_the_defaults_steps_where_the_trust_region_binds():
         optimizer.step(closure)
         updates.append(flat(list(case.model.parameters())) - before)
         assert optimizer.param_groups[0]["lr"] == (0.5 if schedule else 1.0)
-        assert optimizer.state["groups"][0]["trust_region_scale"] < 1
+        assert optimizer.records["groups"][0]["trust_region_scale"] < 1
     assert_close(
         updates[1],
         0.5 * updates[0],

@@ -89,9 +89,11 @@ def test_resumed_optimizer_continues_in_lock_step(mc_samples: int):
         list(resumed.model.parameters()), list(original.model.parameters())
     )
     assert_same_state(snapshot(resumed_optimizer), snapshot(optimizer))
-    assert optimizer.state["global"]["step"] == STEPS_BEFORE + STEPS_AFTER
+    assert optimizer.records["global"]["step"] == STEPS_BEFORE + STEPS_AFTER
     # Every group moved in every step, so all of them were compared.
-    assert [s["steps_without_direction"] for s in optimizer.state["groups"]] == [0] * 3
+    assert [s["steps_without_direction"] for s in optimizer.records["groups"]] == [
+        0
+    ] * 3
 
 
 def test_generator_state_matters_for_monte_carlo():
@@ -100,7 +102,7 @@ def test_generator_state_matters_for_monte_carlo():
     optimizer = make_optimizer(original, mc_samples=1, seed=1)
     run(optimizer, original, STEPS_BEFORE)
     saved = checkpoint(original, optimizer)
-    del saved["optimizer"]["dampednewton"]
+    del saved["optimizer"]["param_groups"][0]["dampednewton"]["generator"]
 
     resumed = build_case(MLP_CE)
     resumed.model.load_state_dict(saved["model"])
@@ -142,7 +144,7 @@ def test_loaded_state_is_not_shared_with_its_source():
     run(target, target_case, 2)
 
     assert_same_state(snapshot(source), before)
-    assert target.state["global"]["step"] == 3
+    assert target.records["global"]["step"] == 3
 
 
 def make_optimizer_with_lambdas(case: Case, seed: int) -> DampedNewton:

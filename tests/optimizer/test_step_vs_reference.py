@@ -163,7 +163,7 @@ def test_step_matches_reference(
 
     expected_loss = case.reference_loss_fn(model64(X64), y64)
     assert loss.item() == pytest.approx(expected_loss.item(), rel=100 * _eps(dtype))
-    assert optimizer.state["global"] == {"step": 1, "skipped_steps": 0}
+    assert optimizer.records["global"] == {"step": 1, "skipped_steps": 0}
     for index, (indices, setting) in enumerate(spec.groups):
         ref = reference_step(
             model64,
@@ -190,7 +190,7 @@ def test_step_matches_reference(
             atol=tol * expected.abs().max().item(),
             name=f"{name}: parameter change",
         )
-        stats = optimizer.state["groups"][index]
+        stats = optimizer.records["groups"][index]
         assert stats["num_directions"] == ref.evals.numel() > 0
         assert stats["steps_without_direction"] == 0
         scale = ref.spectrum.max().item()

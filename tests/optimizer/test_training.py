@@ -48,7 +48,7 @@ def test_training_reduces_loss_by_a_large_factor():
     assert final * MIN_DECREASE <= losses[0], (
         f"loss decreased only from {losses[0]:.3e} to {final:.3e} in {NUM_STEPS} steps"
     )
-    assert optimizer.state["global"] == {"step": NUM_STEPS, "skipped_steps": 0}
+    assert optimizer.records["global"] == {"step": NUM_STEPS, "skipped_steps": 0}
 
 
 def _overdetermined_data(generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -119,7 +119,7 @@ def test_newton_solves_quadratic_in_one_step(problem: Problem, damping: float):
         flat(params), expected, rtol=ROUNDOFF_TOL, atol=atol, name="one Newton step"
     )
     num_samples, num_outputs = case.y.shape
-    assert optimizer.state["groups"][0]["num_directions"] == min(
+    assert optimizer.records["groups"][0]["num_directions"] == min(
         num_samples * num_outputs, start.numel()
     )
     # Converged: a second step moves at most by what the damping left over.

@@ -129,7 +129,7 @@ def test_an_unused_layer_without_bias_keeps_its_basis_and_curvature_record():
         value = first.detach().clone()
         optimizer.step(_closure(optimizer, case, unused))
         assert torch.equal(first, value) == unused
-        assert len(optimizer.state["groups"][0]["kronecker_layers"]) == 2
+        assert len(optimizer.records["groups"][0]["kronecker_layers"]) == 2
         record = monitor.log[-1]
         assert len(record["newton/layer_curvatures/group0"]) == 2
 
@@ -154,7 +154,7 @@ def test_a_closure_without_backward_is_refused_not_skipped(basis, steps_before):
     assert all(
         torch.equal(p, v) for p, v in zip(case.model.parameters(), values, strict=True)
     )
-    assert optimizer.state["global"]["step"] == steps_before
+    assert optimizer.records["global"]["step"] == steps_before
 
 
 def test_an_optimizer_whose_parameters_a_step_leaves_all_unused_takes_no_step():

@@ -98,7 +98,7 @@ def test_small_eigenvalues_warn_once_per_group_and_are_counted():
     assert "1 of the 1 GGN eigenvalues selected in parameter group 0" in small[0]
     assert "2 of the 2 GGN eigenvalues selected in parameter group 1" in small[1]
     assert {r.filename for r in record} == {__file__}
-    stats = optimizer.state["groups"]
+    stats = optimizer.records["groups"]
     assert [s["steps_with_small_eigenvalues"] for s in stats] == [3, 3]
 
 
@@ -118,7 +118,7 @@ def test_small_eigenvalue_threshold_is_per_group():
 
     small = [str(r.message) for r in record if "warn_small_eigvals" in str(r.message)]
     assert len(small) == 1 and "parameter group 0" in small[0], small
-    stats = optimizer.state["groups"]
+    stats = optimizer.records["groups"]
     assert "steps_with_small_eigenvalues" not in stats[1]
 
 

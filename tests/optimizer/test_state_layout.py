@@ -1,0 +1,187 @@
+"""``optimizer.state`` per parameter only: its idioms and torch.distributed.checkpoint.
+
+The step counters and group statistics live in ``optimizer.records``; a state dict
+carries them in its param groups, which ``torch.distributed.checkpoint`` keeps.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from dampednewton import DampedNewton, GramBasis
+from dampednewton._step.checkpoint import StateDictError
+from tests.cases import PROBLEMS
+from tests.utils import (
+    Case,
+    assert_parameters_equal,
+    assert_same_state,
+    build_case,
+    make_closure,
+    snapshot,
+)
+
+MLP_CE = PROBLEMS[0]
+STEPS_BEFORE, STEPS_AFTER = 3, 5  # the Kronecker ramp refreshes at 0, 1, 3 and 7
+BASES = {"kronecker": {}, "gram": {"basis": GramBasis()}}
+
+
+def make_optimizer(case: Case, basis: str, seed: int) -> DampedNewton:
+    return DampedNewton(case.model.parameters(), seed=seed, **BASES[basis])
+
+
+def run(optimizer: DampedNewton, case: Case, steps: int) -> None:
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    for _ in range(steps):
+        optimizer.step(closure)
+
+
+def twin_of(case: Case) -> Case:
+    """The same problem with a fresh model of other initial weights."""
+    twin = build_case(MLP_CE)
+    with torch.no_grad():
+        for param in twin.model.parameters():
+            param.add_(1.0)
+    return twin
+
+
+def assert_lock_step(original: Case, optimizer: DampedNewton, twin: Case, copy_):
+    run(optimizer, original, STEPS_AFTER)
+    run(copy_, twin, STEPS_AFTER)
+    assert_parameters_equal(
+        list(twin.model.parameters()), list(original.model.parameters())
+    )
+    assert_same_state(snapshot(copy_), snapshot(optimizer))
+
+
+@pytest.mark.parametrize("basis", BASES)
+def test_state_holds_one_dict_of_tensors_per_parameter(basis: str):
+    case = build_case(MLP_CE)
+    optimizer = make_optimizer(case, basis, seed=1)
+    params = list(case.model.parameters())
+    # Before the first step too (torch.distributed.checkpoint reads an empty state
+    # as one to initialize by a step without a closure).
+    assert set(optimizer.state) == set(params)
+    run(optimizer, case, STEPS_BEFORE)
+    assert set(optimizer.state) == set(params)
+    for entry in optimizer.state.values():  # the idiom that moves a state by hand
+        assert all(isinstance(value, torch.Tensor) for value in entry.values())
+    assert optimizer.records["global"]["step"] == STEPS_BEFORE
+    saved = optimizer.state_dict()
+    assert set(saved["state"]) <= set(range(len(params)))
+    assert saved["param_groups"][0]["dampednewton"]["global"]["step"] == STEPS_BEFORE
+
+
+def test_a_group_added_later_has_state_entries_and_statistics():
+    case = build_case(MLP_CE)
+    first, _, last = case.model
+    optimizer = DampedNewton(first.parameters(), seed=1)
+    run(optimizer, case, 1)
+    optimizer.add_param_group({"params": list(last.parameters())})
+    assert set(optimizer.state) == set(case.model.parameters())
+    assert len(optimizer.records["groups"]) == 2
+    run(optimizer, case, 2)
+    assert optimizer.records["groups"][1]["kronecker_layers"] == ((0, 1),)
+
+
+@pytest.mark.parametrize("basis", BASES)
+def test_distributed_checkpoint_state_dict_functions_resume_in_lock_step(basis: str):
+    """``get_optimizer_state_dict`` → ``set_optimizer_state_dict`` (names as keys)."""
+    original = build_case(MLP_CE)
+    optimizer = make_optimizer(original, basis, seed=1)
+    run(optimizer, original, STEPS_BEFORE)
+    saved = get_optimizer_state_dict(original.model, optimizer)
+    assert set(saved["state"]) <= {n for n, _ in original.model.named_parameters()}
+
+    twin = twin_of(original)
+    twin.model.load_state_dict(original.model.state_dict())
+    # A different seed: only the loaded generator makes the Monte-Carlo draws agree.
+    resumed = make_optimizer(twin, basis, seed=2)
+    set_optimizer_state_dict(twin.model, resumed, saved)
+    assert_same_state(snapshot(resumed), snapshot(optimizer))
+    assert_lock_step(original, optimizer, twin, resumed)
+
+
+def test_distributed_checkpoint_save_and_load_resume_in_lock_step(tmp_path):
+    """``dcp.save`` and ``dcp.load`` into a template of an optimizer that stepped once.
+
+    ``dcp.load`` fills the keys and shapes the template has; one step gives the
+    Kronecker basis' template the state's structure (what torch's step with zero
+    gradients does for Adam). The Gram basis' averaged factor grows with the steps,
+    so its template would need as many (docs/usage.md).
+    """
+    basis = "kronecker"
+    original = build_case(MLP_CE)
+    optimizer = make_optimizer(original, basis, seed=1)
+    run(optimizer, original, STEPS_BEFORE)
+    with warnings.catch_warnings():  # "no process group: saving on one process"
+        warnings.simplefilter("ignore", UserWarning)
+        model_state, optimizer_state = get_state_dict(original.model, optimizer)
+        dcp.save(
+            {"model": model_state, "optim": optimizer_state}, checkpoint_id=tmp_path
+        )
+
+        twin = twin_of(original)
+        resumed = make_optimizer(twin, basis, seed=2)
+        run(resumed, twin, 1)  # its state's structure: dcp.load fills it
+        model_state, optimizer_state = get_state_dict(twin.model, resumed)
+        template = {"model": model_state, "optim": optimizer_state}
+        dcp.load(template, checkpoint_id=tmp_path)
+        set_state_dict(
+            twin.model,
+            resumed,
+            model_state_dict=template["model"],
+            optim_state_dict=template["optim"],
+        )
+    assert_same_state(snapshot(resumed), snapshot(optimizer))
+    assert_lock_step(original, optimizer, twin, resumed)
+
+
+def test_a_template_of_an_optimizer_that_never_stepped_is_refused(tmp_path):
+    """It would load the counters but not the state: refused, nothing changes."""
+    original = build_case(MLP_CE)
+    optimizer = make_optimizer(original, "kronecker", seed=1)
+    run(optimizer, original, STEPS_BEFORE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(
+            {"optim": get_optimizer_state_dict(original.model, optimizer)},
+            checkpoint_id=tmp_path,
+        )
+        twin = twin_of(original)
+        fresh = make_optimizer(twin, "kronecker", seed=2)
+        template = {"optim": get_optimizer_state_dict(twin.model, fresh)}
+        dcp.load(template, checkpoint_id=tmp_path)
+        before = snapshot(fresh)
+        with pytest.raises(StateDictError, match="take one step before building"):
+            set_optimizer_state_dict(twin.model, fresh, template["optim"])
+    assert_same_state(snapshot(fresh), before)
+
+
+@pytest.mark.parametrize("basis", BASES)
+def test_a_state_dict_of_the_earlier_layout_loads_and_resumes(basis: str):
+    """Earlier versions kept the records in ``state`` and the generator on top."""
+    original = build_case(MLP_CE)
+    optimizer = make_optimizer(original, basis, seed=1)
+    run(optimizer, original, STEPS_BEFORE)
+    saved = snapshot(optimizer)
+    records = [group.pop("dampednewton") for group in saved["param_groups"]]
+    saved["state"]["global"] = records[0]["global"]
+    saved["state"]["groups"] = [entry["group"] for entry in records]
+    saved["dampednewton"] = records[0]["generator"]
+
+    twin = twin_of(original)
+    twin.model.load_state_dict(original.model.state_dict())
+    resumed = make_optimizer(twin, basis, seed=2)
+    resumed.load_state_dict(saved)
+    assert_same_state(snapshot(resumed), snapshot(optimizer))
+    assert_lock_step(original, optimizer, twin, resumed)
