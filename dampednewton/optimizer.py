@@ -11,30 +11,22 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from dampednewton._step.checkpoint import (
-    attach_records,
-    check_state_dict,
-    mark_unpicklable,
-    restore_parameter_tensors,
-    split_records,
-    unwrap_settings,
-    with_basis,
-    without_parameter_tensors,
-)
+from dampednewton._step.checkpoint import checked_state_dict, restore_parameter_tensors
 from dampednewton._step.closure import CLOSURE_PATTERN
 from dampednewton._step.defaults import BASIS_DEFAULT, basis_defaults
-from dampednewton._step.guard import check_not_inference_mode
-from dampednewton._step.options import (
-    GroupOptions,
-    SharedOptions,
+from dampednewton._step.group_checks import (
+    GRAM_ONLY_OPTIONS,
+    check_added_group,
     check_known_keys,
-    check_nonfinite,
-    check_process_group,
     warn_ignored_options,
 )
+from dampednewton._step.guard import check_not_inference_mode
+from dampednewton._step.options import check_nonfinite, check_process_group
 from dampednewton._step.pipeline import GLOBAL, GROUPS, Pipeline
 from dampednewton._step.records import empty_group_stats
+from dampednewton._step.saved_records import attach_records
 from dampednewton._step.seeding import SeededGenerator
+from dampednewton._step.unpicklable import mark_unpicklable
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.policies.basis import Basis, KroneckerBasis
@@ -236,8 +228,10 @@ class DampedNewton(Optimizer):
             seeded.seed = communicator.broadcast_seed(seeded.seed)
         self._pipeline = Pipeline(check_nonfinite(nonfinite), communicator, seeded)
         self.records = {GLOBAL: {"step": 0, "skipped_steps": 0}}
+        self._constructing = True  # where add_param_group's warnings point
         super().__init__(params, defaults)
-        warn_ignored_options(self.param_groups[0]["basis"], **gram_options)
+        del self._constructing
+        warn_ignored_options(self.param_groups[0]["basis"], gram_options)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group (one GGN block) after validating its settings.
@@ -251,18 +245,14 @@ class DampedNewton(Optimizer):
             TypeError: For hyperparameters of the wrong type.
         """
         check_known_keys(param_group, self.defaults)
+        given = {k: param_group[k] for k in GRAM_ONLY_OPTIONS if k in param_group}
         super().add_param_group(param_group)
+        check_added_group(self.param_groups)
         group = self.param_groups[-1]
-        try:
-            for key in ("subsampling_ggn", "subsampling_grad"):
-                # Checked plain lists (read once: an iterator is consumed): a Hydra
-                # ListConfig or a range would not load with weights_only=True.
-                group[key] = check_subsampling(group[key], key)
-            GroupOptions.from_group(group)
-            SharedOptions.from_groups(self.param_groups)
-        except (ValueError, TypeError):
-            self.param_groups.pop()
-            raise
+        where = f" in parameter group {len(self.param_groups) - 1}"
+        # Warnings point at the caller of add_param_group or of the constructor.
+        level = 5 if getattr(self, "_constructing", False) else 3
+        warn_ignored_options(group["basis"], given, where, level)
         if GROUPS in self.records:
             self.records[GROUPS].append(empty_group_stats())
         for param in group["params"]:
@@ -337,7 +327,7 @@ class DampedNewton(Optimizer):
         Group settings that cannot be pickled (a lambda criterion, a local damping
         function) are kept by reference, wrapped so that ``torch.save`` refuses them
         with an error naming the group and the key (see
-        :class:`~dampednewton._step.checkpoint.UnpicklableSetting`).
+        :class:`~dampednewton._step.unpicklable.UnpicklableSetting`).
 
         Returns:
             A ``torch.optim`` state dict: ``'state'`` per parameter only, so that
@@ -357,24 +347,22 @@ class DampedNewton(Optimizer):
         Args:
             state_dict: State as returned by :meth:`state_dict`.
         """
-        state_dict, records, generator = split_records(with_basis(state_dict))
-        check_state_dict(state_dict, records, generator, self.param_groups)
-        state_dict["param_groups"] = unwrap_settings(state_dict["param_groups"])
-        for group in state_dict["param_groups"]:
-            GroupOptions.from_group(group)
-        state_dict, tensors = without_parameter_tensors(state_dict)
-        super().load_state_dict(state_dict)
+        checked = checked_state_dict(state_dict, self.param_groups)
+        super().load_state_dict(checked.for_torch)
         restore_parameter_tensors(
-            self.state, state_dict["param_groups"], self.param_groups, tensors
+            self.state,
+            checked.for_torch["param_groups"],
+            self.param_groups,
+            checked.tensors,
         )
         for group in self.param_groups:
             for param in group["params"]:
                 self.state.setdefault(param, {})
         # Copied: this optimizer's counters are not shared with the source's.
-        self.records = copy.deepcopy(records)
+        self.records = copy.deepcopy(checked.records)
         self._pipeline.clear()
-        if generator is not None:
-            self._pipeline.seeded.load_state_dict(generator, self._device())
+        if checked.generator is not None:
+            self._pipeline.seeded.load_state_dict(checked.generator, self._device())
 
     def __getstate__(self) -> dict[str, Any]:
         """``torch.optim``'s pickled state and what rebuilds the step's machinery.

@@ -30,7 +30,10 @@
 10. :mod:`.records`: per-group statistics and ``newton/*`` diagnostics.
 11. :mod:`.adaptation`: adaptive damping from the step's reduction ratio.
 
-Beside the step, :mod:`.checkpoint` makes and checks state dicts.
+Beside the step, :mod:`.group_checks` checks a param group as it is added,
+:mod:`.checkpoint` checks state dicts before loading, :mod:`.saved_records` puts the
+records into their param groups and :mod:`.unpicklable` wraps settings that cannot be
+pickled.
 
 Nothing below this package (``math/``, ``policies/``, ``backpack/``,
 ``computations/``, ``diagnostics/``) imports from it (``tests/test_layering.py``).

@@ -1,105 +1,42 @@
-"""State dicts: settings that cannot be pickled, and checks of a state dict to load.
+"""State dicts: their layout, and checks of a state dict before it is loaded.
 
-:func:`check_state_dict` refuses, before anything is loaded, a state dict that is not
-DampedNewton's for these parameter groups (another optimizer's such as Adam's, a
+``state_dict()['state']`` is keyed by parameters only, as
+``torch.distributed.checkpoint`` requires; DampedNewton's records (step counters,
+group statistics, the Monte-Carlo generator) travel in the param groups
+(:mod:`._step.saved_records`, which also reads the earlier layout).
+
+:func:`checked_state_dict` refuses, before anything is loaded, a state dict that is
+not DampedNewton's for these parameter groups (another optimizer's such as Adam's, a
 different number of groups or parameters, a missing or corrupted entry), with an error
 that names what is wrong; the optimizer is left as it was.
 
-Group settings that cannot be pickled (lambdas, local functions) in state dicts:
-
-A lambda criterion or damping steps fine, but ``torch.save(optimizer.state_dict())``
-would fail with pickle's "Can't pickle <function <lambda>>", which names neither the
-group nor the setting. :meth:`DampedNewton.state_dict` therefore puts such a value into
-an :class:`UnpicklableSetting`: in memory it travels as the value itself
-(``load_state_dict``, ``copy.deepcopy``), and pickling it raises an error that names
-the group, the key and the picklable alternatives.
-
 Per-parameter tensors keep the dtype the optimizer computes in: torch's loader would
 cast a half-precision model's float32 state to the model's dtype
-(:func:`without_parameter_tensors`, :func:`restore_parameter_tensors`).
+(:func:`checked_state_dict` takes them out, :func:`restore_parameter_tensors` puts
+them back).
 """
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
 from dampednewton._step.kronecker_moments import MOMENT_KEYS
 from dampednewton._step.kronecker_state import OUTPUT_FACTOR
 from dampednewton._step.kronecker_state import STATE_KEYS as KRONECKER_STATE_KEYS
-from dampednewton._step.records import BASIS, GLOBAL, GROUPS
+from dampednewton._step.options import GroupOptions
+from dampednewton._step.records import BASIS
+from dampednewton._step.saved_records import (
+    RECORDS_KEY,
+    records_problem,
+    split_records,
+)
+from dampednewton._step.unpicklable import unwrap_settings
 from dampednewton._step.update import MOMENTUM
 from dampednewton.math.precision import computation_dtype
 from dampednewton.policies.basis import GramBasis
-
-PICKLABLE_ALTERNATIVES = {
-    "criterion": "TopK(k), EigenvalueThreshold(v) or RelativeThreshold(f)",
-    "damping": (
-        "a number, ConstantDamping, LevenbergMarquardt, NoiseAwareDamping, "
-        "GSNRDamping or RelativeDamping"
-    ),
-    "complement": "a number, SmallestCurvature() or ConstantCurvature(rho)",
-}
-
-
-@dataclass(frozen=True)
-class UnpicklableSetting:
-    """A group setting kept by reference in a state dict; refuses to be pickled.
-
-    Attributes:
-        value: The setting itself (e.g. a lambda).
-        group: Index of its parameter group.
-        key: Its key in the group.
-        reason: Pickle's own error message.
-    """
-
-    value: Any
-    group: int
-    key: str
-    reason: str = field(compare=False)
-
-    def __reduce__(self):
-        """Refuse pickling with a message that says what to do.
-
-        Raises:
-            pickle.PicklingError: Always.
-        """
-        alternatives = PICKLABLE_ALTERNATIVES.get(self.key, "a picklable object")
-        raise pickle.PicklingError(
-            f"DampedNewton's parameter group {self.group} has {self.key}="
-            f"{self.value!r}, which cannot be pickled ({self.reason}), so this state "
-            "dict cannot be saved (stepping and in-memory load_state_dict are not "
-            f"affected). To save checkpoints, use {alternatives}, or a function or "
-            "class defined at module level instead of a lambda or local function."
-        )
-
-    def __copy__(self) -> UnpicklableSetting:
-        """The setting itself (copies share the value, as for functions)."""
-        return self
-
-    def __deepcopy__(self, memo: dict) -> UnpicklableSetting:
-        """The setting itself (copies share the value, as for functions)."""
-        return self
-
-
-def mark_unpicklable(groups: list[dict[str, Any]]) -> None:
-    """Wrap, in place, every setting of state-dict groups that cannot be pickled.
-
-    Args:
-        groups: The ``param_groups`` of a state dict (not the optimizer's own).
-    """
-    for index, group in enumerate(groups):
-        for key, value in group.items():
-            if key == "params":
-                continue
-            try:
-                pickle.dumps(value)
-            except (pickle.PicklingError, AttributeError, TypeError) as error:
-                group[key] = UnpicklableSetting(value, index, key, str(error))
 
 
 def with_basis(state_dict: Any) -> Any:
@@ -132,33 +69,9 @@ def with_basis(state_dict: Any) -> Any:
     }
 
 
-def unwrap_settings(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """State-dict groups with every :class:`UnpicklableSetting` replaced by its value.
-
-    Args:
-        groups: The ``param_groups`` of a state dict.
-
-    Returns:
-        New group dicts (the input is left as it is).
-    """
-    return [
-        {
-            key: value.value if isinstance(value, UnpicklableSetting) else value
-            for key, value in group.items()
-        }
-        for group in groups
-    ]
-
-
 #: Per-parameter state entries DampedNewton writes (averaged basis, momentum buffer,
 #: a Kronecker layer's factors and eigenpairs).
 PARAMETER_STATE_KEYS = frozenset({BASIS, MOMENTUM}) | KRONECKER_STATE_KEYS | MOMENT_KEYS
-#: The key of DampedNewton's records in each saved parameter group: the group's
-#: statistics (``'group'``) and, in group 0, the step counters (``'global'``) and the
-#: Monte-Carlo generator (``'generator'``). In the groups, not in ``'state'``, so that
-#: ``'state'`` is keyed by parameters only, as ``torch.distributed.checkpoint``
-#: requires; it keeps the groups' extra keys.
-RECORDS_KEY = "dampednewton"
 SAVE_HINT = (
     " Load the output of DampedNewton.state_dict() of an optimizer built on the same "
     "parameter groups (as many groups, as many parameters in each)."
@@ -204,37 +117,6 @@ def _check_groups(saved: Any, param_groups: Sequence[Mapping[str, Any]]) -> None
                     else ""
                 )
             )
-
-
-def _check_records(records: Mapping[str, Any], num_groups: int) -> None:
-    """The step counters and, when present, one statistics dict per group."""
-    counters = records.get(GLOBAL)
-    if not isinstance(counters, Mapping) or not all(
-        isinstance(counters.get(key), int) for key in ("step", "skipped_steps")
-    ):
-        raise _refuse(
-            f"the step counters (param group 0's '{RECORDS_KEY}' entry, "
-            f"'{GLOBAL}') must be a dict of the integers 'step' and "
-            f"'skipped_steps', got {counters!r}"
-        )
-    if GROUPS not in records and counters["step"] > 0:
-        raise _refuse(
-            f"its step counters count {counters['step']} steps, but its param groups' "
-            f"'{RECORDS_KEY}' entries hold no group statistics ('group'). A "
-            "torch.distributed.checkpoint template built from an optimizer that never "
-            "stepped loads only the keys it has: take one step before building the "
-            "template (get_state_dict), then dcp.load and set_state_dict"
-        )
-    stats = records.get(GROUPS, [{}] * num_groups)
-    if (
-        not isinstance(stats, Sequence)
-        or len(stats) != num_groups
-        or not all(isinstance(entry, Mapping) for entry in stats)
-    ):
-        raise _refuse(
-            f"the group statistics (each param group's '{RECORDS_KEY}' entry, "
-            f"'group') must be {num_groups} dicts, one per group"
-        )
 
 
 def _check_parameter_state(
@@ -292,65 +174,6 @@ def _check_parameter_shapes(
                 )
 
 
-def attach_records(
-    state_dict: dict[str, Any], records: Mapping[str, Any], generator: Any
-) -> None:
-    """Put the records and the generator's state into a state dict's groups.
-
-    Args:
-        state_dict: A ``torch.optim`` state dict (its groups are changed in place).
-        records: The optimizer's step counters and group statistics.
-        generator: The Monte-Carlo generator's state.
-    """
-    stats = records.get(GROUPS)
-    for index, group in enumerate(state_dict["param_groups"]):
-        entry: dict[str, Any] = {} if stats is None else {"group": stats[index]}
-        if index == 0:
-            entry.update({GLOBAL: records[GLOBAL], "generator": generator})
-        group[RECORDS_KEY] = entry
-
-
-def split_records(state_dict: Any) -> tuple[Any, dict[str, Any], Any]:
-    """The state dict without its records, the records and the generator's state.
-
-    Also reads the layout of earlier versions, which kept the records in
-    ``'state'`` (``'global'``, ``'groups'``) and the generator at the top level. What
-    is not recognisably a state dict is returned as it is, for
-    :func:`check_state_dict` to refuse.
-
-    Args:
-        state_dict: What was passed to ``DampedNewton.load_state_dict``.
-
-    Returns:
-        The state dict (a copy where records were taken out), the records (empty
-        when none were found) and the generator's state (``None`` when absent).
-    """
-    if not isinstance(state_dict, Mapping):
-        return state_dict, {}, None
-    state_dict = dict(state_dict)
-    generator = state_dict.pop(RECORDS_KEY, None)  # earlier versions: top level
-    records: dict[str, Any] = {}
-    state = state_dict.get("state")
-    if isinstance(state, Mapping) and (GLOBAL in state or GROUPS in state):
-        state = dict(state)
-        records = {key: state.pop(key) for key in (GLOBAL, GROUPS) if key in state}
-        state_dict["state"] = state
-    groups = state_dict.get("param_groups")
-    if isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups):
-        entries = [group.get(RECORDS_KEY) for group in groups]
-        state_dict["param_groups"] = [
-            {key: value for key, value in group.items() if key != RECORDS_KEY}
-            for group in groups
-        ]
-        if entries and isinstance(entries[0], Mapping):
-            records.setdefault(GLOBAL, entries[0].get(GLOBAL))
-            generator = entries[0].get("generator", generator)
-        stats = [entry.get("group") for entry in entries if isinstance(entry, Mapping)]
-        if stats and any(entry is not None for entry in stats):
-            records.setdefault(GROUPS, stats)
-    return state_dict, records, generator
-
-
 def check_state_dict(
     state_dict: Any,
     records: Mapping[str, Any],
@@ -383,7 +206,9 @@ def check_state_dict(
     state = state_dict["state"]
     if not isinstance(state, Mapping):
         raise _refuse("'state' must be a dict")
-    _check_records(records, len(param_groups))
+    problem = records_problem(records, len(param_groups))
+    if problem is not None:
+        raise _refuse(problem)
     _check_parameter_state(state, state_dict["param_groups"])
     _check_parameter_shapes(state, state_dict["param_groups"], param_groups)
     if generator is not None and not (
@@ -393,6 +218,51 @@ def check_state_dict(
             f"the generator state (param group 0's '{RECORDS_KEY}' entry) must hold "
             "'seed' and 'generator'"
         )
+
+
+class CheckedStateDict(NamedTuple):
+    """A state dict checked for these groups, in the parts ``load_state_dict`` sets.
+
+    Attributes:
+        for_torch: What ``torch.optim.Optimizer.load_state_dict`` loads: groups
+            with their settings unwrapped, per-parameter state without its floating
+            tensors.
+        tensors: Per saved parameter key, its floating tensors
+            (:func:`restore_parameter_tensors`).
+        records: The step counters and group statistics.
+        generator: The Monte-Carlo generator's state (``None`` when absent).
+    """
+
+    for_torch: dict[str, Any]
+    tensors: dict[Any, dict[str, Tensor]]
+    records: dict[str, Any]
+    generator: Any
+
+
+def checked_state_dict(
+    state_dict: Any, param_groups: Sequence[Mapping[str, Any]]
+) -> CheckedStateDict:
+    """Check a state dict for these groups and split it for loading.
+
+    Args:
+        state_dict: What was passed to ``DampedNewton.load_state_dict``.
+        param_groups: The optimizer's own parameter groups.
+
+    Returns:
+        Its parts.
+
+    Raises:
+        StateDictError: See :func:`check_state_dict`.
+        ValueError: For an invalid setting in a saved group.
+        TypeError: For a setting of the wrong type in a saved group.
+    """
+    state_dict, records, generator = split_records(with_basis(state_dict))
+    check_state_dict(state_dict, records, generator, param_groups)
+    state_dict["param_groups"] = unwrap_settings(state_dict["param_groups"])
+    for group in state_dict["param_groups"]:
+        GroupOptions.from_group(group)
+    for_torch, tensors = without_parameter_tensors(state_dict)
+    return CheckedStateDict(for_torch, tensors, records, generator)
 
 
 def without_parameter_tensors(

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
-from dampednewton._step.defaults import BASIS_DEFAULT
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.distributed import Communicator, resolve_process_group
 from dampednewton.policies.basis import (
@@ -47,41 +45,6 @@ from dampednewton.policies.damping import (
 
 NONFINITE_MODES = ("raise", "skip")
 SHARED_SETTINGS = ("mc_samples", "subsampling_ggn", "subsampling_grad")
-# Keys a group may carry besides the hyperparameters: a label, torch's parameter
-# names, and the keys torch's LR schedulers (and SWALR) write into the groups.
-EXTRA_GROUP_KEYS = (
-    "name",
-    "param_names",
-    "initial_lr",
-    "max_lr",
-    "min_lr",
-    "max_momentum",
-    "base_momentum",
-    "swa_lr",
-)
-
-
-def warn_ignored_options(basis: Any, **gram_options: Any) -> None:
-    """Warn about the Gram basis' options given to the Kronecker basis.
-
-    Args:
-        basis: The constructor's basis.
-        **gram_options: ``criterion`` and ``complement`` as given
-            (:data:`BASIS_DEFAULT` when not).
-    """
-    if not isinstance(as_basis(basis), KroneckerBasis):
-        return
-    given = sorted(
-        name for name, value in gram_options.items() if value is not BASIS_DEFAULT
-    )
-    if given:
-        warnings.warn(
-            f"Options of the Gram basis' directions ({', '.join(given)}) have no "
-            "effect with the Kronecker basis (the default): it steps along every "
-            "pair of its factors' eigenvectors (their number: KroneckerBasis("
-            "rank=..., exact_size=...)). Pass basis=GramBasis() to use them.",
-            stacklevel=3,
-        )
 
 
 def check_nonfinite(mode: Any) -> str:
@@ -305,24 +268,6 @@ class GroupOptions:
         Cached: the protocol check costs more than a step between refreshes.
         """
         return self.damping if isinstance(self.damping, AdaptiveDamping) else None
-
-
-def check_known_keys(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
-    """Refuse group keys that are no hyperparameter of the optimizer.
-
-    Args:
-        group: A param group as given by the user.
-        defaults: The optimizer's defaults (its hyperparameters).
-
-    Raises:
-        ValueError: For an unknown key.
-    """
-    unknown = set(group) - {"params", *defaults, *EXTRA_GROUP_KEYS}
-    if unknown:
-        raise ValueError(
-            f"Unknown hyperparameters {sorted(unknown)} in parameter group; "
-            f"DampedNewton knows {sorted(defaults)}."
-        )
 
 
 def _checked_averaging(averaging: Any, damping: Damping) -> CurvatureAveraging | None:

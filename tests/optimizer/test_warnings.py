@@ -8,6 +8,7 @@ registry: what the user would see at worst.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,3 +196,19 @@ def test_gram_options_given_to_the_kronecker_basis_warn(options):
         DampedNewton(params)
         DampedNewton(params, basis=GramBasis(), **options)
         DampedNewton([{"params": params, "basis": GramBasis()}], **options)
+
+
+@pytest.mark.parametrize("how", ["constructor", "add_param_group"])
+def test_gram_options_of_a_kronecker_group_warn_at_the_callers_line(how):
+    """Per group too, naming the group; the warning points at the user's call."""
+    first, second = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    with pytest.warns(UserWarning, match=r"\(criterion\) in parameter group 1") as w:
+        if how == "constructor":
+            DampedNewton([{"params": [first]}, {"params": [second], "criterion": 4}])
+        else:
+            DampedNewton([first]).add_param_group({"params": [second], "criterion": 4})
+    assert [Path(r.filename).name for r in w] == [Path(__file__).name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        groups = [{"params": [first]}, {"params": [second], "criterion": 4}]
+        DampedNewton(groups, basis=GramBasis())

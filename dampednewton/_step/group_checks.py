@@ -1,0 +1,103 @@
+"""Checks of a param group as it is added, before and after torch adds it.
+
+Unknown keys are refused before; after, the group's options are validated (the group
+is removed again when refused) and options that its basis ignores are warned about.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from dampednewton._step.defaults import BASIS_DEFAULT
+from dampednewton._step.options import GroupOptions, SharedOptions
+from dampednewton.policies.basis import KroneckerBasis, as_basis
+from dampednewton.policies.checks import check_subsampling
+
+# Keys a group may carry besides the hyperparameters: a label, torch's parameter
+# names, and the keys torch's LR schedulers (and SWALR) write into the groups.
+EXTRA_GROUP_KEYS = (
+    "name",
+    "param_names",
+    "initial_lr",
+    "max_lr",
+    "min_lr",
+    "max_momentum",
+    "base_momentum",
+    "swa_lr",
+)
+
+GRAM_ONLY_OPTIONS = ("criterion", "complement")
+"""Group options that only the Gram basis reads."""
+
+
+def warn_ignored_options(
+    basis: Any, gram_options: Mapping[str, Any], where: str = "", stacklevel: int = 3
+) -> None:
+    """Warn about the Gram basis' options given to the Kronecker basis.
+
+    Args:
+        basis: The basis they were given with.
+        gram_options: ``criterion`` and ``complement`` as given
+            (:data:`BASIS_DEFAULT` when not).
+        where: Where they were given, e.g. ``" in parameter group 1"``.
+        stacklevel: ``warnings.warn``'s, counted from this function.
+    """
+    if not isinstance(as_basis(basis), KroneckerBasis):
+        return
+    given = sorted(
+        name for name, value in gram_options.items() if value is not BASIS_DEFAULT
+    )
+    if given:
+        warnings.warn(
+            f"Options of the Gram basis' directions ({', '.join(given)}){where} have "
+            "no effect with the Kronecker basis (the default): it steps along every "
+            "pair of its factors' eigenvectors (their number: KroneckerBasis("
+            "rank=..., exact_size=...)). Pass basis=GramBasis() to use them.",
+            stacklevel=stacklevel,
+        )
+
+
+def check_known_keys(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
+    """Refuse group keys that are no hyperparameter of the optimizer.
+
+    Args:
+        group: A param group as given by the user.
+        defaults: The optimizer's defaults (its hyperparameters).
+
+    Raises:
+        ValueError: For an unknown key.
+    """
+    unknown = set(group) - {"params", *defaults, *EXTRA_GROUP_KEYS}
+    if unknown:
+        raise ValueError(
+            f"Unknown hyperparameters {sorted(unknown)} in parameter group; "
+            f"DampedNewton knows {sorted(defaults)}."
+        )
+
+
+def check_added_group(param_groups: list[dict[str, Any]]) -> None:
+    """Validate the group torch just appended; remove it again when refused.
+
+    The sub-sampling indices become checked plain lists, read once (an iterator is
+    consumed; a Hydra ``ListConfig`` or a ``range`` would not load with
+    ``weights_only=True``).
+
+    Args:
+        param_groups: The optimizer's groups, the new one last.
+
+    Raises:
+        ValueError: For invalid hyperparameters or shared settings that differ from
+            the other groups'.
+        TypeError: For hyperparameters of the wrong type.
+    """
+    group = param_groups[-1]
+    try:
+        for key in ("subsampling_ggn", "subsampling_grad"):
+            group[key] = check_subsampling(group[key], key)
+        GroupOptions.from_group(group)
+        SharedOptions.from_groups(param_groups)
+    except (ValueError, TypeError):
+        param_groups.pop()
+        raise
