@@ -1,5 +1,6 @@
 """Directionally damped Newton steps from the GGN's low-rank structure, on BackPACK."""
 
+from dampednewton._step.defaults import basis_defaults
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.computations import (
     DirectionalDampedNewtonComputation,
@@ -8,7 +9,7 @@ from dampednewton.computations import (
     EigvalshComputation,
     NewtonStep,
 )
-from dampednewton.optimizer import DampedNewton, basis_defaults
+from dampednewton.optimizer import DampedNewton
 from dampednewton.policies.basis import GramBasis, KroneckerBasis
 from dampednewton.policies.complement import (
     ConstantCurvature,

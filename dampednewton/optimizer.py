@@ -11,14 +11,18 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from dampednewton._step.checkpoint import checked_state_dict, restore_parameter_tensors
+from dampednewton._step.checkpoint import (
+    checked_state_dict,
+    restore_parameter_tensors,
+    shared_defaults,
+)
 from dampednewton._step.closure import CLOSURE_PATTERN
-from dampednewton._step.defaults import BASIS_DEFAULT, basis_defaults
+from dampednewton._step.defaults import BASIS_DEFAULT, filled_defaults
 from dampednewton._step.group_checks import (
     GRAM_ONLY_OPTIONS,
     check_added_group,
-    check_known_keys,
     warn_ignored_options,
+    warn_unknown_keys,
 )
 from dampednewton._step.guard import check_not_inference_mode
 from dampednewton._step.options import check_nonfinite, check_process_group
@@ -31,7 +35,7 @@ from dampednewton.averaging import CurvatureAveraging
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.policies.basis import Basis, KroneckerBasis
 from dampednewton.policies.checks import check_subsampling
-from dampednewton.policies.complement import ComplementPolicy, SmallestCurvature
+from dampednewton.policies.complement import ComplementPolicy
 from dampednewton.policies.criteria import Criterion
 from dampednewton.policies.damping import Damping
 
@@ -148,11 +152,9 @@ class DampedNewton(Optimizer):
     backward pass and must agree across groups; every other option can differ.
     """
 
-    # Per parameter, as in torch.optim (an entry for every parameter from the start).
-    state: defaultdict[Any, Any]
+    state: defaultdict[Any, Any]  # per parameter, an entry for each from the start
     records: dict[str, Any]
-    """The step counters (``records['global']``: ``'step'``, ``'skipped_steps'``)
-    and, after the first step, per group what its last step used and counters
+    """Step counters (``records['global']``) and, per group, what its last step used
     (``records['groups'][i]``: eigenvalues, damping, trust-region scale, ...)."""
 
     def __init__(
@@ -185,27 +187,7 @@ class DampedNewton(Optimizer):
             ValueError: For invalid hyperparameters.
             TypeError: For hyperparameters of the wrong type.
         """
-        gram_options = {"criterion": criterion, "complement": complement}
-        if criterion is BASIS_DEFAULT:
-            criterion = 20
-        if complement is BASIS_DEFAULT:
-            complement = SmallestCurvature()
-        tuned = basis_defaults(basis)
-        if damping is None:
-            damping = tuned["damping"]
-        if newton_fraction is BASIS_DEFAULT:
-            newton_fraction = tuned["newton_fraction"]
-        if averaging is BASIS_DEFAULT:
-            averaging = tuned["averaging"]
-        if kl_clip is BASIS_DEFAULT:
-            kl_clip = tuned["kl_clip"]
-        if momentum is BASIS_DEFAULT:
-            momentum = tuned["momentum"]
-        if weight_decay is BASIS_DEFAULT:
-            weight_decay = tuned["weight_decay"]
-        defaults = {
-            "lr": lr,
-            "basis": basis,
+        given = {
             "damping": damping,
             "criterion": criterion,
             "complement": complement,
@@ -215,6 +197,12 @@ class DampedNewton(Optimizer):
             "momentum": momentum,
             "nesterov": nesterov,
             "weight_decay": weight_decay,
+        }
+        gram_options = {key: given[key] for key in GRAM_ONLY_OPTIONS}
+        defaults = {
+            "lr": lr,
+            "basis": basis,
+            **filled_defaults(basis, given),
             "mc_samples": mc_samples,
             # Read once: an iterator would be consumed by the first group.
             "subsampling_ggn": check_subsampling(subsampling_ggn, "subsampling_ggn"),
@@ -244,7 +232,6 @@ class DampedNewton(Optimizer):
                 existing groups' shared ones.
             TypeError: For hyperparameters of the wrong type.
         """
-        check_known_keys(param_group, self.defaults)
         given = {k: param_group[k] for k in GRAM_ONLY_OPTIONS if k in param_group}
         super().add_param_group(param_group)
         check_added_group(self.param_groups)
@@ -252,12 +239,12 @@ class DampedNewton(Optimizer):
         where = f" in parameter group {len(self.param_groups) - 1}"
         # Warnings point at the caller of add_param_group or of the constructor.
         level = 5 if getattr(self, "_constructing", False) else 3
+        warn_unknown_keys(group, self.defaults, where, level)
         warn_ignored_options(group["basis"], given, where, level)
         if GROUPS in self.records:
             self.records[GROUPS].append(empty_group_stats())
         for param in group["params"]:
-            # Never empty: torch.distributed.checkpoint would initialize an empty
-            # state by a step without a closure.
+            # Never empty: torch.distributed.checkpoint steps an empty state.
             self.state.setdefault(param, {})
 
     # torch's stub overloads step as (None) -> None | (() -> float) -> float; this
@@ -300,23 +287,20 @@ class DampedNewton(Optimizer):
 
     @property
     def communication_seconds(self) -> float:
-        """Wall-clock seconds spent in ``torch.distributed`` collectives so far.
+        """Seconds in this optimizer's collectives so far (0.0 for one process).
 
-        The time of every collective of this optimizer (see
-        :class:`~dampednewton.distributed.Communicator`); ``0.0`` for one process.
-        Not part of the state dict.
+        Timed by :class:`~dampednewton.distributed.Communicator`; not saved.
         """
         communicator = self._pipeline.communicator
         return 0.0 if communicator is None else communicator.seconds
 
     @property
     def communication_bytes(self) -> float:
-        """Payload bytes this rank received in ``torch.distributed`` collectives.
+        """Payload bytes this rank received in collectives (0.0 for one process).
 
         Counted by :class:`~dampednewton.distributed.Communicator` (all-gathers:
-        ``world_size - 1`` local tensors; all-reduces: a ring's
-        ``2 (world_size - 1) / world_size`` times the tensor); ``0.0`` for one
-        process. Not part of the state dict.
+        ``world_size - 1`` local tensors; all-reduces: a ring's ``2 (world_size -
+        1) / world_size`` times the tensor); not saved.
         """
         communicator = self._pipeline.communicator
         return 0.0 if communicator is None else communicator.bytes_received
@@ -348,7 +332,10 @@ class DampedNewton(Optimizer):
             state_dict: State as returned by :meth:`state_dict`.
         """
         checked = checked_state_dict(state_dict, self.param_groups)
+        shared = shared_defaults(self.defaults, self.param_groups)
         super().load_state_dict(checked.for_torch)
+        # A group added later takes what group i holds now, as before the load.
+        self.defaults.update({k: self.param_groups[i][k] for k, i in shared.items()})
         restore_parameter_tensors(
             self.state,
             checked.for_torch["param_groups"],
@@ -367,24 +354,25 @@ class DampedNewton(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         """``torch.optim``'s pickled state and what rebuilds the step's machinery.
 
-        A copy (``copy.deepcopy``, ``pickle``) steps as the original; its process
-        group is the default one (``process_group=None``), and it has no diagnostics
-        monitor (one watches its own parameters: attach a new one).
+        A copy (``copy.deepcopy``, ``pickle``) steps as the original, in the default
+        process group, without a monitor (a monitor watches its own parameters).
         """
-        state = super().__getstate__()
-        state["records"] = self.records
         pipeline = self._pipeline
-        state["pipeline"] = {
-            "nonfinite": pipeline.nonfinite,
-            "generator": pipeline.seeded.state_dict(self._device()),
+        generator = pipeline.seeded.state_dict(self._device())
+        machinery = {"nonfinite": pipeline.nonfinite, "generator": generator}
+        return {
+            **super().__getstate__(),
+            "records": self.records,
+            "pipeline": machinery,
         }
-        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a copy (``load_state_dict`` passes no machinery: it stays)."""
         state = dict(state)
         pipeline = state.pop("pipeline", None)
         super().__setstate__(state)
+        # torch adds it for its own optimizers; groups added later would carry it.
+        self.defaults.pop("differentiable", None)
         if pipeline is None:
             return
         self.monitor = None

@@ -119,6 +119,14 @@ def _binary_6x5(generator: torch.Generator) -> tuple[Tensor, Tensor]:
     return torch.randn(6, 5, generator=generator, dtype=torch.float64), targets
 
 
+def _soft_multilabel_4x5(generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    targets = torch.rand(4, NUM_CLASSES, generator=generator, dtype=torch.float64)
+    # Inputs of scale 2: the GGN's eigenvalues (σ(1 − σ)/C ≤ 1/12 per output) stay
+    # above the warning threshold.
+    inputs = 2 * torch.randn(4, 5, generator=generator, dtype=torch.float64)
+    return inputs, targets
+
+
 def _cross_entropy() -> nn.Module:
     return nn.CrossEntropyLoss(reduction="mean")
 
@@ -153,7 +161,7 @@ CASES: list[Problem] = [
         seed=1,
         tags=_STEP,
     ),
-    # N=6, C=1, D=29: BackPACK's BCEWithLogitsLoss only supports [N, 1] logits.
+    # N=6, C=1, D=29: binary cross-entropy with one logit per sample.
     Problem(
         "mlp-bce",
         models.mlp_tanh_scalar,
@@ -201,6 +209,16 @@ CASES: list[Problem] = [
         _cross_entropy,
         Classification((4, 6, 4, 4)),
         seed=7,
+        tags=_STEP,
+    ),
+    # N=4, C=3, D=39: ReLU MLP, multi-label binary cross-entropy with soft targets
+    # in [0, 1), beyond BackPACK's own derivatives ([N, 1] logits, targets 0 or 1).
+    Problem(
+        "mlp-bce-multilabel",
+        models.mlp_relu,
+        _bce_with_logits,
+        _soft_multilabel_4x5,
+        seed=15,
         tags=_STEP,
     ),
     # Linear regression, N=4, C=3, D=18 > N·C = 12, GGN rank 12; linear in θ, so the

@@ -1,4 +1,4 @@
-"""Monte-Carlo square roots of the cross-entropy Hessian and the finiteness check."""
+"""Monte-Carlo square roots of the cross-entropy Hessians and the finiteness check."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from dampednewton.math.finite import all_finite
-from dampednewton.math.sampling import sampled_cross_entropy_gradients
+from dampednewton.math.sampling import (
+    sampled_binary_cross_entropy_gradients,
+    sampled_cross_entropy_gradients,
+)
 from tests.assertions import assert_close
 
 
@@ -32,6 +35,45 @@ def test_draws_average_to_the_cross_entropy_hessian(shape):
     assert_close(estimate, exact, rtol=0, atol=5 / math.sqrt(mc_samples), name="E[ggᵀ]")
     # Every draw is p − onehot: entries sum to zero over classes.
     assert_close(draws.sum(2), torch.zeros_like(draws.sum(2)), atol=1e-12)
+
+
+def test_binary_draws_average_to_the_binary_cross_entropy_hessian():
+    """Each output's own Bernoulli label: ``E[ggᵀ] = diag(σ(1 − σ))`` per sample."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, generator=generator, dtype=torch.float64)
+    mc_samples = 200_000
+    draws = sampled_binary_cross_entropy_gradients(logits, mc_samples, generator)
+    assert draws.shape == (mc_samples, 3, 4)
+    estimate = torch.einsum("mni,mnj->nij", draws, draws) / mc_samples
+    probs = logits.sigmoid()
+    exact = torch.diag_embed(probs * (1 - probs))
+    # Each entry averages M bounded terms (|term| ≤ 1): 5 standard errors.
+    assert_close(estimate, exact, rtol=0, atol=5 / math.sqrt(mc_samples), name="E[ggᵀ]")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_binary_draws_in_half_precision_draw_in_float32(dtype):
+    """Same labels as from float32 probabilities; no binomial kernel needed."""
+    logits = torch.randn(64, 2, generator=torch.Generator().manual_seed(1)).to(dtype)
+    half = sampled_binary_cross_entropy_gradients(
+        logits, 3, torch.Generator().manual_seed(2)
+    )
+    single = sampled_binary_cross_entropy_gradients(
+        logits.float(), 3, torch.Generator().manual_seed(2)
+    )
+    assert half.dtype == dtype
+    assert torch.equal(half, single.to(dtype))
+
+
+@pytest.mark.parametrize(
+    "sample",
+    [sampled_cross_entropy_gradients, sampled_binary_cross_entropy_gradients],
+    ids=["cross-entropy", "binary"],
+)
+def test_draws_of_logits_that_require_grad_record_no_graph(sample):
+    """``loss.backward(create_graph=True)`` must not differentiate the draws."""
+    logits = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    assert not sample(logits * 2, 2, torch.Generator().manual_seed(0)).requires_grad
 
 
 def test_draws_come_from_the_generator_only():

@@ -23,18 +23,18 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from dampednewton._step.kronecker_moments import MOMENT_KEYS
-from dampednewton._step.kronecker_state import OUTPUT_FACTOR
-from dampednewton._step.kronecker_state import STATE_KEYS as KRONECKER_STATE_KEYS
 from dampednewton._step.options import GroupOptions
-from dampednewton._step.records import BASIS
 from dampednewton._step.saved_records import (
     RECORDS_KEY,
     records_problem,
     split_records,
 )
+from dampednewton._step.saved_state_checks import (
+    foreign_entry_problem,
+    missing_state_problem,
+    shape_problem,
+)
 from dampednewton._step.unpicklable import unwrap_settings
-from dampednewton._step.update import MOMENTUM
 from dampednewton.math.precision import computation_dtype
 from dampednewton.policies.basis import GramBasis
 
@@ -69,9 +69,6 @@ def with_basis(state_dict: Any) -> Any:
     }
 
 
-#: Per-parameter state entries DampedNewton writes (averaged basis, momentum buffer,
-#: a Kronecker layer's factors and eigenpairs).
-PARAMETER_STATE_KEYS = frozenset({BASIS, MOMENTUM}) | KRONECKER_STATE_KEYS | MOMENT_KEYS
 SAVE_HINT = (
     " Load the output of DampedNewton.state_dict() of an optimizer built on the same "
     "parameter groups (as many groups, as many parameters in each)."
@@ -119,61 +116,6 @@ def _check_groups(saved: Any, param_groups: Sequence[Mapping[str, Any]]) -> None
             )
 
 
-def _check_parameter_state(
-    state: Mapping[Any, Any], saved: Sequence[Mapping[str, Any]]
-) -> None:
-    """Per-parameter entries: keys of the saved groups' parameters, own keys only.
-
-    The keys are torch's indices, or names where ``torch.distributed.checkpoint``
-    loads (the groups' ``params`` list the same keys).
-    """
-    try:
-        keys = {key for group in saved for key in group["params"]}
-    except TypeError as error:
-        raise _refuse(
-            f"its groups' 'params' are not indices or names ({error})"
-        ) from error
-    for key, entry in state.items():
-        if key not in keys:
-            raise _refuse(
-                f"its state has the entry {key!r}, which is not in its groups' 'params'"
-            )
-        if not isinstance(entry, Mapping):
-            raise _refuse(f"the state of parameter {key} is not a dict")
-        foreign = sorted(set(entry) - PARAMETER_STATE_KEYS)
-        if foreign:
-            raise _refuse(
-                f"the state of parameter {key} has {foreign}, which DampedNewton "
-                f"never writes (it writes {sorted(PARAMETER_STATE_KEYS)}): the state "
-                "dict of another optimizer (e.g. Adam's exp_avg)?"
-            )
-        if not all(isinstance(value, Tensor) for value in entry.values()):
-            raise _refuse(f"the state of parameter {key} holds a non-tensor")
-
-
-def _check_parameter_shapes(
-    state: Mapping[Any, Any],
-    saved: Sequence[Mapping[str, Any]],
-    param_groups: Sequence[Mapping[str, Any]],
-) -> None:
-    """A parameter's momentum buffer and output factor fit the parameter's shape."""
-    for index, (saved_group, group) in enumerate(zip(saved, param_groups, strict=True)):
-        for key, param in zip(saved_group["params"], group["params"], strict=True):
-            entry = state.get(key, {})
-            buffer = entry.get(MOMENTUM)
-            factor = entry.get(OUTPUT_FACTOR)
-            if (buffer is not None and buffer.shape != param.shape) or (
-                factor is not None and factor.shape[0] != param.shape[0]
-            ):
-                held = buffer.shape if buffer is not None else factor.shape
-                raise _refuse(
-                    f"parameter {key} (group {index}) has shape {tuple(param.shape)}, "
-                    f"but its state holds a tensor of shape {tuple(held)}: the state "
-                    "dict of another model? Load it into an optimizer of the model "
-                    "it was saved with"
-                )
-
-
 def check_state_dict(
     state_dict: Any,
     records: Mapping[str, Any],
@@ -209,8 +151,14 @@ def check_state_dict(
     problem = records_problem(records, len(param_groups))
     if problem is not None:
         raise _refuse(problem)
-    _check_parameter_state(state, state_dict["param_groups"])
-    _check_parameter_shapes(state, state_dict["param_groups"], param_groups)
+    saved = state_dict["param_groups"]
+    for problem in (
+        foreign_entry_problem(state, saved),
+        shape_problem(state, saved, param_groups),
+        missing_state_problem(state, saved, records),
+    ):
+        if problem is not None:
+            raise _refuse(problem)
     if generator is not None and not (
         isinstance(generator, Mapping) and {"seed", "generator"} <= set(generator)
     ):
@@ -263,6 +211,33 @@ def checked_state_dict(
         GroupOptions.from_group(group)
     for_torch, tensors = without_parameter_tensors(state_dict)
     return CheckedStateDict(for_torch, tensors, records, generator)
+
+
+def shared_defaults(
+    defaults: Mapping[str, Any], param_groups: Sequence[Mapping[str, Any]]
+) -> dict[str, int]:
+    """The defaults that are a group's own object (not a number): key → group index.
+
+    A group takes the constructor's policy objects themselves (an adaptive damping
+    adapts for every group that shares it, and for groups added later). Loading a
+    state dict gives the groups copies; pointing these defaults at the copies keeps
+    a group added after the load sharing them, as it would have without the load.
+
+    Args:
+        defaults: The optimizer's defaults.
+        param_groups: Its groups before the load.
+
+    Returns:
+        Per such default, the first group holding it.
+    """
+    shared = {}
+    for key, value in defaults.items():
+        if isinstance(value, bool | int | float | str | type(None)):
+            continue
+        holders = [i for i, group in enumerate(param_groups) if group.get(key) is value]
+        if holders:
+            shared[key] = holders[0]
+    return shared
 
 
 def without_parameter_tensors(

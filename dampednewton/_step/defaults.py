@@ -11,6 +11,7 @@ from typing import Any
 
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.policies.basis import Basis, KroneckerBasis, as_basis
+from dampednewton.policies.complement import SmallestCurvature
 from dampednewton.policies.damping import LevenbergMarquardt
 
 DEFAULT_DAMPING = 0.1
@@ -61,4 +62,30 @@ def basis_defaults(basis: Basis) -> dict[str, Any]:
         "kl_clip": 1.0,
         "momentum": 0.0,
         "weight_decay": 0.0,
+    }
+
+
+def filled_defaults(basis: Basis, options: dict[str, Any]) -> dict[str, Any]:
+    """The constructor's options with every basis-dependent default filled in.
+
+    Args:
+        basis: The constructor's basis.
+        options: Options as given, :data:`BASIS_DEFAULT` (``damping``: ``None``)
+            where left to the basis.
+
+    Returns:
+        The options in the same order: the basis' tuned values
+        (:func:`basis_defaults`) and the Gram basis' ``criterion`` 20 and
+        ``complement`` :class:`~dampednewton.policies.SmallestCurvature` filled in.
+    """
+    tuned = {
+        **basis_defaults(basis),
+        "criterion": 20,
+        "complement": SmallestCurvature(),
+    }
+    return {
+        key: tuned[key]
+        if value is BASIS_DEFAULT or (key == "damping" and value is None)
+        else value
+        for key, value in options.items()
     }

@@ -1,7 +1,7 @@
-"""Checks of a param group as it is added, before and after torch adds it.
+"""Checks of a param group as it is added.
 
-Unknown keys are refused before; after, the group's options are validated (the group
-is removed again when refused) and options that its basis ignores are warned about.
+Its options are validated (the group is removed again when refused); keys that are no
+hyperparameter and options that its basis ignores are warned about.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ EXTRA_GROUP_KEYS = (
     "swa_lr",
 )
 
-GRAM_ONLY_OPTIONS = ("criterion", "complement")
+GRAM_ONLY_OPTIONS = ("criterion", "complement", "newton_fraction")
 """Group options that only the Gram basis reads."""
 
 
@@ -39,7 +39,7 @@ def warn_ignored_options(
 
     Args:
         basis: The basis they were given with.
-        gram_options: ``criterion`` and ``complement`` as given
+        gram_options: ``criterion``, ``complement``, ``newton_fraction`` as given
             (:data:`BASIS_DEFAULT` when not).
         where: Where they were given, e.g. ``" in parameter group 1"``.
         stacklevel: ``warnings.warn``'s, counted from this function.
@@ -59,21 +59,26 @@ def warn_ignored_options(
         )
 
 
-def check_known_keys(group: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
-    """Refuse group keys that are no hyperparameter of the optimizer.
+def warn_unknown_keys(
+    group: Mapping[str, Any], defaults: Mapping[str, Any], where: str, stacklevel: int
+) -> None:
+    """Warn about group keys that are no hyperparameter of the optimizer.
+
+    As in ``torch.optim`` they stay in the group (e.g. a layer-wise learning-rate
+    scale another tool reads); the warning catches a misspelt hyperparameter.
 
     Args:
         group: A param group as given by the user.
         defaults: The optimizer's defaults (its hyperparameters).
-
-    Raises:
-        ValueError: For an unknown key.
+        where: Where the group was given, e.g. ``" in parameter group 1"``.
+        stacklevel: ``warnings.warn``'s, counted from this function.
     """
     unknown = set(group) - {"params", *defaults, *EXTRA_GROUP_KEYS}
     if unknown:
-        raise ValueError(
-            f"Unknown hyperparameters {sorted(unknown)} in parameter group; "
-            f"DampedNewton knows {sorted(defaults)}."
+        warnings.warn(
+            f"Keys {sorted(unknown)}{where} are no hyperparameters of DampedNewton: "
+            f"they stay in the group unused (misspelt? it takes {sorted(defaults)}).",
+            stacklevel=stacklevel,
         )
 
 

@@ -63,6 +63,7 @@ from dampednewton._step.kronecker_refresh import (
 from dampednewton._step.kronecker_state import (
     LAYERS,
     UPDATES,
+    bases_in_state,
     stored_bases,
 )
 from dampednewton._step.options import GroupOptions, SharedOptions
@@ -326,8 +327,16 @@ class KroneckerSteps:
     def _batches_of(
         self, index: int, group: dict[str, Any], stats: dict[str, Any], state: Any
     ) -> list[LayerBatch] | None:
-        """Group ``index``'s batches: cached, or read from the state after a load."""
+        """Group ``index``'s batches: cached, or read from the state after a load.
+
+        Also read again when the state's eigenpairs were replaced since they were
+        cached (e.g. moved to another device).
+        """
         batches = self._batches.get(index)
+        if batches is not None and not all(
+            bases_in_state(batch.layers, state) for batch in batches
+        ):
+            batches = None
         if batches is None:
             bases = stored_bases(state, stats, group["params"])
             if bases is not None:

@@ -136,6 +136,31 @@ def _concatenated(parts: list[Tensor]) -> Tensor:
     return torch.cat(parts, dim=1)
 
 
+def bases_in_state(layers: Sequence[LayerBasis], state: Mapping[Any, Any]) -> bool:
+    """Whether the layers' eigenpairs are still the state's own tensors.
+
+    Not after the state's tensors were replaced (moved to another device, edited):
+    then the cached bases are stale and are read from the state again.
+
+    Args:
+        layers: Cached layer bases.
+        state: The optimizer's per-parameter state.
+
+    Returns:
+        Whether every eigenpair tensor of every layer is the one in the state.
+    """
+    for layer in layers:
+        entry = state[layer.first]
+        for prefix, eigen in (
+            (OUTPUT_EIGEN, layer.output),
+            (INPUT_EIGEN, layer.inputs),
+        ):
+            for name in EIGEN_FIELDS:
+                if entry.get(f"{prefix}_{name}") is not getattr(eigen, name):
+                    return False
+    return True
+
+
 def stored_bases(
     state: Mapping[Any, dict[str, Any]],
     stats: Mapping[str, Any],

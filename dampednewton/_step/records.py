@@ -19,9 +19,9 @@ from dampednewton._step.group_result import AveragedFactor, GroupStep
 from dampednewton._step.guard import STACKLEVEL_OF_CALLER
 
 GLOBAL = "global"
-"""The optimizer state's entry of step counters and refresh triggers."""
+"""The records' entry of step counters and refresh triggers (``optimizer.records``)."""
 GROUPS = "groups"
-"""The optimizer state's entry of per-group statistics."""
+"""The records' entry of per-group statistics."""
 REFRESH_DUE = "refresh_due"
 """Global state: the next step refreshes every averaged group (the loss rose)."""
 REFRESH_LOSS = "refresh_loss"

@@ -94,6 +94,13 @@ def records_problem(records: Mapping[str, Any], num_groups: int) -> str | None:
         else a sentence that says what is wrong.
     """
     counters = records.get(GLOBAL)
+    if counters is None:
+        return (
+            f"it holds no step counters (param group 0's '{RECORDS_KEY}' entry): the "
+            "state dict of another optimizer, or one from torch.distributed.checkpoint "
+            "with flatten_optimizer_state_dict=True, which drops the groups' records "
+            "(use its default StateDictOptions)"
+        )
     if not isinstance(counters, Mapping) or not all(
         isinstance(counters.get(key), int) for key in ("step", "skipped_steps")
     ):

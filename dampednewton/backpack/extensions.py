@@ -10,14 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from backpack.core.derivatives.bcewithlogitsloss import BCELossWithLogitsDerivatives
-from backpack.core.derivatives.crossentropyloss import CrossEntropyLossDerivatives
-from backpack.core.derivatives.mseloss import MSELossDerivatives
 from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
 from backpack.extensions.backprop_extension import BackpropExtension
-from backpack.extensions.secondorder.sqrt_ggn.losses import SqrtGGNBaseLossModule
-from torch import Generator, Tensor, cuda, get_rng_state, set_rng_state
-from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss
+from torch import Generator, Tensor, cuda, float32, get_rng_state, set_rng_state
+from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
 from torch.random import fork_rng
@@ -30,13 +26,16 @@ from dampednewton.backpack.loss_checks import (
     check_targets,
     supported_modules,
 )
+from dampednewton.backpack.loss_derivatives import (
+    SAMPLED_WITH_GENERATOR,
+    set_loss_extensions,
+)
 from dampednewton.backpack.savefields import module_input
 from dampednewton.backpack.unsupported import (
     check_supported_configuration,
     custom_module_message,
 )
 from dampednewton.math.finite import all_finite, finite_flag
-from dampednewton.math.sampling import sampled_cross_entropy_gradients
 
 
 def _run_translating_errors(
@@ -123,10 +122,26 @@ def _run_translating_errors(
                 "(`x.view(...)` or `x.reshape(...)` in forward): flatten with "
                 "nn.Flatten() or torch.flatten(x, 1) instead."
             ) from error
-        if "expected scalar type" in message:
+        if "Compared shapes" in message and not isinstance(module, _Loss):
+            shapes = str(error.args[0]).strip()
+            raise RuntimeError(
+                f"What BackPACK back-propagated to {module} does not fit its output "
+                f"({shapes}): the forward pass changes it before the loss (indexing "
+                "or slicing the outputs, a tensor operation), which BackPACK cannot "
+                "back-propagate through. Pass the module's output on unchanged (e.g. "
+                "a final nn.Linear with as many outputs as the loss takes), or make "
+                "the operation a module."
+            ) from error
+        mixed_dtypes = (
+            "expected scalar type",
+            "should be the same",
+            "to have the same dtype",
+        )
+        dtype = g_out[0].dtype if g_out and g_out[0] is not None else float32
+        if dtype != float32 and any(text in message for text in mixed_dtypes):
             raise RuntimeError(
                 f"BackPACK's derivatives of {type(module).__name__} fail in "
-                f"{g_out[0].dtype} (they create float32 tensors): hold the model in "
+                f"{dtype} (they create float32 tensors): hold the model in "
                 "float32."
             ) from error
         raise
@@ -193,77 +208,6 @@ def modified_loss_warning(loss_name: str, micro_batches: int = 1) -> str:
     )
 
 
-class _DeferredLossCheck:
-    """Loss derivatives whose check of the loss's output gradient can wait.
-
-    BackPACK warns when the gradient reaching the loss is not 1 (``backward`` on a
-    multiple of the loss), reading the gradient on the host. With the owning
-    extension's ``deferred_checks`` set, the flag is left there instead and the
-    optimizer warns after its one read.
-    """
-
-    owner: ExactSqrtGGN | MonteCarloSqrtGGN
-
-    def _check_loss_has_not_been_modified(
-        self, module: Module, g_out: tuple[Tensor] | None
-    ) -> None:
-        deferred = self.owner.deferred_checks
-        if deferred is None:
-            super()._check_loss_has_not_been_modified(module, g_out)  # type: ignore[misc]
-        elif g_out is not None:
-            deferred.add_loss_weight(g_out[0])
-            deferred.loss_name = str(module)
-
-
-class _DeferringCrossEntropyDerivatives(
-    _DeferredLossCheck, CrossEntropyLossDerivatives
-):
-    """Cross-entropy derivatives with the deferred check, labels from a generator.
-
-    The exact square root ignores the generator; Monte-Carlo sampling draws its
-    labels from it (``math.sampling.sampled_cross_entropy_gradients``).
-    """
-
-    def __init__(
-        self, owner: ExactSqrtGGN | MonteCarloSqrtGGN, generator: Generator | None
-    ):
-        super().__init__()
-        self.owner, self.generator = owner, generator
-
-    def compute_sampled_grads(self, subsampled_input: Tensor, mc_samples: int):
-        return sampled_cross_entropy_gradients(
-            subsampled_input, mc_samples, self.generator
-        )
-
-
-class _DeferringMSEDerivatives(_DeferredLossCheck, MSELossDerivatives):
-    def __init__(self, owner: ExactSqrtGGN | MonteCarloSqrtGGN):
-        super().__init__()
-        self.owner = owner
-
-
-class _DeferringBCEWithLogitsDerivatives(
-    _DeferredLossCheck, BCELossWithLogitsDerivatives
-):
-    def __init__(self, owner: ExactSqrtGGN | MonteCarloSqrtGGN):
-        super().__init__()
-        self.owner = owner
-
-
-def _set_loss_extensions(
-    extension: ExactSqrtGGN | MonteCarloSqrtGGN, generator: Generator | None = None
-) -> None:
-    """Give a square-root extension loss derivatives with the deferred check."""
-    for loss, derivatives in (
-        (CrossEntropyLoss, _DeferringCrossEntropyDerivatives(extension, generator)),
-        (MSELoss, _DeferringMSEDerivatives(extension)),
-        (BCEWithLogitsLoss, _DeferringBCEWithLogitsDerivatives(extension)),
-    ):
-        extension.set_module_extension(
-            loss, SqrtGGNBaseLossModule(derivatives), overwrite=True
-        )
-
-
 def _record_loss_weight(
     extension: ExactSqrtGGN | MonteCarloSqrtGGN, module: Module, g_out: tuple[Tensor]
 ) -> None:
@@ -295,7 +239,7 @@ class ExactSqrtGGN(SqrtGGNExact):
         super().__init__(subsampling=subsampling)
         self.deferred_checks: DeferredChecks | None = None
         self.loss_weight: Tensor | None = None
-        _set_loss_extensions(self)
+        set_loss_extensions(self)
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension, translating its errors."""
@@ -337,7 +281,7 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
         self.generator = generator
         self.deferred_checks: DeferredChecks | None = None
         self.loss_weight: Tensor | None = None
-        _set_loss_extensions(self, generator)
+        set_loss_extensions(self, generator)
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension; sample from the generator at the loss."""
@@ -366,7 +310,7 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
         if (
             self.generator is None
             or not isinstance(module, _Loss)
-            or isinstance(module, CrossEntropyLoss)
+            or isinstance(module, SAMPLED_WITH_GENERATOR)
         ):
             _run_translating_errors(self, SqrtGGNMC, module, g_inp, g_out)
             return

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Tensor
-from torch.nn import CrossEntropyLoss, Module, MSELoss
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss
 from torch.nn.modules.loss import _Loss
 
 from dampednewton.backpack.private import registered_module_types
@@ -85,11 +85,12 @@ def check_loss_options(loss: _Loss) -> None:
 
 
 def check_loss_shapes(loss: _Loss, outputs: Tensor | None, targets: Tensor | None):
-    """Refuse mean-squared-error shapes BackPACK does not support or that broadcast.
+    """Refuse loss shapes whose GGN is not computed, or that broadcast.
 
     BackPACK's ``MSELoss`` takes ``(N, D)`` outputs and targets of the same shape;
     other shapes fail inside BackPACK, or broadcast to an ``(N, N)`` loss (torch only
-    warns) whose curvature is not the model's.
+    warns) whose curvature is not the model's. The binary cross-entropy's derivatives
+    (:mod:`.loss_derivatives`) take ``(N, C)`` logits and targets.
 
     Args:
         loss: A loss module.
@@ -97,10 +98,22 @@ def check_loss_shapes(loss: _Loss, outputs: Tensor | None, targets: Tensor | Non
         targets: Its second input (``None``: unknown).
 
     Raises:
-        ValueError: For ``MSELoss`` outputs that are not 2-d, or targets of another
-            shape.
+        ValueError: For ``MSELoss`` or ``BCEWithLogitsLoss`` outputs that are not
+            2-d, or targets of another shape.
     """
-    if not isinstance(loss, MSELoss) or outputs is None or targets is None:
+    if outputs is None or targets is None:
+        return
+    if isinstance(loss, BCEWithLogitsLoss) and (
+        outputs.dim() != 2 or targets.shape != outputs.shape
+    ):
+        raise ValueError(
+            f"BCEWithLogitsLoss got model outputs of shape {tuple(outputs.shape)} "
+            f"and targets of shape {tuple(targets.shape)}, but the GGN needs both of "
+            "shape (N, C) (C outputs per sample, each a binary label). For one "
+            "output per sample, use (N, 1): a final nn.Linear(..., 1) without a "
+            "squeeze, and targets.float().view(-1, 1)."
+        )
+    if not isinstance(loss, MSELoss):
         return
     if outputs.dim() != 2 or targets.shape != outputs.shape:
         raise ValueError(

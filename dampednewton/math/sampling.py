@@ -24,7 +24,7 @@ def sampled_cross_entropy_gradients(
     Returns:
         ``[M, N, C, *D]`` gradients (not yet divided by ``√M``).
     """
-    probs = logits.softmax(dim=1)
+    probs = logits.detach().softmax(dim=1)
     num_classes = probs.shape[1]
     classes_last = probs.movedim(1, -1)
     labels = _inverse_cdf_draws(
@@ -35,6 +35,39 @@ def sampled_cross_entropy_gradients(
     ).scatter_(-1, labels.T.unsqueeze(-1), 1.0)
     drawn = drawn.reshape(mc_samples, *classes_last.shape).movedim(-1, 2)
     return probs.unsqueeze(0) - drawn
+
+
+def sampled_binary_cross_entropy_gradients(
+    logits: Tensor, mc_samples: int, generator: Generator | None = None
+) -> Tensor:
+    """Gradients of the binary cross-entropy at labels drawn from the model's sigmoid.
+
+    With ``p = σ(f)`` and ``ŷ ~ Bernoulli(p)`` drawn for each output independently,
+    the gradient of ``BCEWithLogits(f, ŷ)`` w.r.t. ``f`` is ``p − ŷ``; its outer
+    product has expectation ``diag(p (1 − p))``, the Hessian (diagonal for several
+    outputs, as their losses are summed). So ``M`` draws divided by ``√M`` are a
+    Monte-Carlo square root of that Hessian. Uniform draws compared with ``p`` work
+    in every floating dtype (``torch.binomial`` has no half-precision CPU kernel).
+
+    Args:
+        logits: Model outputs ``[N, C]``.
+        mc_samples: Number of draws ``M`` per output.
+        generator: Random source, ``None`` for the global random state.
+
+    Returns:
+        ``[M, N, C]`` gradients (not yet divided by ``√M``).
+    """
+    logits = logits.detach()
+    # Half precisions resolve probabilities to 2⁻⁸ or 2⁻¹¹: draw in float32.
+    probs = (logits.float() if logits.element_size() < 4 else logits).sigmoid()
+    uniform = torch.rand(
+        mc_samples,
+        *probs.shape,
+        generator=generator,
+        dtype=probs.dtype,
+        device=probs.device,
+    )
+    return (probs.unsqueeze(0) - (uniform < probs).to(probs.dtype)).to(logits.dtype)
 
 
 def _inverse_cdf_draws(

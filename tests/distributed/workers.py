@@ -136,7 +136,7 @@ def reference(job: Job, world_size: int) -> list[Tensor]:
             return loss
 
         with mock.patch(
-            "dampednewton.backpack.extensions.sampled_cross_entropy_gradients",
+            "dampednewton.backpack.loss_derivatives.sampled_cross_entropy_gradients",
             per_rank_draws(
                 job.options.get("seed", SEED), world_size, step, job.micro_batches
             ),

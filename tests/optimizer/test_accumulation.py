@@ -120,7 +120,7 @@ def _assert_same_steps(
     for step in range(STEPS):
         loss = optimizer.step(closure)
         with mock.patch(
-            "dampednewton.backpack.extensions.sampled_cross_entropy_gradients",
+            "dampednewton.backpack.loss_derivatives.sampled_cross_entropy_gradients",
             _draws_per_micro_batch(sizes, repeats),
         ):
             expected_loss = reference.step(reference_closure)

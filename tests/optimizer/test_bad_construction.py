@@ -129,13 +129,6 @@ CONSTRUCTION_CASES = [
         TypeError,
         "unexpected keyword argument 'betas'",
     ),
-    BadConstruction(
-        "unknown-group-key",
-        {},
-        ValueError,
-        r"Unknown hyperparameters \['betas'\]",
-        group={"betas": (0.9, 0.99)},
-    ),
     BadConstruction("group-negative-lr", {}, ValueError, "learning rate", {"lr": -1}),
     BadConstruction(
         "seed-string", {"seed": "abc"}, TypeError, "seed must be an integer or None"
@@ -223,7 +216,6 @@ ADD_GROUP_CASES = {
     "negative-damping": ({"damping": -0.1}, ValueError, ">= 0"),
     "criterion-k-0": ({"criterion": 0}, ValueError, "k >= 1"),
     "momentum-above-one": ({"momentum": 1.5}, ValueError, "momentum"),
-    "unknown-key": ({"betas": (0.9, 0.99)}, ValueError, "Unknown hyperparameters"),
     "other-mc-samples": ({"mc_samples": 0}, ValueError, "'mc_samples' must be"),
     "other-subsampling-ggn": (
         {"subsampling_ggn": [0, 1]},

@@ -115,6 +115,22 @@ MISTAKES = [
         RuntimeError,
         r"derivatives of Embedding fail in torch.float64.*hold the model in float32",
     ),
+    Mistake(
+        "embedding-in-bfloat16",
+        (nn.Embedding(5, 4), nn.Flatten(), nn.Linear(8, 3)),
+        (2,),
+        RuntimeError,
+        r"derivatives of Embedding fail in torch.bfloat16.*hold the model in float32",
+        dtype=torch.bfloat16,
+    ),
+    Mistake(
+        "avgpool-in-bfloat16",
+        (nn.Conv2d(1, 2, 3), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(8, 3)),
+        (1, 6, 6),
+        RuntimeError,
+        r"derivatives of AvgPool2d fail in torch.bfloat16.*hold the model in float32",
+        dtype=torch.bfloat16,
+    ),
 ]
 
 

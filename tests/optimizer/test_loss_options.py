@@ -21,7 +21,6 @@ from tests.assertions import assert_close
 from tests.cases import PROBLEMS
 from tests.utils import (
     EXACT_VIVIT_STEP,
-    VIVIT_STEP,
     assert_parameters_equal,
     build_case,
     flat,
@@ -76,17 +75,68 @@ def test_label_smoothing_step_matches_the_brute_force_step(smoothing: float):
     )
 
 
-def test_other_refusals_of_a_supported_loss_keep_backpacks_reason():
-    case = build_case(MLP_BCE)
-    optimizer = DampedNewton(case.model.parameters(), mc_samples=1, **VIVIT_STEP)
-    soft_targets = torch.full_like(case.y, 0.3)
-    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, soft_targets)
+def test_other_refusals_of_a_supported_module_keep_backpacks_reason():
+    generator = torch.Generator().manual_seed(0)
+    model = extend(
+        nn.Sequential(nn.Embedding(5, 3, padding_idx=0), nn.Flatten(), nn.Linear(6, 3))
+    )
+    loss_fn = extend(nn.CrossEntropyLoss())
+    tokens = torch.randint(0, 5, (4, 2), generator=generator)
+    optimizer = DampedNewton(model.parameters(), basis=GramBasis())
+    closure = make_closure(
+        optimizer, model, loss_fn, tokens, torch.tensor([0, 1, 2, 0])
+    )
 
     with pytest.raises(
         NotImplementedError,
-        match=r"supports BCEWithLogitsLoss, but not this configuration of it: "
-        r"Only binary targets",
+        match=r"supports Embedding, but not this configuration of it: "
+        r"Only padding_idx=None",
     ):
+        optimizer.step(closure)
+
+
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+@pytest.mark.parametrize("mc_samples", [0, 1], ids=["exact", "mc1"])
+def test_binary_cross_entropy_takes_soft_targets_and_several_outputs(basis, mc_samples):
+    """BackPACK's derivatives refuse both; its Hessian depends on neither.
+
+    Nor does it couple the outputs (``mlp-bce-multilabel`` checks the GGN against
+    autograd).
+    """
+    generator = torch.Generator().manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)))
+    loss_fn = extend(nn.BCEWithLogitsLoss())
+    inputs = torch.randn(32, 5, generator=generator)
+    targets = (inputs[:, :3] > 0).float() * 0.8 + 0.1  # smoothed labels 0.1 / 0.9
+    options = {"basis": GramBasis()} if basis == "gram" else {}
+    optimizer = DampedNewton(model.parameters(), mc_samples=mc_samples, **options)
+    closure = make_closure(optimizer, model, loss_fn, inputs, targets)
+    first = optimizer.step(closure)
+    for _ in range(10):
+        last = optimizer.step(closure)
+    assert last < first
+
+
+@pytest.mark.parametrize(
+    ("outputs", "targets"),
+    [((32,), (32,)), ((32, 2, 2), (32, 2, 2))],
+    ids=["squeezed", "3-d"],
+)
+def test_binary_cross_entropy_of_other_shapes_is_refused_with_the_fix(outputs, targets):
+    inputs = torch.randn(*outputs)
+    model = extend(nn.Identity())
+    weight = nn.Parameter(torch.ones(()))
+    loss_fn = extend(nn.BCEWithLogitsLoss())
+    optimizer = DampedNewton([weight])
+    labels = torch.zeros(targets)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs * weight), labels)
+        loss.backward()
+        return loss
+
+    with pytest.raises(ValueError, match=r"shape \(N, C\).*targets\.float\(\)"):
         optimizer.step(closure)
 
 
@@ -103,3 +153,26 @@ def test_a_closure_returning_several_losses_is_refused(basis, step):
     with pytest.raises(ValueError, match=r"mean loss, a tensor of one number.*\(2,\)"):
         optimizer.step(lambda: closure().repeat(2))
     assert_parameters_equal(list(case.model.parameters()), params)
+
+
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+def test_a_closure_that_back_propagates_with_create_graph_steps(basis):
+    """E.g. for a gradient penalty: the Monte-Carlo draws record no graph."""
+    case = build_case(PROBLEMS[0])
+    options = {"basis": GramBasis()} if basis == "gram" else {}
+    optimizer = DampedNewton(case.model.parameters(), seed=0, **options)
+    twin = build_case(PROBLEMS[0])
+    plain = DampedNewton(twin.model.parameters(), seed=0, **options)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = case.loss_fn(case.model(case.X), case.y)
+        loss.backward(create_graph=True)
+        return loss
+
+    for _ in range(3):
+        optimizer.step(closure)
+        plain.step(make_closure(plain, twin.model, twin.loss_fn, twin.X, twin.y))
+    assert_parameters_equal(
+        list(case.model.parameters()), list(twin.model.parameters())
+    )

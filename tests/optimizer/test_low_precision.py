@@ -168,3 +168,22 @@ def test_autocast_is_refused_with_the_half_precision_model_instead(steps_before,
         torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True)
     )
     assert optimizer.records["global"]["step"] == steps_before
+
+
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_a_half_model_with_binary_cross_entropy_samples_its_curvature(dtype, basis):
+    """BackPACK's own draws need ``torch.binomial``, which has no half CPU kernel."""
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).to(dtype)
+    inputs = torch.randn(32, 6, generator=generator)
+    targets = (inputs[:, :1] > 0).to(dtype)
+    model, loss_fn = extend(model), extend(nn.BCEWithLogitsLoss())
+    options = {"basis": GramBasis()} if basis == "gram" else {}
+    optimizer = DampedNewton(model.parameters(), seed=0, **options)
+    closure = make_closure(optimizer, model, loss_fn, inputs.to(dtype), targets)
+    first = optimizer.step(closure)
+    for _ in range(10):
+        last = optimizer.step(closure)
+    assert all(p.dtype == dtype for p in model.parameters())
+    assert last < first

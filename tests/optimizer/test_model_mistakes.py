@@ -1,4 +1,4 @@
-"""Usual mistakes: a model class, a module left out of ``extend``, inference mode.
+"""Usual mistakes: a model class, an unextended module, inference mode, slicing.
 
 A model class whose ``forward`` calls its layers is the most common way to write a
 model, and BackPACK treats it as one operation it has no rule for: the error says
@@ -87,6 +87,26 @@ def test_a_module_left_out_of_extend_is_named_as_a_cause():
         RuntimeError,
         r"No curvature information reached Linear.*a module between it and this one"
         r" \(an activation",
+    )
+
+
+class SlicedOutputs(nn.Module):
+    """A head of 5 outputs whose first 3 go to the loss (a tensor operation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = extend(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5)))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs)[:, :3]
+
+
+def test_outputs_sliced_before_the_loss_are_named_with_the_fix():
+    torch.manual_seed(0)
+    _refused(
+        SlicedOutputs().double(),
+        RuntimeError,
+        r"does not fit its output \(Compared shapes.*indexing or slicing the outputs",
     )
 
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from dampednewton import DampedNewton, GramBasis
+from dampednewton import DampedNewton, GramBasis, KroneckerBasis, NoiseFilter
 from dampednewton._step.checkpoint import StateDictError
 from tests.cases import PROBLEMS
 from tests.utils import (
@@ -185,3 +185,71 @@ def test_a_state_dict_of_the_earlier_layout_loads_and_resumes(basis: str):
     resumed.load_state_dict(saved)
     assert_same_state(snapshot(resumed), snapshot(optimizer))
     assert_lock_step(original, optimizer, twin, resumed)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"basis": KroneckerBasis(noise_filter=NoiseFilter())}, BASES["gram"]],
+    ids=["kronecker", "noise-filter", "gram"],
+)
+def test_state_tensors_replaced_by_copies_change_no_step(options):
+    """The idiom that moves a state by hand: the cached bases are read again."""
+    original, twin = build_case(MLP_CE), build_case(MLP_CE)
+    optimizer = DampedNewton(original.model.parameters(), seed=1, **options)
+    copied = DampedNewton(twin.model.parameters(), seed=1, **options)
+    run(optimizer, original, STEPS_BEFORE)
+    run(copied, twin, STEPS_BEFORE)
+    for entry in copied.state.values():
+        for key, value in entry.items():
+            entry[key] = value.clone()
+    assert_lock_step(original, optimizer, twin, copied)
+
+
+@pytest.mark.parametrize(
+    ("basis", "frozen"),
+    [("gram", "bias"), ("kronecker", "layer")],
+    ids=["gram-frozen-bias", "kronecker-frozen-layer"],
+)
+def test_state_that_distributed_checkpoint_leaves_out_is_refused(basis, frozen):
+    """It leaves out parameters that do not require gradients; their curvature too.
+
+    Frozen just before the checkpoint: the records still hold their curvature (a
+    layer frozen at a refresh drops it, and its momentum buffer cannot be checked:
+    docs/usage.md).
+    """
+    original = build_case(MLP_CE)
+    optimizer = make_optimizer(original, basis, seed=1)
+    run(optimizer, original, STEPS_BEFORE)
+    first = original.model[0]
+    (first.bias if frozen == "bias" else first).requires_grad_(False)
+    saved = get_optimizer_state_dict(original.model, optimizer)
+
+    twin = twin_of(original)
+    (twin.model[0].bias if frozen == "bias" else twin.model[0]).requires_grad_(False)
+    resumed = make_optimizer(twin, basis, seed=2)
+    before = snapshot(resumed)
+    with pytest.raises(StateDictError, match="leaves out the state of parameters"):
+        set_optimizer_state_dict(twin.model, resumed, saved)
+    assert_same_state(snapshot(resumed), before)
+
+
+@pytest.mark.parametrize(
+    ("basis", "momentum"),
+    [("gram", 0.0), ("kronecker", 0.0)],
+    ids=["gram", "kronecker"],
+)
+def test_the_state_of_a_model_of_other_shapes_is_refused(basis, momentum):
+    """Without momentum buffers too: the curvature's shapes name the other model."""
+    case = build_case(MLP_CE)
+    optimizer = DampedNewton(
+        case.model.parameters(), seed=1, momentum=momentum, **BASES[basis]
+    )
+    run(optimizer, case, STEPS_BEFORE)
+    other = torch.nn.Sequential(
+        torch.nn.Linear(4, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3)
+    )
+    target = DampedNewton(other.parameters(), momentum=momentum, **BASES[basis])
+    before = snapshot(target)
+    with pytest.raises(StateDictError, match="another model"):
+        target.load_state_dict(optimizer.state_dict())
+    assert_same_state(snapshot(target), before)

@@ -182,8 +182,13 @@ def test_the_computations_keep_backpacks_own_warning():
 
 @pytest.mark.parametrize(
     "options",
-    [{"criterion": 8}, {"complement": None}, {"complement": 0.5}],
-    ids=["criterion", "no-complement", "complement"],
+    [
+        {"criterion": 8},
+        {"complement": None},
+        {"complement": 0.5},
+        {"newton_fraction": 0.3},
+    ],
+    ids=["criterion", "no-complement", "complement", "newton-fraction"],
 )
 def test_gram_options_given_to_the_kronecker_basis_warn(options):
     """They would do nothing; the defaults and the Gram basis stay silent."""
