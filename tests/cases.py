@@ -127,6 +127,11 @@ def _soft_multilabel_4x5(generator: torch.Generator) -> tuple[Tensor, Tensor]:
     return inputs, targets
 
 
+def _soft_multilabel_8x5(generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    targets = torch.rand(8, NUM_CLASSES, generator=generator, dtype=torch.float64)
+    return torch.randn(8, 5, generator=generator, dtype=torch.float64), targets
+
+
 def _cross_entropy() -> nn.Module:
     return nn.CrossEntropyLoss(reduction="mean")
 
@@ -284,6 +289,15 @@ CASES: list[Problem] = [
         _mse,
         Regression((6, 1, 5, 5)),
         seed=13,
+        tags=_DIAGNOSTICS,
+    ),
+    # Multi-label binary cross-entropy, soft targets: the package's own derivatives.
+    Problem(
+        "mlp-relu-bce-multilabel-n8",
+        models.mlp_relu,
+        _bce_with_logits,
+        _soft_multilabel_8x5,
+        seed=16,
         tags=_DIAGNOSTICS,
     ),
     # Sigmoid has curvature of its own, so the Hessian differs from the GGN.

@@ -50,12 +50,12 @@ class _DeferredLossCheck:
     optimizer warns after its one read.
     """
 
-    owner: SquareRootExtension
+    owner: SquareRootExtension | None
 
     def _check_loss_has_not_been_modified(
         self, module: Module, g_out: tuple[Tensor] | None
     ) -> None:
-        deferred = self.owner.deferred_checks
+        deferred = None if self.owner is None else self.owner.deferred_checks
         if deferred is None:
             super()._check_loss_has_not_been_modified(module, g_out)  # type: ignore[misc]
         elif g_out is not None:
@@ -88,9 +88,7 @@ class _DeferringMSEDerivatives(_DeferredLossCheck, MSELossDerivatives):
         self.owner = owner
 
 
-class _DeferringBCEWithLogitsDerivatives(
-    _DeferredLossCheck, BCELossWithLogitsDerivatives
-):
+class BinaryCrossEntropyDerivatives(_DeferredLossCheck, BCELossWithLogitsDerivatives):
     """Binary cross-entropy derivatives for ``(N, C)`` logits and any targets.
 
     Per sample the Hessian with respect to the ``C`` logits is ``diag(σ(1 − σ))``
@@ -99,10 +97,20 @@ class _DeferringBCEWithLogitsDerivatives(
     draws each output's label from the model's own sigmoid with the generator
     (``math.sampling.sampled_binary_cross_entropy_gradients``). Neither reads the
     targets, so soft targets (label smoothing) are fine. For ``C = 1`` the exact
-    square root is BackPACK's.
+    square root is BackPACK's. Without an ``owner`` (the diagonal curvature
+    extensions of the diagnostics) the loss's check runs at once, as BackPACK's.
     """
 
-    def __init__(self, owner: SquareRootExtension, generator: Generator | None):
+    def __init__(
+        self, owner: SquareRootExtension | None, generator: Generator | None = None
+    ):
+        """Keep the owning extension and the Monte-Carlo generator.
+
+        Args:
+            owner: The extension whose ``deferred_checks`` take the loss's check
+                (``None``: check at once).
+            generator: The Monte-Carlo generator (``None``: the global state).
+        """
         super().__init__()
         self.owner, self.generator = owner, generator
 
@@ -131,6 +139,7 @@ class _DeferringBCEWithLogitsDerivatives(
         return roots.diag_embed().permute(1, 0, 2).contiguous()  # [C, N, C]
 
     def compute_sampled_grads(self, subsampled_input: Tensor, mc_samples: int):
+        """Gradients at labels drawn from the model's sigmoid, ``[M, N, C]``."""
         return sampled_binary_cross_entropy_gradients(
             subsampled_input, mc_samples, self.generator
         )
@@ -156,7 +165,7 @@ def set_loss_extensions(
     for loss, derivatives in (
         (CrossEntropyLoss, _DeferringCrossEntropyDerivatives(extension, generator)),
         (MSELoss, _DeferringMSEDerivatives(extension)),
-        (BCEWithLogitsLoss, _DeferringBCEWithLogitsDerivatives(extension, generator)),
+        (BCEWithLogitsLoss, BinaryCrossEntropyDerivatives(extension, generator)),
     ):
         extension.set_module_extension(
             loss, SqrtGGNBaseLossModule(derivatives), overwrite=True

@@ -17,12 +17,17 @@ curvature           BackPACK extension           attribute on the parameter
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from backpack.extensions import DiagGGNExact, DiagGGNMC, DiagHessian
 from backpack.extensions.backprop_extension import BackpropExtension
+from backpack.extensions.secondorder.diag_ggn.losses import DiagGGNLoss
+from backpack.extensions.secondorder.diag_hessian.losses import DiagHLoss
 from torch import Tensor
+from torch.nn import BCEWithLogitsLoss
 
+from dampednewton.backpack.loss_derivatives import BinaryCrossEntropyDerivatives
 from dampednewton.backpack.savefields import DIAG_GGN_EXACT, DIAG_H, DIAGONALS
 
 CURVATURES: tuple[str, ...] = DIAGONALS
@@ -58,11 +63,20 @@ def curvature_extension(curvature: str, mc_samples: int = 1) -> BackpropExtensio
         ValueError: If ``curvature`` is unknown.
     """
     check_curvature(curvature)
+    # The package's binary cross-entropy derivatives also take (N, C) logits.
+    derivatives = BinaryCrossEntropyDerivatives(owner=None)
     if curvature == DIAG_H:
-        return DiagHessian()
-    if curvature == DIAG_GGN_EXACT:
-        return DiagGGNExact()
-    return DiagGGNMC(mc_samples=mc_samples)
+        extension: BackpropExtension = DiagHessian()
+        loss_module: Any = DiagHLoss(derivatives=derivatives)
+    else:
+        extension = (
+            DiagGGNExact()
+            if curvature == DIAG_GGN_EXACT
+            else DiagGGNMC(mc_samples=mc_samples)
+        )
+        loss_module = DiagGGNLoss(derivatives=derivatives)
+    extension.set_module_extension(BCEWithLogitsLoss, loss_module, overwrite=True)
+    return extension
 
 
 def diagonal_trace(diagonal: Tensor) -> Tensor:
