@@ -22,10 +22,10 @@ from dampednewton._step.group_checks import (
     GRAM_ONLY_OPTIONS,
     check_added_group,
     warn_ignored_options,
-    warn_unknown_keys,
 )
 from dampednewton._step.guard import check_not_inference_mode
 from dampednewton._step.options import check_nonfinite, check_process_group
+from dampednewton._step.parameter_state import ParameterState
 from dampednewton._step.pipeline import GLOBAL, GROUPS, Pipeline
 from dampednewton._step.records import empty_group_stats
 from dampednewton._step.saved_records import attach_records
@@ -219,6 +219,7 @@ class DampedNewton(Optimizer):
         self._constructing = True  # where add_param_group's warnings point
         super().__init__(params, defaults)
         del self._constructing
+        self.state = ParameterState(dict, self.state)
         warn_ignored_options(self.param_groups[0]["basis"], gram_options)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -234,17 +235,12 @@ class DampedNewton(Optimizer):
         """
         given = {k: param_group[k] for k in GRAM_ONLY_OPTIONS if k in param_group}
         super().add_param_group(param_group)
-        check_added_group(self.param_groups)
-        group = self.param_groups[-1]
-        where = f" in parameter group {len(self.param_groups) - 1}"
         # Warnings point at the caller of add_param_group or of the constructor.
         level = 5 if getattr(self, "_constructing", False) else 3
-        warn_unknown_keys(group, self.defaults, where, level)
-        warn_ignored_options(group["basis"], given, where, level)
+        check_added_group(self.param_groups, self.defaults, given, level)
         if GROUPS in self.records:
             self.records[GROUPS].append(empty_group_stats())
-        for param in group["params"]:
-            # Never empty: torch.distributed.checkpoint steps an empty state.
+        for param in self.param_groups[-1]["params"]:  # never empty: DCP steps those
             self.state.setdefault(param, {})
 
     # torch's stub overloads step as (None) -> None | (() -> float) -> float; this
@@ -331,7 +327,7 @@ class DampedNewton(Optimizer):
         Args:
             state_dict: State as returned by :meth:`state_dict`.
         """
-        checked = checked_state_dict(state_dict, self.param_groups)
+        checked = checked_state_dict(state_dict, self.param_groups, set(self.defaults))
         shared = shared_defaults(self.defaults, self.param_groups)
         super().load_state_dict(checked.for_torch)
         # A group added later takes what group i holds now, as before the load.
@@ -371,6 +367,7 @@ class DampedNewton(Optimizer):
         state = dict(state)
         pipeline = state.pop("pipeline", None)
         super().__setstate__(state)
+        self.state = ParameterState(dict, self.state)  # torch's load makes a plain one
         # torch adds it for its own optimizers; groups added later would carry it.
         self.defaults.pop("differentiable", None)
         if pipeline is None:

@@ -18,7 +18,7 @@ them back).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any, NamedTuple
 
 from torch import Tensor
@@ -83,8 +83,15 @@ def _refuse(problem: str) -> StateDictError:
     return StateDictError(f"DampedNewton refused the state dict: {problem}.{SAVE_HINT}")
 
 
-def _check_groups(saved: Any, param_groups: Sequence[Mapping[str, Any]]) -> None:
-    """Same number of groups and parameters; every setting of DampedNewton present."""
+def _check_groups(
+    saved: Any, param_groups: Sequence[Mapping[str, Any]], hyperparameters: Set[str]
+) -> None:
+    """Same number of groups and parameters; every hyperparameter present.
+
+    Other keys of the optimizer's groups (a user's, a scheduler's ``initial_lr``)
+    need not be in the saved ones: as in ``torch.optim``, the saved groups replace
+    them.
+    """
     if not isinstance(saved, Sequence) or not all(
         isinstance(group, Mapping) for group in saved
     ):
@@ -102,7 +109,7 @@ def _check_groups(saved: Any, param_groups: Sequence[Mapping[str, Any]]) -> None
                 f"its group {index} has {count} parameters, this optimizer's "
                 f"{len(own['params'])}"
             )
-        missing = sorted(set(own) - set(group))
+        missing = sorted((set(own) & hyperparameters) - set(group))
         if missing:
             foreign = sorted(set(group) - set(own))
             raise _refuse(
@@ -121,6 +128,7 @@ def check_state_dict(
     records: Mapping[str, Any],
     generator: Any,
     param_groups: Sequence[Mapping[str, Any]],
+    hyperparameters: Set[str],
 ) -> None:
     """Check that ``state_dict`` is DampedNewton's, for these groups, before loading.
 
@@ -130,6 +138,7 @@ def check_state_dict(
         records: Its step counters and group statistics.
         generator: Its Monte-Carlo generator's state (``None`` when absent).
         param_groups: The optimizer's own parameter groups.
+        hyperparameters: The optimizer's hyperparameters (its defaults' keys).
 
     Raises:
         StateDictError: If it is not a dict with ``'state'`` and ``'param_groups'``,
@@ -144,7 +153,7 @@ def check_state_dict(
     missing = [key for key in ("state", "param_groups") if key not in state_dict]
     if missing:
         raise _refuse(f"it lacks the key(s) {missing}")
-    _check_groups(state_dict["param_groups"], param_groups)
+    _check_groups(state_dict["param_groups"], param_groups, hyperparameters)
     state = state_dict["state"]
     if not isinstance(state, Mapping):
         raise _refuse("'state' must be a dict")
@@ -188,13 +197,16 @@ class CheckedStateDict(NamedTuple):
 
 
 def checked_state_dict(
-    state_dict: Any, param_groups: Sequence[Mapping[str, Any]]
+    state_dict: Any,
+    param_groups: Sequence[Mapping[str, Any]],
+    hyperparameters: Set[str],
 ) -> CheckedStateDict:
     """Check a state dict for these groups and split it for loading.
 
     Args:
         state_dict: What was passed to ``DampedNewton.load_state_dict``.
         param_groups: The optimizer's own parameter groups.
+        hyperparameters: The optimizer's hyperparameters (its defaults' keys).
 
     Returns:
         Its parts.
@@ -205,7 +217,7 @@ def checked_state_dict(
         TypeError: For a setting of the wrong type in a saved group.
     """
     state_dict, records, generator = split_records(with_basis(state_dict))
-    check_state_dict(state_dict, records, generator, param_groups)
+    check_state_dict(state_dict, records, generator, param_groups, hyperparameters)
     state_dict["param_groups"] = unwrap_settings(state_dict["param_groups"])
     for group in state_dict["param_groups"]:
         GroupOptions.from_group(group)

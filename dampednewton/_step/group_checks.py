@@ -82,15 +82,24 @@ def warn_unknown_keys(
         )
 
 
-def check_added_group(param_groups: list[dict[str, Any]]) -> None:
-    """Validate the group torch just appended; remove it again when refused.
+def check_added_group(
+    param_groups: list[dict[str, Any]],
+    defaults: Mapping[str, Any],
+    gram_options: Mapping[str, Any],
+    stacklevel: int,
+) -> None:
+    """Validate the group torch just appended (removed again when refused); warn.
 
     The sub-sampling indices become checked plain lists, read once (an iterator is
     consumed; a Hydra ``ListConfig`` or a ``range`` would not load with
-    ``weights_only=True``).
+    ``weights_only=True``). Keys that are no hyperparameter and options its basis
+    ignores are warned about.
 
     Args:
         param_groups: The optimizer's groups, the new one last.
+        defaults: The optimizer's defaults (its hyperparameters).
+        gram_options: The Gram basis' options the group was given.
+        stacklevel: The warnings', as ``warnings.warn``'s would be here.
 
     Raises:
         ValueError: For invalid hyperparameters or shared settings that differ from
@@ -106,3 +115,6 @@ def check_added_group(param_groups: list[dict[str, Any]]) -> None:
     except (ValueError, TypeError):
         param_groups.pop()
         raise
+    where = f" in parameter group {len(param_groups) - 1}"
+    warn_unknown_keys(group, defaults, where, stacklevel + 1)
+    warn_ignored_options(group["basis"], gram_options, where, stacklevel + 1)

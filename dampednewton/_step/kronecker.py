@@ -64,6 +64,7 @@ from dampednewton._step.kronecker_state import (
     LAYERS,
     UPDATES,
     bases_in_state,
+    eigen_versions,
     stored_bases,
 )
 from dampednewton._step.options import GroupOptions, SharedOptions
@@ -97,6 +98,7 @@ class KroneckerSteps:
     def __init__(self) -> None:
         """Start without cached bases."""
         self._batches: dict[int, list[LayerBatch]] = {}
+        self._versions: dict[int, list[tuple[int, ...]]] = {}
         self._packs: dict[int, PackedGroup] = {}
         self._cached_extension: (
             tuple[tuple, ExactSqrtGGN | MonteCarloSqrtGGN] | None
@@ -105,6 +107,7 @@ class KroneckerSteps:
     def clear(self) -> None:
         """Forget the cached bases (after loading a state)."""
         self._batches.clear()
+        self._versions.clear()
         self._packs.clear()
 
     def run(
@@ -244,7 +247,7 @@ class KroneckerSteps:
                 self._batches.pop(index, None)
                 self._batches_of(index, groups[index], stats[index], state)
             else:
-                self._batches[index] = batches
+                self._cache(index, batches)
         if fresh:
             global_state.update({REFRESH_DUE: False, REFRESH_LOSS: values["loss"]})
         elif loss_rose(options, global_state, values["loss"]):
@@ -329,18 +332,26 @@ class KroneckerSteps:
     ) -> list[LayerBatch] | None:
         """Group ``index``'s batches: cached, or read from the state after a load.
 
-        Also read again when the state's eigenpairs were replaced since they were
-        cached (e.g. moved to another device).
+        Also read again when the state's eigenpairs were replaced or edited in
+        place since they were cached (e.g. moved to another device).
         """
         batches = self._batches.get(index)
-        if batches is not None and not all(
-            bases_in_state(batch.layers, state) for batch in batches
+        if batches is not None and not (
+            all(bases_in_state(batch.layers, state) for batch in batches)
+            and [eigen_versions(batch.layers) for batch in batches]
+            == self._versions.get(index)
         ):
             batches = None
         if batches is None:
             bases = stored_bases(state, stats, group["params"])
             if bases is not None:
-                batches = self._batches[index] = layer_batches(bases)
+                batches = self._cache(index, layer_batches(bases))
+        return batches
+
+    def _cache(self, index: int, batches: list[LayerBatch]) -> list[LayerBatch]:
+        """Keep group ``index``'s batches and their eigenpairs' versions."""
+        self._batches[index] = batches
+        self._versions[index] = [eigen_versions(batch.layers) for batch in batches]
         return batches
 
 

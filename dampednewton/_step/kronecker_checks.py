@@ -18,7 +18,7 @@ from torch import Tensor
 
 from dampednewton._step.options import GroupOptions
 from dampednewton._step.records import REFRESH_LOSS
-from dampednewton.backpack.loss_checks import DeferredChecks, ignored_targets_error
+from dampednewton.backpack.loss_checks import DeferredChecks, targets_error
 
 
 class Sloped(Protocol):
@@ -111,9 +111,7 @@ def refusal(
         ValueError: For cross-entropy targets equal to ``ignore_index``.
     """
     if values["ignored"]:
-        raise ignored_targets_error(
-            values["ignored"], deferred.num_targets, deferred.ignore_index
-        )
+        raise targets_error(values["ignored"], deferred)
     if not math.isfinite(values["loss"]):
         return f"the loss is {values['loss']}"
     if not values["output_finite"]:

@@ -161,6 +161,23 @@ def bases_in_state(layers: Sequence[LayerBasis], state: Mapping[Any, Any]) -> bo
     return True
 
 
+def eigen_versions(layers: Sequence[LayerBasis]) -> tuple[int, ...]:
+    """The version counters of the layers' eigenpair tensors (in-place edits bump them).
+
+    Args:
+        layers: Layer bases.
+
+    Returns:
+        Every eigenpair tensor's ``_version``, in order.
+    """
+    return tuple(
+        getattr(eigen, name)._version
+        for layer in layers
+        for eigen in (layer.output, layer.inputs)
+        for name in EIGEN_FIELDS
+    )
+
+
 def stored_bases(
     state: Mapping[Any, dict[str, Any]],
     stats: Mapping[str, Any],

@@ -52,7 +52,7 @@ from dampednewton._step.step_pass import StepPass
 from dampednewton._step.step_status import read_status, settled
 from dampednewton._step.update import apply_flat_step, apply_steps
 from dampednewton.backpack.extensions import modified_loss_warning
-from dampednewton.backpack.loss_checks import DeferredChecks, ignored_targets_error
+from dampednewton.backpack.loss_checks import DeferredChecks, targets_error
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
 from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_host
@@ -389,9 +389,7 @@ class Pipeline:
             dtype = functools.reduce(torch.promote_types, (t.dtype for t in read))
             values = torch.stack([t.to(dtype) for t in read]).tolist()
             if ignored is not None and (count := int(values.pop())):
-                raise ignored_targets_error(
-                    count, deferred.num_targets, deferred.ignore_index
-                )
+                raise targets_error(count, deferred)
             if not all(math.isfinite(value) for value in values[:2] + values[2::4]):
                 refuse(
                     "the loss or the step is not finite",

@@ -60,12 +60,13 @@ def split_records(state_dict: Any) -> tuple[Any, dict[str, Any], Any]:
         return state_dict, {}, None
     state_dict = dict(state_dict)
     generator = state_dict.pop(RECORDS_KEY, None)  # earlier versions: top level
-    records: dict[str, Any] = {}
+    legacy: dict[str, Any] = {}
     state = state_dict.get("state")
     if isinstance(state, Mapping) and (GLOBAL in state or GROUPS in state):
         state = dict(state)
-        records = {key: state.pop(key) for key in (GLOBAL, GROUPS) if key in state}
+        legacy = {key: state.pop(key) for key in (GLOBAL, GROUPS) if key in state}
         state_dict["state"] = state
+    records: dict[str, Any] = {}
     groups = state_dict.get("param_groups")
     if isinstance(groups, list) and all(isinstance(g, Mapping) for g in groups):
         entries = [group.get(RECORDS_KEY) for group in groups]
@@ -73,13 +74,14 @@ def split_records(state_dict: Any) -> tuple[Any, dict[str, Any], Any]:
             {key: value for key, value in group.items() if key != RECORDS_KEY}
             for group in groups
         ]
-        if entries and isinstance(entries[0], Mapping):
-            records.setdefault(GLOBAL, entries[0].get(GLOBAL))
+        if entries and isinstance(entries[0], Mapping) and GLOBAL in entries[0]:
+            records[GLOBAL] = entries[0][GLOBAL]
             generator = entries[0].get("generator", generator)
-        stats = [entry.get("group") for entry in entries if isinstance(entry, Mapping)]
-        if stats and any(entry is not None for entry in stats):
-            records.setdefault(GROUPS, stats)
-    return state_dict, records, generator
+            stats = [e.get("group") for e in entries if isinstance(e, Mapping)]
+            if any(entry is not None for entry in stats):
+                records[GROUPS] = stats
+    # The groups' records win over stray entries of the earlier layout's keys.
+    return state_dict, records or legacy, generator
 
 
 def records_problem(records: Mapping[str, Any], num_groups: int) -> str | None:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from dampednewton._step.group_result import AveragedFactor, GroupStep
-from dampednewton.backpack.loss_checks import DeferredChecks, ignored_targets_error
+from dampednewton.backpack.loss_checks import DeferredChecks, targets_error
 from dampednewton.math.finite import finite_flag
 from dampednewton.policies.damping_values import invalid_damping_error
 
@@ -83,9 +83,7 @@ class StepStatus:
                 negative or NaN values.
         """
         if self.ignored_targets:
-            raise ignored_targets_error(
-                self.ignored_targets, deferred.num_targets, deferred.ignore_index
-            )
+            raise targets_error(self.ignored_targets, deferred)
         for group, result in zip(self.groups, results, strict=True):
             if group is not None and result is not None and not group.damping_valid:
                 raise invalid_damping_error(result.damping)

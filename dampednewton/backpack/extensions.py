@@ -300,9 +300,11 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
                 # other ranks would wait): it samples from the outputs with their
                 # non-finite entries zeroed (in place, a no-op when all are finite:
                 # BackPACK keys the backpropagated quantity by data_ptr) and the
-                # step is refused.
+                # step is refused. Through .data: autograd's version counter stays,
+                # so a last layer that saved its output (Sigmoid, Tanh, ReLU)
+                # still back-propagates.
                 self.deferred_checks.add_model_output_finite(finite_flag(output))
-                output.detach().nan_to_num_(0.0, 0.0, 0.0)
+                output.data.nan_to_num_(0.0, 0.0, 0.0)
         self._sample(module, g_inp, g_out)
 
     def _sample(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):

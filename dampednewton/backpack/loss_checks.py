@@ -124,6 +124,25 @@ def check_loss_shapes(loss: _Loss, outputs: Tensor | None, targets: Tensor | Non
         )
 
 
+def targets_error(invalid: int, deferred: DeferredChecks) -> ValueError:
+    """The error for invalid targets (:func:`check_targets`).
+
+    Args:
+        invalid: How many targets are invalid.
+        deferred: The step's checks (the kind of targets, their number).
+
+    Returns:
+        The error to raise.
+    """
+    if deferred.binary_targets:
+        return ValueError(
+            f"{invalid} of the {deferred.num_targets} targets of BCEWithLogitsLoss lie "
+            "outside [0, 1] (labels -1/+1?), where the loss is unbounded below. Use "
+            "labels 0 and 1 (e.g. (targets + 1) / 2) or probabilities."
+        )
+    return ignored_targets_error(invalid, deferred.num_targets, deferred.ignore_index)
+
+
 def ignored_targets_error(ignored: int, total: int, ignore_index: int) -> ValueError:
     """The error for targets equal to the cross-entropy's ``ignore_index``.
 
@@ -167,9 +186,12 @@ class DeferredChecks:
     closure may back-propagate several micro-batches: counts add up, flags combine.
 
     Attributes:
-        ignored_targets: Number of targets equal to ``ignore_index`` (0-dim).
+        ignored_targets: Number of invalid targets (0-dim): equal to the
+            cross-entropy's ``ignore_index``, or outside ``[0, 1]`` for the binary
+            cross-entropy (``binary_targets``).
         num_targets: Number of targets.
         ignore_index: The cross-entropy's ``ignore_index``.
+        binary_targets: Whether the targets are the binary cross-entropy's.
         model_output_finite: Whether the model output reaching the loss is finite
             (0-dim), where a Monte-Carlo extension sampled from it.
         loss_unscaled: Whether the gradient reaching the loss was 1 (0-dim): BackPACK's
@@ -186,6 +208,7 @@ class DeferredChecks:
     ignored_targets: Tensor | None = None
     num_targets: int = 0
     ignore_index: int = DEFAULT_IGNORE_INDEX
+    binary_targets: bool = False
     model_output_finite: Tensor | None = None
     loss_unscaled: Tensor | None = None
     loss_name: str = ""
@@ -219,7 +242,10 @@ class DeferredChecks:
 def check_targets(
     loss: _Loss, deferred: DeferredChecks | None, targets: Tensor | None = None
 ) -> None:
-    """Refuse cross-entropy targets equal to ``ignore_index``, or defer the check.
+    """Refuse invalid targets, or defer the check.
+
+    Cross-entropy targets equal to ``ignore_index``; binary cross-entropy targets
+    outside ``[0, 1]`` (e.g. labels −1/+1), where its loss is unbounded below.
 
     Args:
         loss: A loss module during the backward pass (targets in ``input1``).
@@ -229,24 +255,33 @@ def check_targets(
             its hooks); ``None``: ``loss.input1``.
 
     Raises:
-        ValueError: Without ``deferred``, if a target equals ``ignore_index``.
+        ValueError: Without ``deferred``, for an invalid target.
     """
     if targets is None:
         targets = getattr(loss, "input1", None)
-    if (
-        not isinstance(loss, CrossEntropyLoss)
-        or targets is None
-        or targets.is_floating_point()
-    ):
+    if targets is None:
         return
-    ignored = (targets == loss.ignore_index).sum()
-    if deferred is not None:
-        previous = deferred.ignored_targets
-        deferred.ignored_targets = ignored if previous is None else previous + ignored
-        deferred.num_targets += targets.numel()
-        deferred.ignore_index = loss.ignore_index
-    elif int(ignored):
-        raise ignored_targets_error(int(ignored), targets.numel(), loss.ignore_index)
+    binary = isinstance(loss, BCEWithLogitsLoss)
+    if binary:
+        invalid = ((targets < 0) | (targets > 1)).sum()
+    elif isinstance(loss, CrossEntropyLoss) and not targets.is_floating_point():
+        invalid = (targets == loss.ignore_index).sum()
+    else:
+        return
+    ignore_index = loss.ignore_index if isinstance(loss, CrossEntropyLoss) else None
+    if deferred is None:
+        checked = DeferredChecks(num_targets=targets.numel(), binary_targets=binary)
+        if ignore_index is not None:
+            checked.ignore_index = ignore_index
+        if int(invalid):
+            raise targets_error(int(invalid), checked)
+        return
+    previous = deferred.ignored_targets
+    deferred.ignored_targets = invalid if previous is None else previous + invalid
+    deferred.num_targets += targets.numel()
+    deferred.binary_targets = deferred.binary_targets or binary
+    if ignore_index is not None:
+        deferred.ignore_index = ignore_index
 
 
 def check_plain_loss_call(

@@ -116,3 +116,21 @@ def test_a_group_added_after_a_load_or_copy_shares_the_adapted_damping(how):
     )
     reloaded.load_state_dict(resumed.state_dict())
     assert_same_state(snapshot(reloaded), snapshot(resumed))
+
+
+def test_a_checkpoint_loads_into_groups_with_more_keys_as_in_torch():
+    """E.g. a scheduler's ``initial_lr`` or a user's key set before the load."""
+    case = build_case(MLP_CE)
+    optimizer = DampedNewton(case.model.parameters(), seed=0)
+    run(optimizer, case, 2)
+    target = DampedNewton(build_case(MLP_CE).model.parameters(), seed=1)
+    torch.optim.lr_scheduler.StepLR(target, step_size=5)  # writes initial_lr
+    target.param_groups[0]["lr_scale"] = 0.5
+    target.load_state_dict(optimizer.state_dict())
+    sgd = torch.optim.SGD(build_case(MLP_CE).model.parameters(), lr=0.1)
+    sgd.param_groups[0]["lr_scale"] = 0.5
+    sgd.load_state_dict(torch.optim.SGD(case.model.parameters(), lr=0.1).state_dict())
+    # As in torch, the saved groups replace the optimizer's.
+    assert "lr_scale" not in sgd.param_groups[0]
+    assert "lr_scale" not in target.param_groups[0]
+    assert target.records["global"]["step"] == 2

@@ -176,3 +176,21 @@ def test_a_closure_that_back_propagates_with_create_graph_steps(basis):
     assert_parameters_equal(
         list(case.model.parameters()), list(twin.model.parameters())
     )
+
+
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+@pytest.mark.parametrize("step", [0, 2], ids=["refresh", "between"])
+def test_binary_targets_outside_zero_one_are_refused(basis, step):
+    """Labels −1/+1: the loss is unbounded below there (BackPACK refused them too)."""
+    case = build_case(MLP_BCE)
+    options = {"basis": GramBasis()} if basis == "gram" else {}
+    optimizer = DampedNewton(case.model.parameters(), seed=0, **options)
+    run_steps = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    for _ in range(step):
+        optimizer.step(run_steps)
+    values = [p.detach().clone() for p in case.model.parameters()]
+    signs = 2 * case.y - 1
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, signs)
+    with pytest.raises(ValueError, match=r"targets of BCEWithLogitsLoss lie outside"):
+        optimizer.step(closure)
+    assert_parameters_equal(list(case.model.parameters()), values)

@@ -6,6 +6,7 @@ carries them in its param groups, which ``torch.distributed.checkpoint`` keeps.
 
 from __future__ import annotations
 
+import pickle
 import warnings
 
 import pytest
@@ -253,3 +254,51 @@ def test_the_state_of_a_model_of_other_shapes_is_refused(basis, momentum):
     with pytest.raises(StateDictError, match="another model"):
         target.load_state_dict(optimizer.state_dict())
     assert_same_state(snapshot(target), before)
+
+
+def test_the_earlier_layouts_keys_name_the_records_and_leave_no_entry():
+    """``optimizer.state['global']`` was documented before: a clear KeyError."""
+    case = build_case(MLP_CE)
+    optimizer = make_optimizer(case, "kronecker", seed=1)
+    run(optimizer, case, 1)
+    for copy_ in (optimizer, pickle.loads(pickle.dumps(optimizer))):
+        with pytest.raises(KeyError, match=r"optimizer\.records"):
+            copy_.state["global"]
+        assert "global" not in copy_.state
+    loaded = make_optimizer(build_case(MLP_CE), "kronecker", seed=2)
+    loaded.load_state_dict(optimizer.state_dict())
+    with pytest.raises(KeyError, match=r"optimizer\.records"):
+        loaded.state["groups"]
+
+
+def test_records_in_the_groups_win_over_a_stray_entry_of_the_earlier_layout():
+    original = build_case(MLP_CE)
+    optimizer = make_optimizer(original, "kronecker", seed=1)
+    run(optimizer, original, STEPS_BEFORE)
+    saved = snapshot(optimizer)
+    saved["state"]["global"] = {}  # as an earlier read of state["global"] left it
+    twin = twin_of(original)
+    twin.model.load_state_dict(original.model.state_dict())
+    resumed = make_optimizer(twin, "kronecker", seed=2)
+    resumed.load_state_dict(saved)
+    assert_lock_step(original, optimizer, twin, resumed)
+
+
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+def test_state_tensors_edited_in_place_are_followed(basis):
+    """A step after an in-place edit equals the step of the edited state, loaded."""
+    case = build_case(MLP_CE)
+    optimizer = make_optimizer(case, basis, seed=1)
+    run(optimizer, case, 2)  # the next step is between refreshes
+    key = "kronecker_input_values" if basis == "kronecker" else "curvature_basis"
+    first = next(iter(case.model.parameters()))
+    optimizer.state[first][key].mul_(3.0)
+    twin = twin_of(case)
+    twin.model.load_state_dict(case.model.state_dict())
+    loaded = make_optimizer(twin, basis, seed=2)
+    loaded.load_state_dict(optimizer.state_dict())
+    run(optimizer, case, 1)
+    run(loaded, twin, 1)
+    assert_parameters_equal(
+        list(twin.model.parameters()), list(case.model.parameters())
+    )

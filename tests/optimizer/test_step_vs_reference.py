@@ -95,6 +95,11 @@ STEP_CASES = [
         (((0, 1), CALLABLES), ((2, 3), SHORTHANDS)),
     ),
     StepCase(
+        "mlp-bce-multilabel/layers",
+        PROBLEM["mlp-bce-multilabel"],
+        (((0, 1), POLICIES), ((2, 3), CALLABLES)),
+    ),
+    StepCase(
         "cnn-ce/layers", PROBLEM["cnn-ce"], (((0, 1), RELATIVE), ((2, 3), POLICIES))
     ),
     StepCase(
