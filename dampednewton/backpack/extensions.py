@@ -56,6 +56,8 @@ def _run_translating_errors(
     else:
         check_no_autocast(module)
         check_supported_configuration(module)
+        if isinstance(extension, SqrtGGNExact | SqrtGGNMC):
+            check_backpropagated_shape(extension, module)
     try:
         call.__call__(extension, module, g_inp, g_out)
     except NotImplementedError as error:
@@ -117,20 +119,10 @@ def _run_translating_errors(
     except RuntimeError as error:
         message = str(error)
         if "Difference in dimension must be 1" in message:
-            raise RuntimeError(
-                f"BackPACK cannot back-propagate through a reshape after {module} "
-                "(`x.view(...)` or `x.reshape(...)` in forward): flatten with "
-                "nn.Flatten() or torch.flatten(x, 1) instead."
-            ) from error
+            raise RuntimeError(reshape_message(module)) from error
         if "Compared shapes" in message and not isinstance(module, _Loss):
-            shapes = str(error.args[0]).strip()
             raise RuntimeError(
-                f"What BackPACK back-propagated to {module} does not fit its output "
-                f"({shapes}): the forward pass changes it before the loss (indexing "
-                "or slicing the outputs, a tensor operation), which BackPACK cannot "
-                "back-propagate through. Pass the module's output on unchanged (e.g. "
-                "a final nn.Linear with as many outputs as the loss takes), or make "
-                "the operation a module."
+                changed_output_message(module, str(error.args[0]).strip())
             ) from error
         mixed_dtypes = (
             "expected scalar type",
@@ -145,6 +137,60 @@ def _run_translating_errors(
                 "float32."
             ) from error
         raise
+
+
+def reshape_message(module: Module) -> str:
+    """The error for a module output reshaped in ``forward`` before the next module."""
+    return (
+        f"BackPACK cannot back-propagate through a reshape after {module} "
+        "(`x.view(...)` or `x.reshape(...)` in forward): flatten with "
+        "nn.Flatten() or torch.flatten(x, 1) instead."
+    )
+
+
+def changed_output_message(module: Module, shapes: str) -> str:
+    """The error for a module output changed before the loss (e.g. sliced)."""
+    return (
+        f"What BackPACK back-propagated to {module} does not fit its output "
+        f"({shapes}): the forward pass changes it before the loss (indexing or "
+        "slicing the outputs, a tensor operation), which BackPACK cannot "
+        "back-propagate through. Pass the module's output on unchanged (e.g. a final "
+        "nn.Linear with as many outputs as the loss takes), or make the operation a "
+        "module."
+    )
+
+
+def check_backpropagated_shape(extension: BackpropExtension, module: Module) -> None:
+    """Refuse a square root whose shape per sample is not the output's.
+
+    BackPACK files the quantity it back-propagates under the address of the tensor
+    it belongs to; a slice of a module's output (``outputs[:, :3]``) starts at the
+    same address, so the module would receive the slice's square root. The quantity
+    is ``[V, N', *output.shape[1:]]``, with ``N'`` the sub-sampled samples.
+
+    Args:
+        extension: A square-root extension during the backward pass.
+        module: The module about to receive its quantity (BackPACK stored its output).
+
+    Raises:
+        RuntimeError: If the quantity's trailing shape is not the output's.
+    """
+    output = getattr(module, "output", None)
+    saved = getattr(extension.saved_quantities, "_saved_quantities", {})
+    if not isinstance(output, Tensor):
+        return
+    quantity = saved.get(output.data_ptr())
+    if not isinstance(quantity, Tensor) or quantity.shape[2:] == output.shape[1:]:
+        return
+    if quantity.shape[2:].numel() == output.shape[1:].numel():
+        raise RuntimeError(reshape_message(module))
+    raise RuntimeError(
+        changed_output_message(
+            module,
+            f"{list(quantity.shape[2:])} per sample back-propagated, "
+            f"{list(output.shape[1:])} produced",
+        )
+    )
 
 
 def check_no_autocast(module: Module) -> None:

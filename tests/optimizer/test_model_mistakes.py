@@ -15,7 +15,7 @@ import torch
 from backpack import extend
 from torch import nn
 
-from dampednewton import DampedNewton
+from dampednewton import DampedNewton, GramBasis
 from tests.utils import assert_parameters_equal, make_closure
 
 CONVERTER = r"extend\(model, use_converter=True\)"
@@ -50,10 +50,13 @@ def _model(**options) -> nn.Module:
     return Classifier(**options).double()
 
 
-def _refused(model: nn.Module, error: type[Exception], match: str) -> None:
+def _refused(
+    model: nn.Module, error: type[Exception], match: str, basis: str = "kronecker"
+) -> None:
     inputs, targets = _data()
     loss_fn = extend(nn.CrossEntropyLoss())
-    optimizer = DampedNewton(model.parameters(), seed=0)
+    options = {"basis": GramBasis()} if basis == "gram" else {}
+    optimizer = DampedNewton(model.parameters(), seed=0, **options)
     values = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(error, match=match):
         optimizer.step(make_closure(optimizer, model, loss_fn, inputs, targets))
@@ -93,20 +96,31 @@ def test_a_module_left_out_of_extend_is_named_as_a_cause():
 class SlicedOutputs(nn.Module):
     """A head of 5 outputs whose first 3 go to the loss (a tensor operation)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *layers: nn.Module) -> None:
         super().__init__()
-        self.model = extend(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5)))
+        self.model = extend(nn.Sequential(*layers))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model(inputs)[:, :3]
 
 
-def test_outputs_sliced_before_the_loss_are_named_with_the_fix():
+@pytest.mark.parametrize(
+    "layers",
+    [
+        (nn.Linear(6, 5),),
+        (nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5)),
+        (nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Sigmoid()),
+    ],
+    ids=["one-layer", "mlp", "mlp-sigmoid"],
+)
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+def test_outputs_sliced_before_the_loss_are_named_with_the_fix(layers, basis):
     torch.manual_seed(0)
     _refused(
-        SlicedOutputs().double(),
+        SlicedOutputs(*layers).double(),
         RuntimeError,
-        r"does not fit its output \(Compared shapes.*indexing or slicing the outputs",
+        r"\[3\] per sample back-propagated, \[5\] produced.*slicing the outputs",
+        basis=basis,
     )
 
 
