@@ -338,3 +338,13 @@ def _comparable(value: Any) -> Any:
     if isinstance(value, Tensor):
         return object()  # never equal: a tensor may have changed in place
     return (type(value), id(value))
+
+
+def loss_tolerance(options: Sequence[GroupOptions]) -> float | None:
+    """The smallest ``loss_tolerance`` of the averaged groups (``None``: none set)."""
+    tolerances = [
+        option.averaging.loss_tolerance
+        for option in options
+        if option.averaging is not None and option.averaging.loss_tolerance is not None
+    ]
+    return min(tolerances, default=None)

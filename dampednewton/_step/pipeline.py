@@ -35,7 +35,12 @@ from dampednewton._step.guard import (
     refuse,
 )
 from dampednewton._step.kronecker import KroneckerSteps, damping_value
-from dampednewton._step.options import GroupOptions, SharedOptions, ValidatedGroups
+from dampednewton._step.options import (
+    GroupOptions,
+    SharedOptions,
+    ValidatedGroups,
+    loss_tolerance,
+)
 from dampednewton._step.records import (
     FROZEN,
     GLOBAL,
@@ -44,7 +49,7 @@ from dampednewton._step.records import (
     REFRESH_LOSS,
     StepRecorder,
     check_basis_unchanged,
-    empty_group_stats,
+    group_stats,
     store_factors,
 )
 from dampednewton._step.seeding import SeededGenerator
@@ -60,21 +65,6 @@ from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_hos
 State = dict[Any, Any]
 Records = dict[str, Any]
 Groups = list[dict[str, Any]]
-
-
-def loss_tolerance(options: Sequence[GroupOptions]) -> float | None:
-    """The smallest ``loss_tolerance`` of the averaged groups (``None``: none set)."""
-    tolerances = [
-        option.averaging.loss_tolerance
-        for option in options
-        if option.averaging is not None and option.averaging.loss_tolerance is not None
-    ]
-    return min(tolerances, default=None)
-
-
-def group_stats(records: Records, groups: Groups) -> list[dict[str, Any]]:
-    """``records['groups']``, created for ``groups`` the first time."""
-    return records.setdefault(GROUPS, [empty_group_stats() for _ in groups])
 
 
 class Pipeline:
@@ -113,12 +103,9 @@ class Pipeline:
         """Take one step on ``groups``, ``state`` and ``records``; return the loss.
 
         ``None`` when the closure returned ``None`` without back-propagating (a
-        skipped batch): nothing changes.
-
-        ``state`` is the optimizer's per-parameter state, ``records`` its step
-        counters and per-group statistics (:mod:`._step.records`). A step that
-        raises leaves the parameters, the state, the records and the generator as
-        they were (:class:`~dampednewton._step.guard.StepRollback`).
+        skipped batch): nothing changes. ``records``: the step counters and group
+        statistics (:mod:`._step.records`). A step that raises leaves parameters,
+        state, records and generator as they were (:class:`.guard.StepRollback`).
         """
         options, shared = self.validated.get(groups)
         check_basis_unchanged(records.get(GROUPS, ()), shared.kronecker)

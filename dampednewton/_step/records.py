@@ -251,3 +251,10 @@ class StepRecorder:
             f"optimizer.records['groups'][{index}]['steps_with_small_eigenvalues'].",
             stacklevel=STACKLEVEL_OF_CALLER + 2,  # record, Pipeline._full_step
         )
+
+
+def group_stats(
+    records: dict[str, Any], groups: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """``records['groups']``, created for ``groups`` the first time."""
+    return records.setdefault(GROUPS, [empty_group_stats() for _ in groups])
