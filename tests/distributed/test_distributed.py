@@ -52,6 +52,8 @@ pytestmark = [
         (2, Job(model="mlp", steps=5, options=NOISE_FILTER, ddp=True)),
         (2, Job(model="cnn", steps=4, options=PACKED, ddp=True)),
         (2, Job(model="mlp", steps=8, options={"damping": "lm"}, ddp=True)),
+        (2, Job(model="mlp-bce", steps=3, ddp=True)),
+        (2, Job(model="mlp-bce", steps=4, options=KRONECKER)),
     ],
     ids=[
         "mlp-2",
@@ -64,6 +66,8 @@ pytestmark = [
         "mlp-kronecker-noise-filter-ddp-2",
         "cnn-kronecker-packed-ddp-2",
         "mlp-lm-between-refreshes-ddp-2",  # the damping adapts on refreshes only
+        "mlp-bce-multilabel-ddp-2",
+        "mlp-bce-multilabel-kronecker-2",
     ],
 )
 def test_step_equals_single_process_on_concatenated_batch(world_size, job, tmp_path):

@@ -40,7 +40,9 @@ class Job:
     """What every rank runs.
 
     Attributes:
-        model: ``'mlp'`` or ``'cnn'``.
+        model: ``'mlp'``, ``'cnn'`` or ``'mlp-bce'`` (multi-label binary
+            cross-entropy; the exact GGN: the Monte-Carlo draws aligned with one
+            process are the cross-entropy's).
         steps: Steps to take.
         options: Keyword arguments of :class:`DampedNewton` besides the defaults here.
         ddp: Wrap the model in ``DistributedDataParallel`` (else average gradients in
@@ -78,7 +80,7 @@ class Job:
 def make_model(name: str) -> nn.Module:
     """The same float64 model on every rank (seed 0)."""
     torch.manual_seed(0)
-    if name == "mlp":
+    if name in ("mlp", "mlp-bce"):
         model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
     else:
         model = nn.Sequential(
@@ -88,14 +90,24 @@ def make_model(name: str) -> nn.Module:
 
 
 def global_batch(name: str, world_size: int, step: int) -> tuple[Tensor, Tensor]:
-    """The global batch of a step: inputs and class labels."""
+    """The global batch of a step: inputs and class labels.
+
+    ``'mlp-bce'``: three soft binary labels per sample (multi-label).
+    """
     generator = torch.Generator().manual_seed(100 + step)
-    shape = (5,) if name == "mlp" else (1, 6, 6)
-    inputs = torch.randn(
-        world_size * LOCAL_BATCH, *shape, generator=generator, dtype=torch.float64
+    shape = (1, 6, 6) if name == "cnn" else (5,)
+    size = world_size * LOCAL_BATCH
+    inputs = torch.randn(size, *shape, generator=generator, dtype=torch.float64)
+    if name == "mlp-bce":
+        return inputs, torch.rand(size, 3, generator=generator, dtype=torch.float64)
+    return inputs, torch.randint(3, (size,), generator=generator)
+
+
+def make_loss(name: str) -> nn.Module:
+    """The model's loss: cross-entropy, or the binary one for ``'mlp-bce'``."""
+    return extend(
+        nn.BCEWithLogitsLoss() if name == "mlp-bce" else nn.CrossEntropyLoss()
     )
-    labels = torch.randint(3, (world_size * LOCAL_BATCH,), generator=generator)
-    return inputs, labels
 
 
 def make_optimizer(model: nn.Module, options: dict[str, Any]) -> DampedNewton:
@@ -124,7 +136,7 @@ def reference(job: Job, world_size: int) -> list[Tensor]:
     """
     model = make_model(job.model)
     optimizer = make_optimizer(model, _global_options(job.options, world_size))
-    loss_fn = extend(nn.CrossEntropyLoss())
+    loss_fn = make_loss(job.model)
     history = []
     for step in range(job.steps):
         inputs, labels = global_batch(job.model, world_size, step)
@@ -227,7 +239,7 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
     model = make_model(job.model)
     stepped: nn.Module = DistributedDataParallel(model) if job.ddp else model
     optimizer = make_optimizer(model, job.options)
-    loss_fn = extend(nn.CrossEntropyLoss())
+    loss_fn = make_loss(job.model)
     history, losses, skipped, sent, errors = [], [], [], [], []
     resumed: tuple[nn.Module, DampedNewton] | None = None
     resumed_history = []
