@@ -108,12 +108,17 @@ def make_closure(
     return closure
 
 
+def run_steps(optimizer: DampedNewton, case: Case, steps: int) -> None:
+    """Take ``steps`` steps of the optimizer on the case's fixed batch."""
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    for _ in range(steps):
+        optimizer.step(closure)
+
+
 def train_twins(runs: Sequence[tuple[DampedNewton, Case]], steps: int) -> None:
     """Take ``steps`` steps of each optimizer on its case's fixed batch."""
     for optimizer, case in runs:
-        closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
-        for _ in range(steps):
-            optimizer.step(closure)
+        run_steps(optimizer, case, steps)
 
 
 def assert_same_parameters(

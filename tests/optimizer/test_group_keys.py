@@ -19,21 +19,14 @@ import torch
 from dampednewton import DampedNewton, GramBasis
 from tests.cases import PROBLEMS
 from tests.utils import (
-    Case,
     assert_parameters_equal,
     assert_same_state,
     build_case,
-    make_closure,
+    run_steps,
     snapshot,
 )
 
 MLP_CE = PROBLEMS[0]
-
-
-def run(optimizer: DampedNewton, case: Case, steps: int) -> None:
-    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
-    for _ in range(steps):
-        optimizer.step(closure)
 
 
 def test_keys_that_are_no_hyperparameter_warn_and_stay_through_a_checkpoint():
@@ -45,7 +38,7 @@ def test_keys_that_are_no_hyperparameter_warn_and_stay_through_a_checkpoint():
     ]
     with pytest.warns(UserWarning, match=r"\['lr_scale'\] in parameter group 0"):
         optimizer = DampedNewton(groups, seed=0)
-    run(optimizer, case, 2)
+    run_steps(optimizer, case, 2)
     buffer = io.BytesIO()
     torch.save(optimizer.state_dict(), buffer)
     buffer.seek(0)
@@ -62,8 +55,8 @@ def test_keys_that_are_no_hyperparameter_warn_and_stay_through_a_checkpoint():
     twin.model.load_state_dict(case.model.state_dict())
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
     assert [g.get("lr_scale") for g in resumed.param_groups] == [0.5, None]
-    run(optimizer, case, 3)
-    run(resumed, twin, 3)
+    run_steps(optimizer, case, 3)
+    run_steps(resumed, twin, 3)
     assert_parameters_equal(
         list(twin.model.parameters()), list(case.model.parameters())
     )
@@ -88,7 +81,7 @@ def test_a_group_added_after_a_load_or_copy_shares_the_adapted_damping(how):
     case = build_case(MLP_CE)
     first, _, last = case.model
     optimizer = DampedNewton(first.parameters(), basis=GramBasis(), seed=0)
-    run(optimizer, case, 6)
+    run_steps(optimizer, case, 6)
     if how == "load":
         twin = build_case(MLP_CE)
         twin.model.load_state_dict(case.model.state_dict())
@@ -102,8 +95,8 @@ def test_a_group_added_after_a_load_or_copy_shares_the_adapted_damping(how):
     for opt in (optimizer, resumed):
         assert opt.param_groups[1]["damping"] is opt.param_groups[0]["damping"]
         assert "differentiable" not in opt.param_groups[1]
-    run(optimizer, case, 10)
-    run(resumed, twin, 10)
+    run_steps(optimizer, case, 10)
+    run_steps(resumed, twin, 10)
     assert_parameters_equal(
         list(twin.model.parameters()), list(case.model.parameters())
     )
@@ -122,7 +115,7 @@ def test_a_checkpoint_loads_into_groups_with_more_keys_as_in_torch():
     """E.g. a scheduler's ``initial_lr`` or a user's key set before the load."""
     case = build_case(MLP_CE)
     optimizer = DampedNewton(case.model.parameters(), seed=0)
-    run(optimizer, case, 2)
+    run_steps(optimizer, case, 2)
     target = DampedNewton(build_case(MLP_CE).model.parameters(), seed=1)
     torch.optim.lr_scheduler.StepLR(target, step_size=5)  # writes initial_lr
     target.param_groups[0]["lr_scale"] = 0.5

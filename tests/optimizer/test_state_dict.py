@@ -25,7 +25,7 @@ from tests.utils import (
     assert_parameters_equal,
     assert_same_state,
     build_case,
-    make_closure,
+    run_steps,
     snapshot,
 )
 
@@ -52,12 +52,6 @@ def make_optimizer(case: Case, mc_samples: int, seed: int) -> DampedNewton:
     )
 
 
-def run(optimizer: DampedNewton, case: Case, steps: int) -> None:
-    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
-    for _ in range(steps):
-        optimizer.step(closure)
-
-
 def checkpoint(case: Case, optimizer: DampedNewton) -> dict:
     """Save model and optimizer through a buffer; load with ``weights_only=True``."""
     buffer = io.BytesIO()
@@ -72,7 +66,7 @@ def checkpoint(case: Case, optimizer: DampedNewton) -> dict:
 def test_resumed_optimizer_continues_in_lock_step(mc_samples: int):
     original = build_case(MLP_CE)
     optimizer = make_optimizer(original, mc_samples, seed=1)
-    run(optimizer, original, STEPS_BEFORE)
+    run_steps(optimizer, original, STEPS_BEFORE)
     saved = checkpoint(original, optimizer)
 
     resumed = build_case(MLP_CE)
@@ -82,8 +76,8 @@ def test_resumed_optimizer_continues_in_lock_step(mc_samples: int):
     resumed_optimizer.load_state_dict(saved["optimizer"])
     assert_same_state(snapshot(resumed_optimizer), snapshot(optimizer))
 
-    run(optimizer, original, STEPS_AFTER)
-    run(resumed_optimizer, resumed, STEPS_AFTER)
+    run_steps(optimizer, original, STEPS_AFTER)
+    run_steps(resumed_optimizer, resumed, STEPS_AFTER)
 
     assert_parameters_equal(
         list(resumed.model.parameters()), list(original.model.parameters())
@@ -100,7 +94,7 @@ def test_generator_state_matters_for_monte_carlo():
     """Control for the lock-step test: without the saved generator, MC steps differ."""
     original = build_case(MLP_CE)
     optimizer = make_optimizer(original, mc_samples=1, seed=1)
-    run(optimizer, original, STEPS_BEFORE)
+    run_steps(optimizer, original, STEPS_BEFORE)
     saved = checkpoint(original, optimizer)
     del saved["optimizer"]["param_groups"][0]["dampednewton"]["generator"]
 
@@ -108,8 +102,8 @@ def test_generator_state_matters_for_monte_carlo():
     resumed.model.load_state_dict(saved["model"])
     resumed_optimizer = make_optimizer(resumed, mc_samples=1, seed=2)
     resumed_optimizer.load_state_dict(saved["optimizer"])
-    run(optimizer, original, 1)
-    run(resumed_optimizer, resumed, 1)
+    run_steps(optimizer, original, 1)
+    run_steps(resumed_optimizer, resumed, 1)
 
     assert any(
         not torch.equal(a, b)
@@ -126,7 +120,7 @@ def test_monte_carlo_is_reproducible_from_the_seed_and_private():
         case = build_case(MLP_CE)
         optimizer = make_optimizer(case, mc_samples=1, seed=5)
         global_state = torch.get_rng_state()
-        run(optimizer, case, 3)
+        run_steps(optimizer, case, 3)
         assert torch.equal(torch.get_rng_state(), global_state)
         trajectories.append(list(case.model.parameters()))
     assert_parameters_equal(trajectories[0], trajectories[1])
@@ -136,12 +130,12 @@ def test_loaded_state_is_not_shared_with_its_source():
     """Loading in memory copies the counters: stepping one leaves the other alone."""
     source_case, target_case = build_case(MLP_CE), build_case(MLP_CE)
     source = make_optimizer(source_case, mc_samples=1, seed=1)
-    run(source, source_case, 1)
+    run_steps(source, source_case, 1)
     target = make_optimizer(target_case, mc_samples=1, seed=2)
     target.load_state_dict(source.state_dict())
     before = snapshot(source)
 
-    run(target, target_case, 2)
+    run_steps(target, target_case, 2)
 
     assert_same_state(snapshot(source), before)
     assert target.records["global"]["step"] == 3
@@ -164,7 +158,7 @@ def make_optimizer_with_lambdas(case: Case, seed: int) -> DampedNewton:
 def test_saving_unpicklable_settings_names_group_key_and_alternatives():
     case = build_case(MLP_CE)
     optimizer = make_optimizer_with_lambdas(case, seed=1)
-    run(optimizer, case, 1)  # lambdas step fine
+    run_steps(optimizer, case, 1)  # lambdas step fine
 
     with pytest.raises(
         pickle.PicklingError,
@@ -185,7 +179,7 @@ def test_saving_unpicklable_settings_names_group_key_and_alternatives():
 def test_unpicklable_settings_load_in_memory_and_continue_in_lock_step():
     original = build_case(MLP_CE)
     optimizer = make_optimizer_with_lambdas(original, seed=1)
-    run(optimizer, original, STEPS_BEFORE)
+    run_steps(optimizer, original, STEPS_BEFORE)
     saved = copy.deepcopy(optimizer.state_dict())
 
     resumed = build_case(MLP_CE)
@@ -199,8 +193,8 @@ def test_unpicklable_settings_load_in_memory_and_continue_in_lock_step():
         assert loaded["criterion"] is source["criterion"]
         assert loaded["damping"] is source["damping"]
 
-    run(optimizer, original, STEPS_AFTER)
-    run(resumed_optimizer, resumed, STEPS_AFTER)
+    run_steps(optimizer, original, STEPS_AFTER)
+    run_steps(resumed_optimizer, resumed, STEPS_AFTER)
 
     assert_parameters_equal(
         list(resumed.model.parameters()), list(original.model.parameters())
@@ -219,14 +213,14 @@ def test_a_copied_optimizer_steps_as_the_original(basis: str, how: str):
     original = build_case(MLP_CE)
     options = dict(VIVIT_STEP) if basis == "gram" else {}
     optimizer = DampedNewton(original.model.parameters(), seed=1, **options)
-    run(optimizer, original, STEPS_BEFORE)
+    run_steps(optimizer, original, STEPS_BEFORE)
     if how == "deepcopy":
         model, copied = copy.deepcopy((original.model, optimizer))
     else:
         model, copied = pickle.loads(pickle.dumps((original.model, optimizer)))
     twin = dataclasses.replace(original, model=model)
-    run(optimizer, original, STEPS_AFTER)
-    run(copied, twin, STEPS_AFTER)
+    run_steps(optimizer, original, STEPS_AFTER)
+    run_steps(copied, twin, STEPS_AFTER)
     assert_parameters_equal(list(model.parameters()), list(original.model.parameters()))
     assert_same_state(snapshot(copied), snapshot(optimizer))
 
@@ -237,14 +231,14 @@ def test_a_copy_of_a_monitored_optimizer_has_no_monitor_and_steps(how: str):
     original = build_case(MLP_CE)
     monitor = DiagnosticsMonitor([GSNR()], original.model.named_parameters())
     optimizer = DampedNewton(original.model.parameters(), seed=1, monitor=monitor)
-    run(optimizer, original, STEPS_BEFORE)
+    run_steps(optimizer, original, STEPS_BEFORE)
     if how == "deepcopy":
         model, copied = copy.deepcopy((original.model, optimizer))
     else:
         model, copied = pickle.loads(pickle.dumps((original.model, optimizer)))
     assert copied.monitor is None and optimizer.monitor is monitor
     twin = dataclasses.replace(original, model=model)
-    run(optimizer, original, STEPS_AFTER)
-    run(copied, twin, STEPS_AFTER)
+    run_steps(optimizer, original, STEPS_AFTER)
+    run_steps(copied, twin, STEPS_AFTER)
     assert_parameters_equal(list(model.parameters()), list(original.model.parameters()))
     assert len(monitor.log) == STEPS_BEFORE + STEPS_AFTER

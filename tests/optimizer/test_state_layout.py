@@ -27,7 +27,7 @@ from tests.utils import (
     assert_parameters_equal,
     assert_same_state,
     build_case,
-    make_closure,
+    run_steps,
     snapshot,
 )
 
@@ -40,12 +40,6 @@ def make_optimizer(case: Case, basis: str, seed: int) -> DampedNewton:
     return DampedNewton(case.model.parameters(), seed=seed, **BASES[basis])
 
 
-def run(optimizer: DampedNewton, case: Case, steps: int) -> None:
-    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
-    for _ in range(steps):
-        optimizer.step(closure)
-
-
 def twin_of(case: Case) -> Case:
     """The same problem with a fresh model of other initial weights."""
     twin = build_case(MLP_CE)
@@ -56,8 +50,8 @@ def twin_of(case: Case) -> Case:
 
 
 def assert_lock_step(original: Case, optimizer: DampedNewton, twin: Case, copy_):
-    run(optimizer, original, STEPS_AFTER)
-    run(copy_, twin, STEPS_AFTER)
+    run_steps(optimizer, original, STEPS_AFTER)
+    run_steps(copy_, twin, STEPS_AFTER)
     assert_parameters_equal(
         list(twin.model.parameters()), list(original.model.parameters())
     )
@@ -72,7 +66,7 @@ def test_state_holds_one_dict_of_tensors_per_parameter(basis: str):
     # Before the first step too (torch.distributed.checkpoint reads an empty state
     # as one to initialize by a step without a closure).
     assert set(optimizer.state) == set(params)
-    run(optimizer, case, STEPS_BEFORE)
+    run_steps(optimizer, case, STEPS_BEFORE)
     assert set(optimizer.state) == set(params)
     for entry in optimizer.state.values():  # the idiom that moves a state by hand
         assert all(isinstance(value, torch.Tensor) for value in entry.values())
@@ -86,11 +80,11 @@ def test_a_group_added_later_has_state_entries_and_statistics():
     case = build_case(MLP_CE)
     first, _, last = case.model
     optimizer = DampedNewton(first.parameters(), seed=1)
-    run(optimizer, case, 1)
+    run_steps(optimizer, case, 1)
     optimizer.add_param_group({"params": list(last.parameters())})
     assert set(optimizer.state) == set(case.model.parameters())
     assert len(optimizer.records["groups"]) == 2
-    run(optimizer, case, 2)
+    run_steps(optimizer, case, 2)
     assert optimizer.records["groups"][1]["kronecker_layers"] == ((0, 1),)
 
 
@@ -99,7 +93,7 @@ def test_distributed_checkpoint_state_dict_functions_resume_in_lock_step(basis: 
     """``get_optimizer_state_dict`` → ``set_optimizer_state_dict`` (names as keys)."""
     original = build_case(MLP_CE)
     optimizer = make_optimizer(original, basis, seed=1)
-    run(optimizer, original, STEPS_BEFORE)
+    run_steps(optimizer, original, STEPS_BEFORE)
     saved = get_optimizer_state_dict(original.model, optimizer)
     assert set(saved["state"]) <= {n for n, _ in original.model.named_parameters()}
 
@@ -123,7 +117,7 @@ def test_distributed_checkpoint_save_and_load_resume_in_lock_step(tmp_path):
     basis = "kronecker"
     original = build_case(MLP_CE)
     optimizer = make_optimizer(original, basis, seed=1)
-    run(optimizer, original, STEPS_BEFORE)
+    run_steps(optimizer, original, STEPS_BEFORE)
     with warnings.catch_warnings():  # "no process group: saving on one process"
         warnings.simplefilter("ignore", UserWarning)
         model_state, optimizer_state = get_state_dict(original.model, optimizer)
@@ -133,7 +127,7 @@ def test_distributed_checkpoint_save_and_load_resume_in_lock_step(tmp_path):
 
         twin = twin_of(original)
         resumed = make_optimizer(twin, basis, seed=2)
-        run(resumed, twin, 1)  # its state's structure: dcp.load fills it
+        run_steps(resumed, twin, 1)  # its state's structure: dcp.load fills it
         model_state, optimizer_state = get_state_dict(twin.model, resumed)
         template = {"model": model_state, "optim": optimizer_state}
         dcp.load(template, checkpoint_id=tmp_path)
@@ -151,7 +145,7 @@ def test_a_template_of_an_optimizer_that_never_stepped_is_refused(tmp_path):
     """It would load the counters but not the state: refused, nothing changes."""
     original = build_case(MLP_CE)
     optimizer = make_optimizer(original, "kronecker", seed=1)
-    run(optimizer, original, STEPS_BEFORE)
+    run_steps(optimizer, original, STEPS_BEFORE)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(
@@ -173,7 +167,7 @@ def test_a_state_dict_of_the_earlier_layout_loads_and_resumes(basis: str):
     """Earlier versions kept the records in ``state`` and the generator on top."""
     original = build_case(MLP_CE)
     optimizer = make_optimizer(original, basis, seed=1)
-    run(optimizer, original, STEPS_BEFORE)
+    run_steps(optimizer, original, STEPS_BEFORE)
     saved = snapshot(optimizer)
     records = [group.pop("dampednewton") for group in saved["param_groups"]]
     saved["state"]["global"] = records[0]["global"]
@@ -198,8 +192,8 @@ def test_state_tensors_replaced_by_copies_change_no_step(options):
     original, twin = build_case(MLP_CE), build_case(MLP_CE)
     optimizer = DampedNewton(original.model.parameters(), seed=1, **options)
     copied = DampedNewton(twin.model.parameters(), seed=1, **options)
-    run(optimizer, original, STEPS_BEFORE)
-    run(copied, twin, STEPS_BEFORE)
+    run_steps(optimizer, original, STEPS_BEFORE)
+    run_steps(copied, twin, STEPS_BEFORE)
     for entry in copied.state.values():
         for key, value in entry.items():
             entry[key] = value.clone()
@@ -220,7 +214,7 @@ def test_state_that_distributed_checkpoint_leaves_out_is_refused(basis, frozen):
     """
     original = build_case(MLP_CE)
     optimizer = make_optimizer(original, basis, seed=1)
-    run(optimizer, original, STEPS_BEFORE)
+    run_steps(optimizer, original, STEPS_BEFORE)
     first = original.model[0]
     (first.bias if frozen == "bias" else first).requires_grad_(False)
     saved = get_optimizer_state_dict(original.model, optimizer)
@@ -245,7 +239,7 @@ def test_the_state_of_a_model_of_other_shapes_is_refused(basis, momentum):
     optimizer = DampedNewton(
         case.model.parameters(), seed=1, momentum=momentum, **BASES[basis]
     )
-    run(optimizer, case, STEPS_BEFORE)
+    run_steps(optimizer, case, STEPS_BEFORE)
     other = torch.nn.Sequential(
         torch.nn.Linear(4, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3)
     )
@@ -260,7 +254,7 @@ def test_the_earlier_layouts_keys_name_the_records_and_leave_no_entry():
     """``optimizer.state['global']`` was documented before: a clear KeyError."""
     case = build_case(MLP_CE)
     optimizer = make_optimizer(case, "kronecker", seed=1)
-    run(optimizer, case, 1)
+    run_steps(optimizer, case, 1)
     for copy_ in (optimizer, pickle.loads(pickle.dumps(optimizer))):
         with pytest.raises(KeyError, match=r"optimizer\.records"):
             copy_.state["global"]
@@ -274,7 +268,7 @@ def test_the_earlier_layouts_keys_name_the_records_and_leave_no_entry():
 def test_records_in_the_groups_win_over_a_stray_entry_of_the_earlier_layout():
     original = build_case(MLP_CE)
     optimizer = make_optimizer(original, "kronecker", seed=1)
-    run(optimizer, original, STEPS_BEFORE)
+    run_steps(optimizer, original, STEPS_BEFORE)
     saved = snapshot(optimizer)
     saved["state"]["global"] = {}  # as an earlier read of state["global"] left it
     twin = twin_of(original)
@@ -289,7 +283,7 @@ def test_state_tensors_edited_in_place_are_followed(basis):
     """A step after an in-place edit equals the step of the edited state, loaded."""
     case = build_case(MLP_CE)
     optimizer = make_optimizer(case, basis, seed=1)
-    run(optimizer, case, 2)  # the next step is between refreshes
+    run_steps(optimizer, case, 2)  # the next step is between refreshes
     key = "kronecker_input_values" if basis == "kronecker" else "curvature_basis"
     first = next(iter(case.model.parameters()))
     optimizer.state[first][key].mul_(3.0)
@@ -297,8 +291,8 @@ def test_state_tensors_edited_in_place_are_followed(basis):
     twin.model.load_state_dict(case.model.state_dict())
     loaded = make_optimizer(twin, basis, seed=2)
     loaded.load_state_dict(optimizer.state_dict())
-    run(optimizer, case, 1)
-    run(loaded, twin, 1)
+    run_steps(optimizer, case, 1)
+    run_steps(loaded, twin, 1)
     assert_parameters_equal(
         list(twin.model.parameters()), list(case.model.parameters())
     )
