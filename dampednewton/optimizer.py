@@ -29,9 +29,9 @@ from dampednewton._step.parameter_state import ParameterState
 from dampednewton._step.pipeline import GLOBAL, GROUPS, Pipeline
 from dampednewton._step.records import empty_group_stats
 from dampednewton._step.saved_records import attach_records
-from dampednewton._step.seeding import SeededGenerator
 from dampednewton._step.unpicklable import mark_unpicklable
 from dampednewton.averaging import CurvatureAveraging
+from dampednewton.backpack.seeding import SeededGenerator
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.policies.basis import Basis, KroneckerBasis
 from dampednewton.policies.checks import check_subsampling

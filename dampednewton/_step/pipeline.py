@@ -52,12 +52,12 @@ from dampednewton._step.records import (
     group_stats,
     store_factors,
 )
-from dampednewton._step.seeding import SeededGenerator
 from dampednewton._step.step_pass import StepPass
 from dampednewton._step.step_status import read_status, settled
 from dampednewton._step.update import apply_flat_step, apply_steps
 from dampednewton.backpack.extensions import modified_loss_warning
 from dampednewton.backpack.loss_checks import DeferredChecks, targets_error
+from dampednewton.backpack.seeding import SeededGenerator
 from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
 from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_host

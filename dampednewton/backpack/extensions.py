@@ -12,11 +12,10 @@ from collections.abc import Sequence
 
 from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
 from backpack.extensions.backprop_extension import BackpropExtension
-from torch import Generator, Tensor, cuda, float32, get_rng_state, set_rng_state
+from torch import Generator, Tensor, float32
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
-from torch.random import fork_rng
 
 from dampednewton.backpack.backward import check_fresh_forward
 from dampednewton.backpack.loss_checks import (
@@ -31,6 +30,7 @@ from dampednewton.backpack.loss_derivatives import (
     set_loss_extensions,
 )
 from dampednewton.backpack.savefields import module_input
+from dampednewton.backpack.seeding import drawing_from
 from dampednewton.backpack.unsupported import (
     check_supported_configuration,
     custom_module_message,
@@ -362,18 +362,8 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
         ):
             _run_translating_errors(self, SqrtGGNMC, module, g_inp, g_out)
             return
-        device = self.generator.device
-        if device.type == "cuda":
-            index = device.index if device.index is not None else cuda.current_device()
-            with fork_rng(devices=[index]):
-                cuda.set_rng_state(self.generator.get_state(), index)
-                _run_translating_errors(self, SqrtGGNMC, module, g_inp, g_out)
-                self.generator.set_state(cuda.get_rng_state(index))
-        else:
-            with fork_rng(devices=[]):
-                set_rng_state(self.generator.get_state())
-                _run_translating_errors(self, SqrtGGNMC, module, g_inp, g_out)
-                self.generator.set_state(get_rng_state())
+        with drawing_from(self.generator):
+            _run_translating_errors(self, SqrtGGNMC, module, g_inp, g_out)
 
 
 class IndividualGradients(BatchGrad):

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from dampednewton.backpack.backward import quiet_backward_hook_warning
 from dampednewton.backpack.passes import backward_pass
-from dampednewton.backpack.savefields import DIAG_GGN_MC
+from dampednewton.diagnostics.draws import monte_carlo_draws
 from dampednewton.diagnostics.log import DiagnosticsLog, Record
 from dampednewton.diagnostics.ranks import SINGLE_PROCESS, Ranks, global_batch
 from dampednewton.diagnostics.reducer import (
@@ -60,7 +60,6 @@ from dampednewton.diagnostics.reducer import (
     reducer_of,
     to_host,
 )
-from dampednewton.diagnostics.specs import CurvatureTrace
 from dampednewton.diagnostics.specs.histogram_reducer import HistogramReducer
 from dampednewton.distributed import resolve_process_group
 
@@ -113,6 +112,7 @@ class DiagnosticsMonitor:
         named_parameters: NamedParameters | None = None,
         log: DiagnosticsLog | None = None,
         process_group: Any = None,
+        seed: int | None = None,
     ) -> None:
         """Create a monitor.
 
@@ -127,6 +127,9 @@ class DiagnosticsMonitor:
                 global batch the records describe; ``None``: the world group when
                 ``torch.distributed`` is initialized with more than one process,
                 else a single process.
+            seed: Seed of the Monte-Carlo traces' generator (``None``: drawn from
+                torch's global generator, rank 0's under data parallelism); their
+                draws leave torch's global random stream untouched.
 
         Raises:
             ValueError: If there are no diagnostics, two share a label, or two
@@ -145,16 +148,6 @@ class DiagnosticsMonitor:
                 f"Diagnostics need distinct labels, {duplicates} occur more than "
                 "once; pass label=... to tell them apart."
             )
-        mc_samples = {
-            spec.mc_samples
-            for spec in self.diagnostics
-            if isinstance(spec, CurvatureTrace) and spec.curvature == DIAG_GGN_MC
-        }
-        if len(mc_samples) > 1:
-            raise ValueError(
-                "BackPACK runs one DiagGGNMC per backward pass, but the traces ask "
-                f"for mc_samples {sorted(mc_samples)}; use one value."
-            )
         # Extensions are stateless between passes: build them once, not every step.
         self._extensions = {id(r): r.extensions() for r in self._reducers}
         if isinstance(named_parameters, Mapping):
@@ -162,6 +155,9 @@ class DiagnosticsMonitor:
         self._names = {id(p): name for name, p in (named_parameters or ())}
         self.log = DiagnosticsLog() if log is None else log
         self.communicator = resolve_process_group(process_group)
+        self._draws = monte_carlo_draws(
+            self._extensions.values(), seed, self.communicator
+        )
         self._ranks: Ranks = self.communicator or SINGLE_PROCESS
         self._pending: _PendingStep | None = None
         self._finished: _FinishedStep | None = None
@@ -176,14 +172,14 @@ class DiagnosticsMonitor:
         return 0.0 if self.communicator is None else self.communicator.bytes_received
 
     def state_dict(self) -> dict[str, Any]:
-        """The histograms' adaptive network ranges by label (not the log)."""
-        return {
-            "network_ranges": {
-                reducer.spec.label: reducer.network_ranges
-                for reducer in self._reducers
-                if isinstance(reducer, HistogramReducer)
-            }
+        """The histograms' network ranges and the traces' generator (not the log)."""
+        ranges = {
+            reducer.spec.label: reducer.network_ranges
+            for reducer in self._reducers
+            if isinstance(reducer, HistogramReducer)
         }
+        draws = None if self._draws is None else self._draws.seeded.state_dict()
+        return {"network_ranges": ranges, "monte_carlo": draws}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from a state saved by :meth:`state_dict`.
@@ -205,6 +201,9 @@ class DiagnosticsMonitor:
             )
         for label, reducer in histograms.items():
             reducer.resume_from(saved[label])
+        draws = state_dict.get("monte_carlo")  # absent in earlier versions' states
+        if self._draws is not None and draws is not None:
+            self._draws.seeded.load_state_dict(draws)
 
     def is_active(self, step: int) -> bool:
         """Return whether any diagnostic is scheduled at ``step``.
@@ -249,6 +248,8 @@ class DiagnosticsMonitor:
             Function of a module, to run after BackPACK's extensions on it.
         """
         pending = _PendingStep(step, self._active(step))
+        if self._draws is not None:
+            self._draws.step = step
         for reducer in pending.reducers:
             reducer.begin(self._ranks)
         self._pending = pending

@@ -12,6 +12,9 @@ curvature           BackPACK extension           attribute on the parameter
 ``diag_ggn_exact``  ``DiagGGNExact()``           ``diag_ggn_exact``
 ``diag_ggn_mc``     ``DiagGGNMC(mc_samples)``    ``diag_ggn_mc``
 =================== ============================ =============================
+
+``DiagGGNMC`` samples from the monitor's generator
+(:class:`~dampednewton.diagnostics.draws.SeededDiagGGNMC`), not torch's global one.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from backpack.extensions import DiagGGNExact, DiagGGNMC, DiagHessian
+from backpack.extensions import DiagGGNExact, DiagHessian
 from backpack.extensions.backprop_extension import BackpropExtension
 from backpack.extensions.secondorder.diag_ggn.losses import DiagGGNLoss
 from backpack.extensions.secondorder.diag_hessian.losses import DiagHLoss
@@ -29,6 +32,7 @@ from torch.nn import BCEWithLogitsLoss
 
 from dampednewton.backpack.loss_derivatives import BinaryCrossEntropyDerivatives
 from dampednewton.backpack.savefields import DIAG_GGN_EXACT, DIAG_H, DIAGONALS
+from dampednewton.diagnostics.draws import SeededDiagGGNMC
 
 CURVATURES: tuple[str, ...] = DIAGONALS
 """Supported curvature names; each is also the attribute BackPACK writes."""
@@ -72,7 +76,7 @@ def curvature_extension(curvature: str, mc_samples: int = 1) -> BackpropExtensio
         extension = (
             DiagGGNExact()
             if curvature == DIAG_GGN_EXACT
-            else DiagGGNMC(mc_samples=mc_samples)
+            else SeededDiagGGNMC(mc_samples)
         )
         loss_module = DiagGGNLoss(derivatives=derivatives)
     extension.set_module_extension(BCEWithLogitsLoss, loss_module, overwrite=True)

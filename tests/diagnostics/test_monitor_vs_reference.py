@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from backpack import backpack
@@ -13,6 +15,7 @@ from dampednewton.diagnostics import (
     DiagnosticsMonitor,
     NoiseScale,
 )
+from dampednewton.diagnostics.trace import curvature_extension
 from tests import reference
 from tests.assertions import assert_scalar
 from tests.cases import DIAGNOSTICS_PROBLEMS, case_by_id
@@ -109,17 +112,71 @@ def test_hessian_and_ggn_traces_differ_with_sigmoid():
     assert abs(record["diag_h/trace"] - record["diag_ggn_exact/trace"]) > 1e-3
 
 
-def test_monte_carlo_ggn_trace_equals_backpack_with_same_seed():
-    case = build_case(DIAGNOSTICS_PROBLEMS[0])
+def monte_carlo_reference(case, seed: int) -> dict[str, float]:
+    """Each parameter's ``diag_ggn_mc`` trace, drawn from the global state seeded."""
+    case.model.zero_grad()
+    torch.manual_seed(seed)
+    # BackPACK's own extension where it supports the loss; for multi-label binary
+    # cross-entropy (BackPACK refuses (N, C) logits) the package's, unseeded.
+    extension = (
+        curvature_extension("diag_ggn_mc", 3)
+        if isinstance(case.loss_fn, torch.nn.BCEWithLogitsLoss)
+        else DiagGGNMC(mc_samples=3)
+    )
+    with backpack(extension):
+        case.loss_fn(case.model(case.X), case.y).backward()
+    return {
+        name: param.diag_ggn_mc.sum().item()
+        for name, param in case.model.named_parameters()
+    }
+
+
+@pytest.mark.parametrize("problem", DIAGNOSTICS_PROBLEMS, ids=lambda case: case.id)
+def test_monte_carlo_trace_draws_from_the_monitors_seed(problem):
+    case = build_case(problem)
     monitor = DiagnosticsMonitor(
         [CurvatureTrace(curvature="diag_ggn_mc", mc_samples=3)],
         case.model.named_parameters(),
+        seed=123,
     )
-    torch.manual_seed(123)
+    torch.manual_seed(7)
+    global_state = torch.get_rng_state()
     record = run_monitored_step(case, monitor)
-    case.model.zero_grad()
-    torch.manual_seed(123)
-    with backpack(DiagGGNMC(mc_samples=3)):
-        case.loss_fn(case.model(case.X), case.y).backward()
-    for name, param in case.model.named_parameters():
-        assert record[f"diag_ggn_mc/trace/{name}"] == param.diag_ggn_mc.sum().item()
+    # The user's random stream is untouched by the monitored step.
+    assert torch.equal(torch.get_rng_state(), global_state)
+    expected = monte_carlo_reference(case, 123)
+    for name, trace in expected.items():
+        assert record[f"diag_ggn_mc/trace/{name}"] == trace
+
+
+def test_monte_carlo_trace_resumes_its_draws_from_the_state_dict():
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
+
+    def monitor() -> DiagnosticsMonitor:
+        return DiagnosticsMonitor(
+            [CurvatureTrace(curvature="diag_ggn_mc", mc_samples=3)],
+            case.model.named_parameters(),
+            seed=5,
+        )
+
+    uninterrupted = monitor()
+    first = run_monitored_step(case, uninterrupted, step=0)
+    second = run_monitored_step(case, uninterrupted, step=1)
+    assert first["diag_ggn_mc/trace"] != second["diag_ggn_mc/trace"]  # new draws
+    interrupted = monitor()
+    run_monitored_step(case, interrupted, step=0)
+    saved = interrupted.state_dict()
+    resumed = monitor()
+    resumed.load_state_dict(torch.load(_saved(saved), weights_only=True))
+    assert run_monitored_step(case, resumed, step=1) == second
+    # A state of an earlier version (no generator) still loads: draws from the seed.
+    fresh = monitor()
+    fresh.load_state_dict({"network_ranges": {}})
+    assert run_monitored_step(case, fresh, step=0) == first
+
+
+def _saved(state: dict) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return buffer

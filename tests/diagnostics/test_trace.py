@@ -24,7 +24,7 @@ from dampednewton.diagnostics.trace import (
 )
 def test_extension_writes_the_named_attribute(curvature, extension_type):
     extension = curvature_extension(curvature, mc_samples=2)
-    assert type(extension) is extension_type
+    assert isinstance(extension, extension_type)
     assert extension.savefield == curvature
     assert curvature in CURVATURES
 

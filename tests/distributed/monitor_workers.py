@@ -15,11 +15,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from backpack import extend
+from backpack import backpack, extend
+from backpack.extensions import DiagGGNMC
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from dampednewton import DampedNewton, GramBasis
+from dampednewton.backpack.seeding import SeededGenerator, drawing_from
 from dampednewton.diagnostics import (
     GSNR,
     CurvatureTrace,
@@ -43,6 +45,7 @@ class MonitorJob:
         ddp: Wrap the model in ``DistributedDataParallel`` (else average the
             gradients by hand, then finish the record again).
         in_optimizer: The monitor is ``DampedNewton``'s (else standalone, with SGD).
+        monte_carlo: Add a Monte-Carlo trace (its draws differ per rank).
         options: ``DampedNewton``'s keyword arguments besides the defaults here (a
             damping with per-sample statistics makes the step's engine compute
             individual gradients too).
@@ -53,9 +56,14 @@ class MonitorJob:
     ddp: bool = True
     in_optimizer: bool = False
     options: dict[str, Any] = field(default_factory=dict)
+    monte_carlo: bool = False
 
 
-def diagnostics() -> list:
+MONTE_CARLO_SEED = 3
+MONTE_CARLO_SAMPLES = 2
+
+
+def diagnostics(monte_carlo: bool = False) -> list:
     """Every diagnostic the monitor offers, both histogram semantics, exact traces.
 
     The ranges that follow the data are symmetric, so their gradient axes take odd
@@ -75,7 +83,11 @@ def diagnostics() -> list:
         ),
         CurvatureTrace(),
         CurvatureTrace(curvature="diag_h"),
-    ]
+    ] + (
+        [CurvatureTrace(curvature="diag_ggn_mc", mc_samples=MONTE_CARLO_SAMPLES)]
+        if monte_carlo
+        else []
+    )
 
 
 def run_rank(
@@ -109,7 +121,9 @@ def monitored(job: MonitorJob, world_size: int, rank: int | None) -> dict[str, A
     stepped: nn.Module = (
         DistributedDataParallel(model) if distributed and job.ddp else model
     )
-    monitor = DiagnosticsMonitor(diagnostics(), model.named_parameters())
+    monitor = DiagnosticsMonitor(
+        diagnostics(job.monte_carlo), model.named_parameters(), seed=MONTE_CARLO_SEED
+    )
     loss_fn = extend(nn.CrossEntropyLoss())
     optimizer: torch.optim.Optimizer
     if job.in_optimizer:
@@ -129,8 +143,11 @@ def monitored(job: MonitorJob, world_size: int, rank: int | None) -> dict[str, A
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     average_by_hand = distributed and not job.ddp
+    sharded: list[dict[str, float]] = []
     for step in range(job.steps):
         inputs, labels = global_batch(job.model, world_size, step)
+        if job.monte_carlo and not distributed:
+            sharded.append(sharded_traces(model, loss_fn, inputs, labels, step))
         if rank is not None:
             rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
             inputs, labels = inputs[rows], labels[rows]
@@ -146,7 +163,40 @@ def monitored(job: MonitorJob, world_size: int, rank: int | None) -> dict[str, A
             _average_gradients(model)
             monitor.finish(step, loss=loss)
         optimizer.step()
-    return {"records": list(monitor.log), "bytes": monitor.communication_bytes}
+    return {
+        "records": list(monitor.log),
+        "bytes": monitor.communication_bytes,
+        "sharded_traces": sharded,
+    }
+
+
+def sharded_traces(
+    model: nn.Module, loss_fn: nn.Module, inputs: Tensor, labels: Tensor, step: int
+) -> dict[str, float]:
+    """The ranks' mean Monte-Carlo trace of a step, each shard drawn as its rank does.
+
+    BackPACK's ``DiagGGNMC`` on each rank's shard, sampling from the monitor's
+    generator reseeded for that rank and step, then the mean over the ranks (each
+    trace is of its shard's mean loss).
+    """
+    world_size = inputs.shape[0] // LOCAL_BATCH
+    traces: dict[str, float] = {}
+    for rank in range(world_size):
+        rows = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        model.zero_grad()
+        generator = SeededGenerator(MONTE_CARLO_SEED).for_rank(
+            torch.device("cpu"), rank, step
+        )
+        with drawing_from(generator), backpack(DiagGGNMC(MONTE_CARLO_SAMPLES)):
+            loss_fn(model(inputs[rows]), labels[rows]).backward()
+        for name, param in model.named_parameters():
+            key = f"diag_ggn_mc/trace/{name}"
+            share = param.diag_ggn_mc.sum().item() / world_size
+            traces[key] = traces.get(key, 0.0) + share
+            del param.diag_ggn_mc
+    model.zero_grad()
+    traces["diag_ggn_mc/trace"] = sum(traces.values())
+    return traces
 
 
 def _refuses_other_group(world_size: int) -> bool:

@@ -34,6 +34,38 @@ def _assert_records_match(records, expected, *, exact: bool) -> None:
                 )
 
 
+def test_monte_carlo_trace_draws_per_rank_from_the_monitors_seed(tmp_path):
+    job = MonitorJob(monte_carlo=True)
+    ranks = spawn_ranks(run_rank, job, 2, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = monitored(job, 2, rank=None)
+    for rank in ranks:
+        _assert_records_match(rank["records"], ranks[0]["records"], exact=True)
+        for record, single, traces in zip(
+            rank["records"],
+            reference["records"],
+            reference["sharded_traces"],
+            strict=True,
+        ):
+            sampled = {key for key in record if key.startswith("diag_ggn_mc")}
+            assert sampled == traces.keys()
+            _assert_records_match(
+                [{k: v for k, v in record.items() if k not in sampled}],
+                [{k: v for k, v in single.items() if k not in sampled}],
+                exact=False,
+            )
+            _assert_records_match(
+                [{key: record[key] for key in sampled}], [traces], exact=False
+            )
+    # Each rank draws its own samples: the two steps' traces differ from a draw
+    # shared by both ranks (the single process's from the seed).
+    assert (
+        ranks[0]["records"][0]["diag_ggn_mc/trace"]
+        != (reference["records"][0]["diag_ggn_mc/trace"])
+    )
+
+
 @pytest.mark.parametrize(
     ("world_size", "job"),
     [

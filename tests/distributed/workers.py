@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dampednewton.backpack.global_batch
 from dampednewton import DampedNewton, GramBasis, LevenbergMarquardt, NoiseAwareDamping
-from dampednewton._step.seeding import SeededGenerator
+from dampednewton.backpack.seeding import SeededGenerator
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 from dampednewton.math.traffic import Route
 from tests.distributed.spawning import spawn_ranks

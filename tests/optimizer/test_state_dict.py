@@ -17,7 +17,7 @@ from dampednewton import (
     RelativeThreshold,
     TopK,
 )
-from dampednewton.diagnostics import GSNR, DiagnosticsMonitor
+from dampednewton.diagnostics import GSNR, CurvatureTrace, DiagnosticsMonitor
 from tests.cases import PROBLEMS
 from tests.utils import (
     VIVIT_STEP,
@@ -34,7 +34,9 @@ STEPS_BEFORE, STEPS_AFTER = 2, 3
 MODES = {"exact": 0, "monte-carlo": 1}
 
 
-def make_optimizer(case: Case, mc_samples: int, seed: int) -> DampedNewton:
+def make_optimizer(
+    case: Case, mc_samples: int, seed: int, monitor: DiagnosticsMonitor | None = None
+) -> DampedNewton:
     """Three groups with the picklable built-in policies and the shorthands."""
     first, _, last = case.model
     groups = [
@@ -48,7 +50,13 @@ def make_optimizer(case: Case, mc_samples: int, seed: int) -> DampedNewton:
         {"params": [last.bias], "criterion": EigenvalueThreshold(1e-6)},
     ]
     return DampedNewton(
-        groups, damping=1.0, criterion=2, mc_samples=mc_samples, seed=seed, **VIVIT_STEP
+        groups,
+        damping=1.0,
+        criterion=2,
+        mc_samples=mc_samples,
+        seed=seed,
+        monitor=monitor,
+        **VIVIT_STEP,
     )
 
 
@@ -113,12 +121,18 @@ def test_generator_state_matters_for_monte_carlo():
     )
 
 
-def test_monte_carlo_is_reproducible_from_the_seed_and_private():
-    """Same seed, same trajectory; the global random state is never touched."""
+@pytest.mark.parametrize("traced", [False, True], ids=["alone", "with-mc-trace"])
+def test_monte_carlo_is_reproducible_from_the_seed_and_private(traced):
+    """Same seed, same trajectory; the global random state is never touched.
+
+    Also not by a monitor's Monte-Carlo trace in the optimizer's passes.
+    """
     trajectories = []
     for _ in range(2):
         case = build_case(MLP_CE)
-        optimizer = make_optimizer(case, mc_samples=1, seed=5)
+        trace = CurvatureTrace(curvature="diag_ggn_mc")
+        monitor = DiagnosticsMonitor([trace], seed=0) if traced else None
+        optimizer = make_optimizer(case, mc_samples=1, seed=5, monitor=monitor)
         global_state = torch.get_rng_state()
         run_steps(optimizer, case, 3)
         assert torch.equal(torch.get_rng_state(), global_state)

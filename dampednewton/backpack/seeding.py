@@ -1,18 +1,52 @@
-"""The optimizer's own random generator for Monte-Carlo sampling, and its state.
+"""A private random generator for Monte-Carlo sampling, and its state.
 
-Monte-Carlo square roots of the loss Hessian draw from a generator seeded once per
-optimizer, so that a run is reproducible and a checkpoint resumes the same draws.
-The generator lives on the device of the first parameter and is created the first
-time it is needed.
+Monte-Carlo square roots of the loss Hessian (the optimizer's curvature, the
+diagnostics' Monte-Carlo traces) draw from a generator seeded once per owner, so that
+a run is reproducible, a checkpoint resumes the same draws and the user's global
+random stream (dropout masks, data shuffling) is untouched. The generator lives on
+the device of the sampled quantities and is created the first time it is needed.
+:func:`drawing_from` lends it to code that samples from the global random state
+(BackPACK's loss derivatives).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
-from torch import Generator
+from torch import Generator, Tensor
+from torch.random import fork_rng
+
+
+@contextmanager
+def drawing_from(generator: Generator) -> Iterator[None]:
+    """Let the code inside draw from ``generator`` through torch's global random state.
+
+    The global state of ``generator``'s device is forked, set to the generator's,
+    and after the block the generator takes the advanced state; the global state is
+    as it was before (also after an error).
+
+    Args:
+        generator: The source of the draws (CPU or CUDA).
+
+    Yields:
+        Nothing; sample inside.
+    """
+    device = generator.device
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        with fork_rng(devices=[index]):
+            torch.cuda.set_rng_state(generator.get_state(), index)
+            yield
+            generator.set_state(torch.cuda.get_rng_state(index))
+    else:
+        with fork_rng(devices=[]):
+            torch.set_rng_state(generator.get_state())
+            yield
+            generator.set_state(torch.get_rng_state())
 
 
 class SeededGenerator:
@@ -40,6 +74,7 @@ class SeededGenerator:
             int(torch.randint(2**62, (1,)).item()) if seed is None else int(seed)
         )
         self._generator: Generator | None = None
+        self._loaded: Tensor | None = None  # a loaded state, set on creation
 
     def get(self, device: torch.device) -> Generator:
         """The generator, created on ``device`` the first time.
@@ -61,6 +96,9 @@ class SeededGenerator:
                     "initialize it) before creating the optimizer."
                 )
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
+            if self._loaded is not None:
+                self._generator.set_state(self._loaded)
+                self._loaded = None
         return self._generator
 
     @property
@@ -88,26 +126,36 @@ class SeededGenerator:
             int(entropy.generate_state(1, np.uint64)[0])
         )
 
-    def state_dict(self, device: torch.device) -> dict[str, Any]:
-        """The seed and the generator's state, for the optimizer's state dict.
+    def state_dict(self, device: torch.device | None = None) -> dict[str, Any]:
+        """The seed and the generator's state, for the owner's state dict.
 
         Args:
-            device: The device of the optimizer's parameters.
+            device: Where to create the generator if no draw created it yet
+                (``None``: leave it uncreated; its state is then the loaded one, or
+                ``None`` for a fresh start from the seed).
 
         Returns:
             ``{'seed': ..., 'generator': ...}``.
         """
-        return {"seed": self.seed, "generator": self.get(device).get_state()}
+        if device is not None:
+            self.get(device)
+        generator = self._loaded if self._generator is None else self._generator
+        state = generator.get_state() if isinstance(generator, Generator) else generator
+        return {"seed": self.seed, "generator": state}
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device) -> None:
+    def load_state_dict(
+        self, state: dict[str, Any], device: torch.device | None = None
+    ) -> None:
         """Resume from :meth:`state_dict`'s output.
 
         Args:
             state: The saved seed and generator state (``None``: fresh from the
                 seed).
-            device: The device of the optimizer's parameters.
+            device: Where to create the generator now (``None``: at the next draw,
+                on the device it asks for).
         """
         self.seed = state["seed"]
         self._generator = None
-        if state["generator"] is not None:
-            self.get(device).set_state(state["generator"])
+        self._loaded = state["generator"]
+        if device is not None:
+            self.get(device)
