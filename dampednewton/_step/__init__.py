@@ -5,8 +5,7 @@
 0. :mod:`.pipeline`: the driver; it calls the modules below in this order.
 1. :mod:`.options`: the param groups as validated, typed options (per group, and
    those shared by the single backward pass).
-2. :mod:`.seeding`: the optimizer's own generator for Monte-Carlo sampling.
-   Groups with the Kronecker basis (the default) then take :mod:`.kronecker`'s step:
+2. Groups with the Kronecker basis (the default) then take :mod:`.kronecker`'s step:
    a BackPACK refresh pass (:mod:`.kronecker_refresh`: averaged factors and their
    eigenpairs, layers of one shape batched) or a plain backward pass, the layers'
    directions (:mod:`.kronecker_group`: layers of one shape batched; the noise

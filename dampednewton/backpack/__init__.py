@@ -4,6 +4,8 @@
 * :mod:`~dampednewton.backpack.private`: the only uses of BackPACK's private API.
 * :mod:`~dampednewton.backpack.extensions`: extensions with actionable errors and
   Monte-Carlo sampling from a ``torch.Generator``.
+* :mod:`~dampednewton.backpack.seeding`: the seeded generator of the optimizer's and
+  the monitor's Monte-Carlo sampling, and the global stream forked onto it.
 * :mod:`~dampednewton.backpack.layers`: the :data:`~dampednewton.backpack.layers.LAYERS`
   registry, module type → structured module extensions.
 * :mod:`~dampednewton.backpack.buffers`: what the structured extensions store, and
