@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 import dampednewton.backpack.global_batch
 from dampednewton import DampedNewton, GramBasis, LevenbergMarquardt, NoiseAwareDamping
 from dampednewton.backpack.seeding import SeededGenerator
+from dampednewton.math import sampling as sampling_functions
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 from dampednewton.math.traffic import Route
 from tests.distributed.spawning import spawn_ranks
@@ -147,10 +148,20 @@ def reference(job: Job, world_size: int) -> list[Tensor]:
             loss.backward()
             return loss
 
+        binary = job.model == "mlp-bce"
+        sampling = (
+            "sampled_binary_cross_entropy_gradients"
+            if binary
+            else ("sampled_cross_entropy_gradients")
+        )
         with mock.patch(
-            "dampednewton.backpack.loss_derivatives.sampled_cross_entropy_gradients",
+            f"dampednewton.backpack.loss_derivatives.{sampling}",
             per_rank_draws(
-                job.options.get("seed", SEED), world_size, step, job.micro_batches
+                job.options.get("seed", SEED),
+                world_size,
+                step,
+                job.micro_batches,
+                getattr(sampling_functions, sampling),
             ),
         ):
             optimizer.step(closure)
@@ -159,11 +170,16 @@ def reference(job: Job, world_size: int) -> list[Tensor]:
 
 
 def per_rank_draws(
-    seed: int, world_size: int, step: int, micro_batches: tuple[int, ...] = ()
+    seed: int,
+    world_size: int,
+    step: int,
+    micro_batches: tuple[int, ...] = (),
+    sampled: Callable[..., Tensor] = sampled_cross_entropy_gradients,
 ) -> Callable[..., Tensor]:
-    """The cross-entropy's Monte-Carlo gradients of one step as the ranks draw them.
+    """A loss's Monte-Carlo gradients of one step as the ranks draw them.
 
-    Each rank's (equal) slice of the global batch's logits draws from that rank's
+    Each rank's (equal) slice of the global batch's logits draws with ``sampled``
+    (the cross-entropy's or the binary cross-entropy's sampling) from that rank's
     generator of the step, seeded from ``(seed, rank, step)``, one micro-batch
     after the other.
     """
@@ -174,7 +190,7 @@ def per_rank_draws(
         for rank, part in enumerate(parts):
             rank_generator = SeededGenerator(seed).for_rank(part.device, rank, step)
             drawn.extend(
-                sampled_cross_entropy_gradients(micro, mc_samples, rank_generator)
+                sampled(micro, mc_samples, rank_generator)
                 for micro in part.split(list(micro_batches or (len(part),)))
             )
         return torch.cat(drawn, dim=1)
