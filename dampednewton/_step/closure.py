@@ -15,6 +15,7 @@ from dampednewton.backpack.backward import BackwardCheck, quiet_backward_hook_wa
 from dampednewton.backpack.hooks import ExtendedModules
 from dampednewton.backpack.loss_checks import DeferredChecks, check_plain_loss_call
 from dampednewton.backpack.passes import Hook, backward_pass
+from dampednewton.backpack.unsupported import NO_LOSS_MODULE, check_batch_norms_in_eval
 from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
 
 CLOSURE_PATTERN = """\
@@ -75,10 +76,13 @@ def run_closure(
             def watch(module: Module, inputs: tuple[Tensor, ...], output: Any) -> None:
                 check.count_forward(module, output)
                 check_plain_loss_call(module, inputs, deferred)
+                check_batch_norms_in_eval(modules.batch_norms)
 
             with modules.suspended(), modules.watching_losses(watch):
                 loss = closure()
-            if check.micro_batches == 0:
+            if check.micro_batches == 0 and loss is not None:
+                if modules.unseen_losses:  # every extended loss module was watched
+                    raise RuntimeError(NO_LOSS_MODULE)
                 # The loss module is new (or created in the closure): watch every
                 # extended one from the next pass on.
                 modules.unseen_losses = True

@@ -82,6 +82,27 @@ def warn_unknown_keys(
         )
 
 
+def check_listed_once(params: list[Any], index: int) -> None:
+    """Refuse a group that lists a parameter twice (it would be stepped twice).
+
+    Args:
+        params: The group's parameters.
+        index: The group's index.
+
+    Raises:
+        ValueError: For a parameter listed twice.
+    """
+    seen: set[int] = set()
+    for param in params:
+        if id(param) in seen:
+            raise ValueError(
+                f"Parameter group {index} lists a parameter of shape "
+                f"{tuple(param.shape)} twice; each parameter is stepped once, so list "
+                "it once (e.g. list(dict.fromkeys(params)))."
+            )
+        seen.add(id(param))
+
+
 def check_added_group(
     param_groups: list[dict[str, Any]],
     defaults: Mapping[str, Any],
@@ -102,12 +123,13 @@ def check_added_group(
         stacklevel: The warnings', as ``warnings.warn``'s would be here.
 
     Raises:
-        ValueError: For invalid hyperparameters or shared settings that differ from
-            the other groups'.
+        ValueError: For a parameter listed twice, invalid hyperparameters or shared
+            settings that differ from the other groups'.
         TypeError: For hyperparameters of the wrong type.
     """
     group = param_groups[-1]
     try:
+        check_listed_once(group["params"], len(param_groups) - 1)
         for key in ("subsampling_ggn", "subsampling_grad"):
             group[key] = check_subsampling(group[key], key)
         GroupOptions.from_group(group)

@@ -71,8 +71,10 @@ def trust_region_scale(
     curvature = (-slope).clamp_min(0)
     if batch_curvature is not None:
         curvature = torch.maximum(curvature, batch_curvature.to(curvature))
-    # ν = min(1, √(bound / curvature)); a zero curvature gives inf, hence 1.
-    return (2 * kl_clip / curvature).sqrt().clamp_max(1.0)
+    # ν = min(1, √(bound / curvature)); a zero curvature gives inf, hence 1. The
+    # absolute value: a step of slope +0 has curvature −0 (clamp_min keeps it), whose
+    # bound −inf would give a NaN scale.
+    return (2 * kl_clip / curvature.abs()).sqrt().clamp_max(1.0)
 
 
 def trust_region_scale_on_host(slope: float, kl_clip: float | None) -> float:

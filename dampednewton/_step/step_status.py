@@ -121,7 +121,14 @@ def read_status(
     """
     reads = _Reads()
     loss_slot = reads.add(finite_flag(loss.detach()))
-    steps = [s for r in results if r is not None for s in r.direction]
+    # The direction and what its trust-region scale is computed from.
+    steps = [
+        s
+        for r in results
+        if r is not None
+        for s in (*r.direction, r.slope, r.batch_curvature)
+        if s is not None
+    ]
     step_slot = reads.add(finite_flag(*steps) if steps else None)
     group_slots = [
         None if result is None else _group_slots(reads, result, threshold)

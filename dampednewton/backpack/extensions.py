@@ -32,6 +32,7 @@ from dampednewton.backpack.loss_derivatives import (
 from dampednewton.backpack.savefields import module_input
 from dampednewton.backpack.seeding import drawing_from
 from dampednewton.backpack.unsupported import (
+    batch_norm_training_message,
     check_supported_configuration,
     custom_module_message,
 )
@@ -62,11 +63,7 @@ def _run_translating_errors(
         call.__call__(extension, module, g_inp, g_out)
     except NotImplementedError as error:
         if isinstance(module, _BatchNorm) and module.training:
-            raise RuntimeError(
-                f"{module} is in training mode: it mixes the samples of a batch, so "
-                "per-sample GGN factors and gradients are not defined. Call "
-                "model.eval() on the BatchNorm layers (or remove them) before the step."
-            ) from error
+            raise RuntimeError(batch_norm_training_message(module)) from error
         supported = supported_modules(extension)
         if type(module).__name__ in supported:
             raise NotImplementedError(

@@ -20,6 +20,7 @@ import torch
 from backpack import hook_run_extensions, hook_store_io
 from torch import Tensor
 from torch.nn import Module
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
 
 EXTENDED_FLAG = "_backpack_extend"
@@ -32,6 +33,8 @@ class ExtendedModules:
     def __init__(self) -> None:
         """Start with no module."""
         self._modules: weakref.WeakSet[Module] = weakref.WeakSet()
+        self.batch_norms: weakref.WeakSet[Module] = weakref.WeakSet()
+        """The recorded BatchNorm layers (checked to be in eval mode every step)."""
         self.unseen_losses = False
         """Whether a pass ran a loss module that no recorded pass saw (then every
         extended loss module is watched: torch's global hook slows every module's
@@ -52,6 +55,8 @@ class ExtendedModules:
         def record(module: Module, inputs: tuple, output: Tensor) -> None:
             if getattr(module, EXTENDED_FLAG, False):
                 self._modules.add(module)
+                if isinstance(module, _BatchNorm):
+                    self.batch_norms.add(module)
 
         handle = torch.nn.modules.module.register_module_forward_hook(record)
         try:

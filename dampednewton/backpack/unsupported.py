@@ -9,11 +9,41 @@ every layer before it (:func:`check_supported_configuration` refuses them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from torch import Tensor
 from torch.nn import Module
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd, _ConvTransposeNd
+
+NO_LOSS_MODULE = (
+    "DampedNewton refused the step: the closure's loss came from no BackPACK-extended "
+    "loss module (a functional loss such as F.cross_entropy, or a loss module that is "
+    "not extended), so its curvature is unknown; parameters and optimizer state "
+    "unchanged. Use loss_fn = backpack.extend(nn.CrossEntropyLoss()) (or MSELoss, "
+    "BCEWithLogitsLoss) and loss = loss_fn(model(inputs), targets)."
+)
+
+
+def batch_norm_training_message(module: Module) -> str:
+    """Why a BatchNorm layer in training mode is refused, and what to do."""
+    return (
+        f"{module} is in training mode: it mixes the samples of a batch, so "
+        "per-sample GGN factors and gradients are not defined (refused at every "
+        "step, also between curvature refreshes). Call model.eval() on the "
+        "BatchNorm layers (or remove them) before the step."
+    )
+
+
+def check_batch_norms_in_eval(modules: Iterable[Module]) -> None:
+    """Refuse a BatchNorm layer of ``modules`` in training mode.
+
+    Raises:
+        RuntimeError: Naming the layer, with what to do.
+    """
+    for module in modules:
+        if isinstance(module, _BatchNorm) and module.training:
+            raise RuntimeError(batch_norm_training_message(module))
 
 
 def custom_module_message(

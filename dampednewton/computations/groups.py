@@ -79,10 +79,14 @@ def validate_param_groups(
                     "'params' must contain tensors."
                 )
             if id(param) in seen:
+                where = (
+                    f"twice in group {index}"
+                    if seen[id(param)] == index
+                    else f"in groups {seen[id(param)]} and {index}"
+                )
                 raise ValueError(
-                    f"A parameter of shape {tuple(param.shape)} appears in groups "
-                    f"{seen[id(param)]} and {index}; each parameter may belong to one "
-                    "group (one GGN block) only."
+                    f"A parameter of shape {tuple(param.shape)} appears {where}; each "
+                    "parameter may belong to one group (one GGN block), once."
                 )
             seen[id(param)] = index
         normalized.append({**group, "params": params})

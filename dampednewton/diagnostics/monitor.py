@@ -42,7 +42,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from backpack.extensions.backprop_extension import BackpropExtension
@@ -52,6 +51,11 @@ from dampednewton.backpack.backward import quiet_backward_hook_warning
 from dampednewton.backpack.passes import backward_pass
 from dampednewton.diagnostics.draws import monte_carlo_draws
 from dampednewton.diagnostics.log import DiagnosticsLog, Record
+from dampednewton.diagnostics.pending import (
+    REPEATED_PARAMETER,
+    FinishedStep,
+    PendingStep,
+)
 from dampednewton.diagnostics.ranks import SINGLE_PROCESS, Ranks, global_batch
 from dampednewton.diagnostics.reducer import (
     DiagnosticSpec,
@@ -71,30 +75,6 @@ _USAGE = (
 
 NamedParameters = Iterable[tuple[str, Tensor]] | Mapping[str, Tensor]
 """``model.named_parameters()`` or a mapping name → parameter."""
-
-
-@dataclass
-class _PendingStep:
-    """Pieces collected by the hook of one step."""
-
-    step: int
-    reducers: list[Reducer]
-    batch_sizes: set[int] = field(default_factory=set)
-    seen: set[int] = field(default_factory=set)
-    # Per module, in the order backward reached them (the model's order reversed).
-    reached: list[list[Tensor]] = field(default_factory=list)
-
-    def reached_parameters(self) -> list[Tensor]:
-        """The parameters with BackPACK quantities, modules in the model's order."""
-        return [param for params in reversed(self.reached) for param in params]
-
-
-@dataclass
-class _FinishedStep:
-    """A step finished when its backward context exited, and its log position."""
-
-    pending: _PendingStep
-    index: int
 
 
 class DiagnosticsMonitor:
@@ -159,8 +139,8 @@ class DiagnosticsMonitor:
             self._extensions.values(), seed, self.communicator
         )
         self._ranks: Ranks = self.communicator or SINGLE_PROCESS
-        self._pending: _PendingStep | None = None
-        self._finished: _FinishedStep | None = None
+        self._pending: PendingStep | None = None
+        self._finished: FinishedStep | None = None
 
     @property
     def communication_bytes(self) -> float:
@@ -247,7 +227,7 @@ class DiagnosticsMonitor:
         Returns:
             Function of a module, to run after BackPACK's extensions on it.
         """
-        pending = _PendingStep(step, self._active(step))
+        pending = PendingStep(step, self._active(step))
         if self._draws is not None:
             self._draws.step = step
         for reducer in pending.reducers:
@@ -263,8 +243,7 @@ class DiagnosticsMonitor:
                 batch_size = quantities_batch_size(module, param)
                 if batch_size is None:
                     continue
-                pending.batch_sizes.add(batch_size)
-                pending.seen.add(id(param))
+                pending.reach(param, batch_size)
                 reached.append(param)
                 for reducer in pending.reducers:
                     reducer.reduce(param, batch_size)
@@ -358,6 +337,8 @@ class DiagnosticsMonitor:
             raise RuntimeError(f"No monitored backward pass for step {step}. {_USAGE}")
         if not pending.reducers:
             return {}
+        if pending.repeated:
+            raise RuntimeError(REPEATED_PARAMETER.format(step=step))
         if not pending.seen:
             raise RuntimeError(
                 f"No BackPACK quantities were recorded at step {step}. Extend the "
@@ -395,5 +376,5 @@ class DiagnosticsMonitor:
             replaced = len(self.log) - 1
         else:
             self.log.replace(replaced, record)
-        self._finished = _FinishedStep(pending, replaced)
+        self._finished = FinishedStep(pending, replaced)
         return self.log[replaced]

@@ -42,6 +42,10 @@ def test_global_batch_not_divisible_by_world_size_is_refused():
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+GRACE = ["--monitor-interval", "5"]
+"""torchrun terminates the other ranks within its monitor interval of a rank's exit
+(0.1 s by default): a failed job's rank 0 needs longer on a busy machine to write its
+``result.json`` and say why it ends (docs/distributed.md)."""
 
 
 def _launch(
@@ -110,7 +114,8 @@ def test_a_failing_rank_stops_every_rank_of_a_torchrun_multirun(mode, tmp_path):
     """
     script = Path(__file__).with_name("failing_rank.py")
     command = [
-        *(*TORCHRUN, "--nproc-per-node", "2", str(script), "--multirun", *JOB),
+        *(*TORCHRUN, *GRACE, "--nproc-per-node", "2", str(script), "--multirun"),
+        *JOB,
         *("seed=0,1", "data_parallel.timeout_s=5", f"hydra.sweep.dir={tmp_path}"),
     ]
     start = time.perf_counter()
@@ -141,7 +146,8 @@ def test_a_killed_rank_stops_every_rank_of_a_torchrun_multirun(tmp_path):
     """
     script = Path(__file__).with_name("failing_rank.py")
     command = [
-        *(*TORCHRUN, "--nproc-per-node", "2", str(script), "--multirun", *JOB),
+        *(*TORCHRUN, *GRACE, "--nproc-per-node", "2", str(script), "--multirun"),
+        *JOB,
         *("seed=0,1", "data_parallel.timeout_s=60", f"hydra.sweep.dir={tmp_path}"),
     ]
     start = time.perf_counter()

@@ -53,8 +53,15 @@ def test_parameter_in_two_groups():
     case = build_case(MLP_CE)
     params = list(case.model.parameters())
     groups = [{"params": params}, {"params": params[:1]}]
-    with pytest.raises(ValueError, match="one group"):
+    with pytest.raises(ValueError, match=r"in groups 0 and 1; .*one group"):
         EigvalshComputation().get_extension_hook(groups)
+
+
+def test_parameter_twice_in_a_group():
+    case = build_case(MLP_CE)
+    params = list(case.model.parameters())
+    with pytest.raises(ValueError, match=r"twice in group 0; .*once"):
+        EigvalshComputation().get_extension_hook([{"params": [*params, params[0]]}])
 
 
 @pytest.mark.parametrize(

@@ -98,3 +98,23 @@ def test_small_batch_for_debiased_gsnr_raises():
         match=r"debiased GSNR needs a batch of at least 4 samples, got 3.*drop_last",
     ):
         run_monitored_step(case, DiagnosticsMonitor([GSNR()]))
+
+
+def test_several_backward_passes_in_one_context_raise():
+    """Micro-batches accumulated in one context are refused, nothing logged.
+
+    Their record would mix the last micro-batch's per-sample quantities with the
+    whole batch's .grad.
+    """
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
+    monitor = DiagnosticsMonitor([GSNR(), CurvatureTrace()])
+    case.model.zero_grad()
+    with (
+        pytest.raises(RuntimeError, match="reached the monitor twice"),
+        monitor.backward_context(0),
+    ):
+        for inputs, labels in zip(case.X.split(4), case.y.split(4), strict=True):
+            case.loss_fn(case.model(inputs), labels).backward()
+    assert len(monitor.log) == 0
+    # One backward pass of the whole batch afterwards is logged as usual.
+    assert run_monitored_step(case, monitor, step=1)["batch_size"] == len(case.X)

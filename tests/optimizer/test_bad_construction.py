@@ -12,6 +12,7 @@ from dampednewton import (
     CurvatureAveraging,
     DampedNewton,
     GramBasis,
+    KroneckerBasis,
     NoiseAwareDamping,
 )
 from tests.cases import PROBLEMS
@@ -233,10 +234,12 @@ ADD_GROUP_CASES = {
         r"subsampling_ggn must be a sequence of sample indices \(e.g. range\(32\)\)",
     ),
     "parameter-in-two-groups": ({"first": True}, ValueError, "more than one"),
+    "parameter-listed-twice": ({"twice": True}, ValueError, "twice"),
 }
 
 
 @pytest.mark.parametrize("bad", ADD_GROUP_CASES.values(), ids=ADD_GROUP_CASES.keys())
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with dup")
 def test_bad_add_param_group(bad: tuple[dict, type[Exception], str]):
     settings, error, match = bad
     case = build_case(MLP_CE)
@@ -248,6 +251,8 @@ def test_bad_add_param_group(bad: tuple[dict, type[Exception], str]):
     before = snapshot(optimizer)
     settings = dict(settings)
     new_params = first if settings.pop("first", False) else second
+    if settings.pop("twice", False):
+        new_params = [*second, second[0]]
 
     with pytest.raises(error, match=match):
         optimizer.add_param_group({"params": new_params, **settings})
@@ -255,6 +260,18 @@ def test_bad_add_param_group(bad: tuple[dict, type[Exception], str]):
     assert len(optimizer.param_groups) == 1
     assert_same_state(snapshot(optimizer), before)
     assert_parameters_equal(params, values)
+
+
+@pytest.mark.parametrize("basis", [KroneckerBasis(), GramBasis()], ids=repr)
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with dup")
+def test_a_parameter_listed_twice_is_refused(basis):
+    """It would be stepped twice (the Kronecker basis registered its layer twice)."""
+    case = build_case(MLP_CE)
+    params = list(case.model.parameters())
+    with pytest.raises(
+        ValueError, match=r"group 0 lists a parameter of shape .* twice"
+    ):
+        DampedNewton([*params, params[0]], basis=basis)
 
 
 def test_subsampling_indices_given_as_an_iterator_are_read_once():

@@ -17,7 +17,7 @@ import torch
 from backpack import extend
 from torch import Tensor, nn
 
-from dampednewton import DampedNewton
+from dampednewton import DampedNewton, GramBasis, KroneckerBasis
 from tests.cases import LINEAR_MSE, PROBLEMS, Problem
 from tests.utils import (
     VIVIT_STEP,
@@ -198,3 +198,73 @@ def test_a_new_bad_loss_module_between_refreshes_is_refused_by_the_next_step(
 
     assert optimizer.records["global"]["step"] == 5
     _assert_refused_without_trace(case, optimizer, closure, bad.match)
+
+
+def _refused_with(case, optimizer, closure, error: type[Exception], match: str):
+    params = list(case.model.parameters())
+    values = [p.detach().clone() for p in params]
+    before = snapshot(optimizer)
+    with pytest.raises(error, match=match):
+        optimizer.step(closure)
+    assert_parameters_equal(params, values)
+    assert_same_state(snapshot(optimizer), before)
+
+
+@pytest.mark.parametrize("basis", [KroneckerBasis(), GramBasis()], ids=repr)
+def test_batch_norm_switched_to_training_mode_is_refused_between_refreshes(basis):
+    """After model.eval() ... model.train() the next step refuses (no refresh).
+
+    Back in eval mode training goes on.
+    """
+    torch.manual_seed(0)
+    model = extend(
+        nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+    ).double()
+    loss_fn = extend(nn.CrossEntropyLoss())
+    generator = torch.Generator().manual_seed(0)
+    X = torch.randn(8, 5, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (8,), generator=generator)
+    case = build_case(MLP_CE)
+    case.model, case.loss_fn = model, loss_fn
+    if isinstance(basis, KroneckerBasis):  # it steps Linear layers only
+        model[1].requires_grad_(False)
+    optimizer = DampedNewton(
+        [p for p in model.parameters() if p.requires_grad], seed=0, basis=basis
+    )
+    closure = make_closure(optimizer, model, loss_fn, X, y)
+    model.eval()
+    for _ in range(2):  # steps 0 and 1 refresh; step 2 would not
+        optimizer.step(closure)
+    model.train()
+    running_mean = model[1].running_mean.clone()
+    _refused_with(case, optimizer, closure, RuntimeError, "is in training mode")
+    assert not torch.equal(model[1].running_mean, running_mean)  # torch's forward
+    model.eval()
+    optimizer.step(closure)
+    assert optimizer.records["global"]["step"] == 3
+
+
+@pytest.mark.parametrize("basis", [KroneckerBasis(), GramBasis()], ids=repr)
+def test_a_functional_loss_between_refreshes_is_refused_by_the_next_step(basis):
+    """F.cross_entropy has no BackPACK module: refused (a refresh would be too).
+
+    Between refreshes the first such step may be taken (the loss module might be a
+    new one, watched from the next step on); the next one is refused.
+    """
+    case = build_case(MLP_CE)
+    optimizer = DampedNewton(case.model.parameters(), seed=0, basis=basis)
+    for _ in range(4):  # both bases refresh at steps 0, 1, 3 and not at 4, 5, 6
+        optimizer.step(
+            make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+        )
+
+    def functional():
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(case.model(case.X), case.y)
+        loss.backward()
+        return loss
+
+    optimizer.step(functional)
+    _refused_with(
+        case, optimizer, functional, RuntimeError, "no BackPACK-extended loss module"
+    )

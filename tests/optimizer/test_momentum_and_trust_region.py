@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backpack import extend
 from torch import Tensor
 
-from dampednewton import DampedNewton
+from dampednewton import DampedNewton, GramBasis
+from dampednewton._step.quadratic_model import trust_region_scale
 from tests import reference
 from tests.assertions import assert_close
 from tests.cases import PROBLEMS
@@ -114,3 +116,45 @@ def test_trust_region_bounds_the_damped_model(kl_clip: float):
         assert scales == [1.0] * 3
     if kl_clip == 1e-4:
         assert max(scales) < 1
+
+
+@pytest.mark.parametrize(
+    ("slope", "batch_curvature"),
+    [(0.0, None), (0.0, 0.0), (-0.0, 0.0), (0.0, -0.0), (-1e-300, None)],
+)
+def test_a_step_of_zero_slope_has_trust_region_scale_one(slope, batch_curvature):
+    """ν = min(1, √(2κ / max(−ḡᵀs, sᵀĜs))); a zero model curvature (also −0) is 1."""
+    batch = None if batch_curvature is None else torch.tensor(batch_curvature)
+    scale = trust_region_scale(torch.tensor(slope), batch, kl_clip=1e-3)
+    assert torch.equal(torch.as_tensor(scale), torch.tensor(1.0))
+
+
+@pytest.mark.filterwarnings("ignore:The criterion of parameter group 0")
+def test_a_group_whose_step_is_zero_stays_where_it_was():
+    """A layer behind a zero read-out must not move, nor turn NaN.
+
+    It gets no gradient and no curvature (Gram basis, one group per layer); the
+    read-out steps.
+    """
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(32, 10, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 3, (32,), generator=gen)
+    torch.manual_seed(0)
+    model = extend(
+        torch.nn.Sequential(
+            torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+        ).double()
+    )
+    torch.nn.init.zeros_(model[2].weight)
+    torch.nn.init.zeros_(model[2].bias)
+    first = [p.detach().clone() for p in model[0].parameters()]
+    optimizer = DampedNewton(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters()}],
+        basis=GramBasis(),
+    )
+    loss_fn = extend(torch.nn.CrossEntropyLoss())
+    optimizer.step(make_closure(optimizer, model, loss_fn, X, y))
+    for param, before in zip(model[0].parameters(), first, strict=True):
+        assert torch.equal(param, before)  # the Gram basis decays no weights
+    assert optimizer.records["groups"][0]["trust_region_scale"] == 1.0
+    assert model[2].weight.abs().sum() > 0
