@@ -150,6 +150,8 @@ def newton_record(index: int, stats: dict[str, Any]) -> dict[str, Any]:
     evals, damping = stats["evals"], stats["damping"]
     return {
         f"newton/num_directions/group{index}": stats["num_directions"],
+        # The record goes to the host anyway (one read more, at monitored steps).
+        f"newton/trust_region_scale/group{index}": float(stats["trust_region_scale"]),
         f"newton/evals/group{index}": evals.cpu().numpy(),
         f"newton/damping/group{index}": damping.cpu().numpy(),
         f"newton/max_eval/group{index}": evals.max().item() if evals.numel() else 0.0,

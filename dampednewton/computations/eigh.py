@@ -55,6 +55,7 @@ class EighComputation(GGNComputation[tuple[Tensor, list[Tensor]]]):
         """
         settings = GGNSettings(
             subsampling_ggn=subsampling,
+            ggn_argument="subsampling",
             mc_samples=mc_samples,
             verbose=verbose,
             warn_small_eigvals=warn_small_eigvals,

@@ -44,6 +44,7 @@ class EigvalshComputation(GGNComputation[Tensor]):
         """
         settings = GGNSettings(
             subsampling_ggn=subsampling,
+            ggn_argument="subsampling",
             mc_samples=mc_samples,
             verbose=verbose,
             generator=generator,

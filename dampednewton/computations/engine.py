@@ -238,10 +238,18 @@ class GGNEngine(Generic[ResultT]):
                 (b.pending for b in self._blocks.values() if group_key(b.group) == key),
                 None,
             )
+            frozen = any(
+                group_key(known) == key
+                and not any(p.requires_grad for p in known["params"])
+                for known in self._groups
+            )
             hint = (
-                f" {len(pending)} of its trainable parameters were not reached by the "
-                "backward pass: are they used in the forward pass, and are model and "
-                "loss extended with backpack.extend?"
+                " None of its parameters requires a gradient (requires_grad=False), "
+                "so it has no GGN block: leave it out of the groups."
+                if frozen
+                else f" {len(pending)} of its trainable parameters were not reached "
+                "by the backward pass: are they used in the forward pass, and are "
+                "model and loss extended with backpack.extend?"
                 if pending
                 else " Run the backward pass inside `with backpack(*ext, "
                 "extension_hook=hook)` with the hook of this computation first."
@@ -275,9 +283,9 @@ class GGNEngine(Generic[ResultT]):
         else:
             self._reset()
         self._batch_size = batch_size = _input_batch_size(loss)
-        for name in ("subsampling_ggn", "subsampling_grad"):
+        for name, argument in self.settings.arguments():
             indices = getattr(self.settings, name)
-            check_subsampling_in_range(indices, batch_size, name)
+            check_subsampling_in_range(indices, batch_size, argument)
         weight = None if self._sqrt_ggn is None else self._sqrt_ggn.loss_weight
         self._passes.start(batch_size, weight)
         self._print(f"backward pass started, batch size {batch_size}")
@@ -293,11 +301,12 @@ class GGNEngine(Generic[ResultT]):
             settings.subsampling_ggn is not None
             or settings.subsampling_grad is not None
         ):
+            ggn = settings.ggn_argument
             raise ValueError(
                 "The closure back-propagated several micro-batches (gradient "
-                "accumulation), but subsampling_ggn and subsampling_grad select "
-                "samples of one backward pass. Use subsampling_ggn=None and "
-                "subsampling_grad=None with gradient accumulation."
+                f"accumulation), but {ggn} and subsampling_grad select samples of one "
+                f"backward pass. Use {ggn}=None and subsampling_grad=None with "
+                "gradient accumulation."
             )
         if self._passes.count == 1 and self.global_batch is None:
             self._restart_blocks()  # the first micro-batch was reduced: start over

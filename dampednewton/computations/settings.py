@@ -33,6 +33,7 @@ class GGNSettings:
         structured: Exploit the Kronecker structure of the layers in
             :data:`~dampednewton.backpack.layers.LAYERS` instead of materializing
             their square roots and individual gradients.
+        ggn_argument: What the user's call named ``subsampling_ggn`` (for errors).
     """
 
     subsampling_ggn: Sequence[int] | None = None
@@ -42,6 +43,7 @@ class GGNSettings:
     warn_small_eigvals: float = 1e-4
     generator: Generator | None = None
     structured: bool = True
+    ggn_argument: str = "subsampling_ggn"
 
     def __post_init__(self) -> None:
         """Validate the settings and store sub-sampling indices as lists.
@@ -52,8 +54,9 @@ class GGNSettings:
             ValueError: For negative ``mc_samples`` or ``warn_small_eigvals``, or
                 empty, negative or repeated sub-sampling indices.
         """
-        for name in ("subsampling_ggn", "subsampling_grad"):
-            object.__setattr__(self, name, check_subsampling(getattr(self, name), name))
+        for name, argument in self.arguments():
+            indices = check_subsampling(getattr(self, name), argument)
+            object.__setattr__(self, name, indices)
         object.__setattr__(
             self, "mc_samples", check_integer("mc_samples", self.mc_samples, 0)
         )
@@ -61,4 +64,11 @@ class GGNSettings:
             self,
             "warn_small_eigvals",
             check_warn_small_eigvals(self.warn_small_eigvals),
+        )
+
+    def arguments(self) -> tuple[tuple[str, str], ...]:
+        """``(field, the user's argument name)`` of the two sub-samplings."""
+        return (
+            ("subsampling_ggn", self.ggn_argument),
+            ("subsampling_grad", "subsampling_grad"),
         )

@@ -74,6 +74,13 @@ def test_repeated_subsampling_indices(kwargs):
         DirectionalDampedNewtonComputation(**kwargs)
 
 
+@pytest.mark.parametrize("computation", [EigvalshComputation, EighComputation])
+def test_subsampling_errors_name_the_argument(computation):
+    """Eigenvalue and eigenpair computations take ViViT's ``subsampling``."""
+    with pytest.raises(ValueError, match=r"^subsampling holds a negative"):
+        computation(subsampling=[0, -1])
+
+
 def test_subsampling_out_of_range():
     case = build_case(MLP_CE)
     computation = EigvalshComputation(subsampling=[0, 99])
@@ -135,6 +142,19 @@ def test_get_result_without_result():
     backward(computation, case.model, case.loss_fn, case.X, case.y, [group])
     with pytest.raises(KeyError, match="No result"):
         computation.get_result(other)
+
+
+def test_get_result_of_a_group_without_trainable_parameters():
+    """The group has no GGN block: the error says so instead of blaming the pass."""
+    case = build_case(MLP_CE)
+    first, last = case.model[0], case.model[-1]
+    first.requires_grad_(False)
+    groups = [{"params": list(first.parameters())}, {"params": list(last.parameters())}]
+    computation = EigvalshComputation()
+    backward(computation, case.model, case.loss_fn, case.X, case.y, groups)
+    assert computation.get_result(groups[1]).numel() > 0
+    with pytest.raises(KeyError, match=r"requires_grad=False.*leave it out"):
+        computation.get_result(groups[0])
 
 
 def test_criterion_out_of_range():

@@ -87,6 +87,8 @@ def test_attached_diagnostics_match_standalone_and_keep_the_step(problem, dampin
         stats = opt_attached.records["groups"][0]
         assert record["newton/num_directions/group0"] == stats["num_directions"]
         np.testing.assert_array_equal(record["newton/evals/group0"], stats["evals"])
+        scale = record["newton/trust_region_scale/group0"]
+        assert scale == stats["trust_region_scale"] and 0 < scale <= 1
     assert len(monitor.log) == NUM_STEPS
     leftovers = [
         name
