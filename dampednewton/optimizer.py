@@ -18,6 +18,7 @@ from dampednewton._step.checkpoint import (
 )
 from dampednewton._step.closure import CLOSURE_PATTERN
 from dampednewton._step.defaults import BASIS_DEFAULT, filled_defaults
+from dampednewton._step.dtypes import convert_group_records
 from dampednewton._step.group_checks import (
     GRAM_ONLY_OPTIONS,
     check_added_group,
@@ -343,6 +344,7 @@ class DampedNewton(Optimizer):
                 self.state.setdefault(param, {})
         # Copied: this optimizer's counters are not shared with the source's.
         self.records = copy.deepcopy(checked.records)
+        convert_group_records(self.param_groups, self.records.get(GROUPS, ()))
         self._pipeline.clear()
         if checked.generator is not None:
             self._pipeline.seeded.load_state_dict(checked.generator, self._device())

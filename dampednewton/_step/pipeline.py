@@ -25,6 +25,7 @@ from dampednewton._step.amortized import (
     trust_bound,
 )
 from dampednewton._step.closure import run_closure
+from dampednewton._step.dtypes import ParameterDtypes
 from dampednewton._step.guard import (
     STACKLEVEL_OF_CALLER,
     ClosureReturnedNone,
@@ -86,6 +87,7 @@ class Pipeline:
         self.kronecker = KroneckerSteps()
         self.validated = ValidatedGroups()
         self.recorder = StepRecorder()
+        self.dtypes = ParameterDtypes()
 
     def clear(self) -> None:
         """Forget what depends on the state (after loading a state dict)."""
@@ -109,14 +111,15 @@ class Pipeline:
         """
         options, shared = self.validated.get(groups)
         check_basis_unchanged(records.get(GROUPS, ()), shared.kronecker)
+        if self.dtypes.follow(groups, state, records.get(GROUPS, ())):
+            self.clear()  # the model changed dtype: its state was converted
         step_index = records[GLOBAL]["step"]
         active = (
             monitor if monitor is not None and monitor.is_active(step_index) else None
         )
-        # Between refreshes the Gram basis steps along its frozen bases: the lean
-        # path, or the general one (same step) with a monitor or data parallelism.
-        # Either way the damping adapts on refreshes only, so that neither changes
-        # the trajectory.
+        # Between refreshes the Gram basis steps along its frozen bases (the lean
+        # path, or with a monitor or data parallelism the general one); the damping
+        # adapts on refreshes only, so that neither changes the trajectory.
         between = not shared.kronecker and self._between_refreshes(
             options, records, step_index
         )
@@ -167,8 +170,7 @@ class Pipeline:
     ) -> Tensor:
         """A step with a BackPACK pass (refreshes and un-averaged groups).
 
-        ``adapts``: whether the adaptive dampings see this step (not between
-        refreshes, where one process takes the lean path, which never adapts).
+        ``adapts``: whether the adaptive dampings see it (not between refreshes).
         """
         step_index = records[GLOBAL]["step"]
         generator = self.mc_generator(groups, records)
@@ -319,9 +321,7 @@ class Pipeline:
     ) -> bool:
         """Whether every group steps along its frozen basis (no refresh is due)."""
         stats = records.get(GROUPS)
-        if not stats:
-            return False
-        if records[GLOBAL].get(REFRESH_DUE, False):
+        if not stats or records[GLOBAL].get(REFRESH_DUE, False):
             return False
         return all(
             option.averaging is not None

@@ -198,7 +198,9 @@ class StepRecorder:
                 continue
             num_directions = result.evals.numel()
             stats[index].update(
-                trust_region_scale=torch.as_tensor(scale).detach(),
+                trust_region_scale=torch.as_tensor(
+                    scale, dtype=result.evals.dtype, device=result.evals.device
+                ).detach(),
                 complement_curvature=result.complement_curvature,
                 num_directions=num_directions,
                 evals=result.evals.detach(),

@@ -187,3 +187,66 @@ def test_a_half_model_with_binary_cross_entropy_samples_its_curvature(dtype, bas
         last = optimizer.step(closure)
     assert all(p.dtype == dtype for p in model.parameters())
     assert last < first
+
+
+@pytest.mark.parametrize(
+    "basis",
+    [KroneckerBasis(), KroneckerBasis(noise_filter=NoiseFilter()), GramBasis()],
+    ids=["kronecker", "noise-filter", "gram"],
+)
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [(torch.float32, torch.float64), (torch.float64, torch.float32)],
+    ids=["to-float64", "to-float32"],
+)
+def test_a_model_converted_mid_run_steps_as_if_resumed_in_its_new_dtype(
+    basis, before, after
+):
+    """``model.to(dtype)`` between steps: the state follows the parameters.
+
+    Reference: the same run saved before the conversion and resumed by a new
+    optimizer of the converted model (``load_state_dict`` converts the state). Both
+    go on across the next refreshes (Kronecker: 7; Gram: 7 and its interval's).
+    """
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(16, 6, generator=generator, dtype=before)
+    targets = torch.randint(0, 3, (16,), generator=generator)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(before)
+        models.append(extend(net))
+    loss_fn = extend(nn.CrossEntropyLoss())
+    converted, resumed_model = models
+    optimizers = [
+        DampedNewton(model.parameters(), basis=basis, seed=0, momentum=0.5)
+        for model in models
+    ]
+    for optimizer, model in zip(optimizers, models, strict=True):
+        closure = make_closure(optimizer, model, loss_fn, inputs, targets)
+        for _ in range(5):  # past the refreshes at 0, 1, 3
+            optimizer.step(closure)
+    buffer = io.BytesIO()
+    torch.save(optimizers[1].state_dict(), buffer)
+    buffer.seek(0)
+    for model in models:
+        model.to(after)
+    resumed = DampedNewton(
+        resumed_model.parameters(), basis=basis, seed=0, momentum=0.5
+    )
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    inputs = inputs.to(after)
+    runs = [(optimizers[0], converted), (resumed, resumed_model)]
+    for optimizer, model in runs:
+        closure = make_closure(optimizer, model, loss_fn, inputs, targets)
+        for _ in range(20):
+            optimizer.step(closure)
+    for mine, theirs in zip(
+        converted.parameters(), resumed_model.parameters(), strict=True
+    ):
+        assert mine.dtype == after
+        assert torch.equal(mine, theirs)
+    for param in converted.parameters():
+        for name, value in optimizers[0].state[param].items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                assert value.dtype == after, name
