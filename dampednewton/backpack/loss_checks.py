@@ -36,7 +36,8 @@ def check_reduction(loss: _Loss) -> None:
     reduction = getattr(loss, "reduction", "mean")
     if reduction != "mean":
         raise ValueError(
-            f"{loss} uses reduction='{reduction}', but the GGN computations and the "
+            f"{type(loss).__name__} uses reduction='{reduction}', but the GGN "
+            "computations and the "
             "diagnostics assume reduction='mean' (steps and per-sample quantities "
             f"would be off by the batch size). Use {type(loss).__name__}"
             "(reduction='mean')."
@@ -111,7 +112,7 @@ def check_loss_shapes(loss: _Loss, outputs: Tensor | None, targets: Tensor | Non
             f"and targets of shape {tuple(targets.shape)}, but the GGN needs both of "
             "shape (N, C) (C outputs per sample, each a binary label). For one "
             "output per sample, use (N, 1): a final nn.Linear(..., 1) without a "
-            "squeeze, and targets.float().view(-1, 1)."
+            "squeeze, and targets.float().view(-1, 1)." + _flatten_advice(outputs)
         )
     if not isinstance(loss, MSELoss):
         return
@@ -120,8 +121,19 @@ def check_loss_shapes(loss: _Loss, outputs: Tensor | None, targets: Tensor | Non
             f"MSELoss got model outputs of shape {tuple(outputs.shape)} and targets "
             f"of shape {tuple(targets.shape)}, but BackPACK's GGN needs both of "
             "shape (N, D). For one output per sample, use (N, 1): e.g. a final "
-            "nn.Linear(..., 1) and targets.view(-1, 1)."
+            "nn.Linear(..., 1) and targets.view(-1, 1)." + _flatten_advice(outputs)
         )
+
+
+def _flatten_advice(outputs: Tensor) -> str:
+    """For outputs of more than two dimensions: flatten them inside the model."""
+    if outputs.dim() <= 2:
+        return ""
+    return (
+        " For outputs of several dimensions per sample (an image, a mask), end the "
+        "model with nn.Flatten() and flatten the targets alike: "
+        "loss_fn(model(inputs), targets.flatten(1))."
+    )
 
 
 def targets_error(invalid: int, deferred: DeferredChecks) -> ValueError:

@@ -140,6 +140,40 @@ def test_binary_cross_entropy_of_other_shapes_is_refused_with_the_fix(outputs, t
         optimizer.step(closure)
 
 
+@pytest.mark.parametrize(
+    "loss_fn", [nn.MSELoss(), nn.BCEWithLogitsLoss()], ids=["mse", "bce"]
+)
+def test_outputs_of_several_dimensions_are_refused_with_the_flatten_fix(loss_fn):
+    """An image-to-image model (an autoencoder, a mask): the advice is nn.Flatten()."""
+    inputs = torch.randn(4, 1, 5, 5, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.Conv2d(2, 1, 1))
+    model, loss_fn = extend(conv), extend(loss_fn)
+    targets = (inputs > 0).to(inputs.dtype)
+    optimizer = DampedNewton(model.parameters())
+    closure = make_closure(optimizer, model, loss_fn, inputs, targets)
+    with pytest.raises(ValueError, match=r"end the model with nn\.Flatten\(\)"):
+        optimizer.step(closure)
+    # The advice works.
+    flattened = extend(nn.Sequential(*conv, nn.Flatten()))
+    optimizer = DampedNewton(flattened.parameters())
+    closure = make_closure(optimizer, flattened, loss_fn, inputs, targets.flatten(1))
+    first = optimizer.step(closure)
+    for _ in range(5):
+        last = optimizer.step(closure)
+    assert last < first
+
+
+def test_the_reduction_refusal_names_the_loss_without_its_repr():
+    """The message names the class: torch's repr omits the reduction."""
+    case = build_case(MLP_CE)
+    loss_fn = extend(nn.CrossEntropyLoss(reduction="sum"))
+    optimizer = DampedNewton(case.model.parameters())
+    closure = make_closure(optimizer, case.model, loss_fn, case.X, case.y)
+    with pytest.raises(ValueError, match=r"^CrossEntropyLoss uses reduction='sum'"):
+        optimizer.step(closure)
+
+
 @pytest.mark.parametrize("basis", ["kronecker", "gram"])
 @pytest.mark.parametrize("step", [0, 2], ids=["refresh", "between"])
 def test_a_closure_returning_several_losses_is_refused(basis, step):
