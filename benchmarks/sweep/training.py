@@ -173,8 +173,14 @@ def _step(
         return loss
 
     if needs.closure:
-        # torch's stub types closures as returning float; they may return the loss.
-        optimizer.step(closure)  # type: ignore[arg-type]
+        try:
+            # torch's stub types closures as returning float; they may return it.
+            optimizer.step(closure)  # type: ignore[arg-type]
+        except FloatingPointError:
+            # DampedNewton refuses a non-finite loss or step (nonfinite="raise"),
+            # parameters unchanged: the run diverged, as another optimizer's whose
+            # loss turns NaN (on every rank: the ranks agree on the refusal).
+            return math.nan
     else:
         closure()
         optimizer.step()
@@ -193,11 +199,11 @@ def train(
     """Train for the problem's step budget, evaluating on its schedule.
 
     The run counts as diverged (``log.divergence`` says why) when a mini-batch or
-    evaluated loss is NaN or infinite, or an evaluated train loss exceeds
-    ``protocol.blowup_factor`` times the one at step 0 (both stop training), or, for
-    ``metric: accuracy``, the final test accuracy is at most
-    :meth:`~benchmarks.problems.problems.Protocol.chance_threshold` (chance level plus a
-    margin).
+    evaluated loss is NaN or infinite (or DampedNewton refused a non-finite step),
+    or an evaluated train loss exceeds ``protocol.blowup_factor`` times the one at
+    step 0 (both stop training), or, for ``metric: accuracy``, the final test
+    accuracy is at most :meth:`~benchmarks.problems.problems.Protocol.chance_threshold`
+    (chance level plus a margin).
 
     Args:
         problem: The problem, with model and loss already extended if needed.
@@ -299,7 +305,7 @@ def train(
         elapsed += seconds
         log.step_times.append(seconds)
         if not math.isfinite(loss):
-            log.divergence = f"non-finite mini-batch loss at step {step}"
+            log.divergence = f"non-finite mini-batch loss or step at step {step}"
         elif step % protocol.eval_every == 0 or step == protocol.steps:
             log.divergence = record(step)
         if checkpointing and checkpointing.due(step) and step < protocol.steps:

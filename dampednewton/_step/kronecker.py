@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Generator, Tensor
 
+from dampednewton._step.active_monitor import ActiveMonitor, with_monitor
 from dampednewton._step.closure import failure_shared, run_closure
 from dampednewton._step.guard import (
     STACKLEVEL_OF_CALLER,
@@ -70,7 +71,6 @@ from dampednewton._step.kronecker_state import (
 from dampednewton._step.options import GroupOptions, SharedOptions
 from dampednewton._step.quadratic_model import trust_region_scale_on_host
 from dampednewton._step.records import REFRESH_DUE, REFRESH_LOSS
-from dampednewton._step.step_pass import with_monitor
 from dampednewton._step.update import update_parameters
 from dampednewton.backpack.extensions import (
     ExactSqrtGGN,
@@ -82,7 +82,6 @@ from dampednewton.backpack.kronecker_hook import FactorCollector
 from dampednewton.backpack.layers import use_structured_sqrt_ggn
 from dampednewton.backpack.loss_checks import DeferredChecks
 from dampednewton.backpack.savefields import sqrt_ggn_savefield
-from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
 from dampednewton.policies.basis import KroneckerBasis
 
@@ -122,7 +121,7 @@ class KroneckerSteps:
         *,
         step: int,
         generator: Generator | None,
-        monitor: DiagnosticsMonitor | None,
+        monitor: ActiveMonitor | None,
         communicator: Communicator | None,
         nonfinite: str,
         modules: ExtendedModules,
@@ -165,7 +164,7 @@ class KroneckerSteps:
             )
             extensions, hooks = [sqrt_ggn], [collector.hook]
         if monitor is not None:
-            extensions, hooks = with_monitor(extensions, hooks, monitor, step, None)
+            extensions, hooks = with_monitor(extensions, hooks, monitor, None)
         with GeneratorSnapshot(generator if collector is not None else None) as saved:
             with failure_shared(communicator):
                 loss = run_closure(
@@ -235,7 +234,7 @@ class KroneckerSteps:
                 global_state["skipped_steps"] += 1
                 count = len(groups)
                 return KroneckerPass(loss, [None] * count, [1.0] * count, None, False)
-            record = None if monitor is None else monitor.finish(step, params, loss)
+            record = None if monitor is None else monitor.finish(params, loss)
         if not values["loss_unscaled"]:
             warnings.warn(
                 modified_loss_warning(deferred.loss_name, len(deferred.loss_weights)),

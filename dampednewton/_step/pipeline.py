@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Generator, Tensor
 
+from dampednewton._step.active_monitor import ActiveMonitor
 from dampednewton._step.adaptation import adapt, claim, distinct_adaptive
 from dampednewton._step.amortized import (
     gradient_vector,
@@ -114,9 +115,8 @@ class Pipeline:
         if self.dtypes.follow(groups, state, records.get(GROUPS, ())):
             self.clear()  # the model changed dtype: its state was converted
         step_index = records[GLOBAL]["step"]
-        active = (
-            monitor if monitor is not None and monitor.is_active(step_index) else None
-        )
+        calls = step_index + records[GLOBAL].get("skipped_steps", 0)
+        active = ActiveMonitor.at(monitor, calls)
         # Between refreshes the Gram basis steps along its frozen bases (the lean
         # path, or with a monitor or data parallelism the general one); the damping
         # adapts on refreshes only, so that neither changes the trajectory.
@@ -165,7 +165,7 @@ class Pipeline:
         shared: SharedOptions,
         state: State,
         records: Records,
-        active: DiagnosticsMonitor | None,
+        active: ActiveMonitor | None,
         adapts: bool,
     ) -> Tensor:
         """A step with a BackPACK pass (refreshes and un-averaged groups).
@@ -211,7 +211,7 @@ class Pipeline:
             record = None
             if active is not None:
                 params = [p for group in groups for p in group["params"]]
-                record = active.finish(step_index, params, loss)
+                record = active.finish(params, loss)
         results = [
             settled(result, group)
             for result, group in zip(results, status.groups, strict=True)
@@ -252,7 +252,7 @@ class Pipeline:
         shared: SharedOptions,
         state: State,
         records: Records,
-        monitor: DiagnosticsMonitor | None,
+        monitor: ActiveMonitor | None,
     ) -> Tensor:
         """A step of Kronecker-basis groups (:mod:`._step.kronecker`)."""
         step_index = records[GLOBAL]["step"]

@@ -3,7 +3,8 @@
 :class:`StepPass` keeps the step's :class:`~dampednewton.computations.engine.GGNEngine`
 (finishing blocks with :class:`~dampednewton._step.group_step.StepFinisher`) and its
 BackPACK extensions while the settings that shape them hold, adds the diagnostics
-monitor's extensions and hook to the same pass (:func:`with_monitor`), and runs the
+monitor's extensions and hook to the same pass (:func:`.active_monitor.with_monitor`),
+and runs the
 closure inside that pass (:func:`~dampednewton.backpack.passes.backward_pass`) under
 the one-backward check (:func:`run_closure`).
 """
@@ -18,6 +19,7 @@ import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
+from dampednewton._step.active_monitor import ActiveMonitor, with_monitor
 from dampednewton._step.amortized import FrozenBases, frozen_group_step, trust_bound
 from dampednewton._step.averaged_step import averaged_step
 from dampednewton._step.closure import failure_shared, run_closure
@@ -34,9 +36,7 @@ from dampednewton.backpack.global_batch import GlobalBatch
 from dampednewton.backpack.hooks import ExtendedModules
 from dampednewton.backpack.loss_checks import DeferredChecks
 from dampednewton.backpack.passes import Hook
-from dampednewton.backpack.savefields import GRAD_BATCH
 from dampednewton.computations.engine import GGNEngine, GGNSettings
-from dampednewton.diagnostics import DiagnosticsMonitor
 from dampednewton.distributed import Communicator
 from dampednewton.policies.damping import needs_sample_statistics
 
@@ -84,7 +84,7 @@ class StepPass:
         stats: Sequence[dict[str, Any]] | None,
         *,
         generator: Generator | None,
-        monitor: DiagnosticsMonitor | None,
+        monitor: ActiveMonitor | None,
         step: int,
         communicator: Communicator | None = None,
         refresh: bool = False,
@@ -143,7 +143,7 @@ class StepPass:
             ]
         if monitor is not None:
             extensions, hooks = with_monitor(
-                extensions, hooks, monitor, step, shared.subsampling_grad
+                extensions, hooks, monitor, shared.subsampling_grad
             )
         params = [p for block in blocks for p in block.params]
         deferred = DeferredChecks()
@@ -244,44 +244,6 @@ class StepPass:
         _, engine, finisher, extensions = self._cached
         finisher.reset()
         return engine, finisher, extensions
-
-
-def with_monitor(
-    extensions: list,
-    hooks: list[Hook],
-    monitor: DiagnosticsMonitor,
-    step: int,
-    subsampling_grad: Sequence[int] | None,
-) -> tuple[list, list[Hook]]:
-    """Add the monitor's extensions and hook (first) to the step's backward pass.
-
-    The monitor's individual gradients replace the structured ones of the step
-    (which skip linear layers).
-
-    Args:
-        extensions: The step's extensions.
-        hooks: The step's hooks (none: no refresh this step).
-        monitor: The diagnostics monitor, active at ``step``.
-        step: The step's index.
-        subsampling_grad: The step's sub-sampling of the gradients.
-
-    Returns:
-        The merged extensions and hooks.
-
-    Raises:
-        ValueError: For histograms with sub-sampled gradients.
-    """
-    merged = {extension.savefield: extension for extension in extensions}
-    for extension in monitor.extensions(step):
-        if extension.savefield == GRAD_BATCH and GRAD_BATCH in merged:
-            if subsampling_grad is not None:
-                raise ValueError(
-                    "Diagnostics with individual gradients (histograms) need "
-                    "subsampling_grad=None."
-                )
-            merged[GRAD_BATCH] = IndividualGradients()
-        merged.setdefault(extension.savefield, extension)
-    return list(merged.values()), [monitor.module_hook(step), *hooks]
 
 
 def _result(engine: StepEngine | None, block: StepBlock) -> GroupStep | None:

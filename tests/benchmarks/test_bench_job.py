@@ -163,6 +163,29 @@ def test_non_finite_loss_is_diverged(compose_config, tmp_path):
     assert result["steps_taken"] < 30
 
 
+def test_a_non_finite_step_refused_by_dampednewton_is_diverged(
+    compose_config, tmp_path
+):
+    """DampedNewton raises on a non-finite loss or step: a result, not a failure."""
+    summary, result = _job(
+        compose_config,
+        tmp_path,
+        [
+            "problem=digits_mlp",
+            "problem.steps=60",
+            "problem.eval_every=1000",
+            "optimizer=dampednewton",
+            "optimizer.lr=1e4",
+            "optimizer.kl_clip=null",
+            "optimizer.damping=1e-8",
+            "optimizer.momentum=0.9",
+        ],
+    )
+    assert result["status"] == "diverged" and summary.status == "diverged"
+    assert result["divergence"].startswith("non-finite mini-batch loss or step")
+    assert result["curves"]["step"][0] == 0 and result["steps_taken"] < 60
+
+
 def test_chance_threshold_is_a_fraction_of_the_gap_to_one():
     protocol = Protocol("accuracy", (), 1, 1, 1, chance_margin=0.15)
     assert protocol.chance_threshold(10) == pytest.approx(0.1 + 0.15 * 0.9)

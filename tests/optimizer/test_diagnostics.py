@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dampednewton import DampedNewton, NoiseAwareDamping
+from dampednewton import DampedNewton, GramBasis, KroneckerBasis, NoiseAwareDamping
 from dampednewton.diagnostics import (
     GSNR,
     CurvatureTrace,
@@ -113,3 +113,30 @@ def test_histograms_need_full_batch_gradients():
         optimizer.step(
             make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
         )
+
+
+@pytest.mark.parametrize("basis", [KroneckerBasis(), GramBasis()], ids=repr)
+@pytest.mark.filterwarnings("ignore:1 of the 12 GGN eigenvalues")
+def test_records_count_step_calls_also_after_a_skipped_step(basis):
+    """A record's step is the training loop's counter (Lightning's global_step).
+
+    With nonfinite="skip" a refused batch advances the loop, not the optimizer's
+    steps taken; the monitor's records (and its schedule) follow the loop.
+    """
+    case = build_case(PROBLEMS[0])
+    monitor = DiagnosticsMonitor([GSNR()], case.model.named_parameters())
+    optimizer = DampedNewton(
+        case.model.parameters(), basis=basis, nonfinite="skip", monitor=monitor
+    )
+    poisoned = case.X.clone()
+    poisoned[0, 0] = float("nan")
+    for step in range(6):
+        inputs = poisoned if step == 3 else case.X
+        closure = make_closure(optimizer, case.model, case.loss_fn, inputs, case.y)
+        if step == 3:
+            with pytest.warns(RuntimeWarning, match="refused the update"):
+                optimizer.step(closure)
+        else:
+            optimizer.step(closure)
+    assert optimizer.records["global"]["step"] == 5
+    assert [record["step"] for record in monitor.log] == [0, 1, 2, 4, 5]

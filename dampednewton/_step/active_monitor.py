@@ -1,0 +1,79 @@
+"""The diagnostics monitor of a step: its extensions and hook in the step's pass.
+
+A record's ``"step"`` counts the optimizer's ``step`` calls, skipped ones included
+(``nonfinite="skip"``), as a training loop's counter and Lightning's
+``trainer.global_step`` do; the curvature refresh schedules count the steps taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from dampednewton.backpack.extensions import IndividualGradients
+from dampednewton.backpack.passes import Hook
+from dampednewton.backpack.savefields import GRAD_BATCH
+from dampednewton.diagnostics import DiagnosticsMonitor
+from dampednewton.diagnostics.log import Record
+
+
+@dataclass(frozen=True)
+class ActiveMonitor:
+    """A diagnostics monitor scheduled at this step, and the step its record carries.
+
+    Attributes:
+        monitor: The monitor.
+        step: The record's step: the optimizer's step calls so far.
+    """
+
+    monitor: DiagnosticsMonitor
+    step: int
+
+    @staticmethod
+    def at(monitor: DiagnosticsMonitor | None, calls: int) -> ActiveMonitor | None:
+        """The monitor if it is scheduled at step ``calls``, else ``None``."""
+        if monitor is None or not monitor.is_active(calls):
+            return None
+        return ActiveMonitor(monitor, calls)
+
+    def finish(self, params: Iterable[Tensor], loss: Tensor) -> Record:
+        """Assemble and log the step's record (:meth:`DiagnosticsMonitor.finish`)."""
+        return self.monitor.finish(self.step, params, loss)
+
+
+def with_monitor(
+    extensions: list,
+    hooks: list[Hook],
+    active: ActiveMonitor,
+    subsampling_grad: Sequence[int] | None,
+) -> tuple[list, list[Hook]]:
+    """Add the monitor's extensions and hook (first) to the step's backward pass.
+
+    The monitor's individual gradients replace the structured ones of the step
+    (which skip linear layers).
+
+    Args:
+        extensions: The step's extensions.
+        hooks: The step's hooks (none: no refresh this step).
+        active: The diagnostics monitor active this step.
+        subsampling_grad: The step's sub-sampling of the gradients.
+
+    Returns:
+        The merged extensions and hooks.
+
+    Raises:
+        ValueError: For histograms with sub-sampled gradients.
+    """
+    merged = {extension.savefield: extension for extension in extensions}
+    for extension in active.monitor.extensions(active.step):
+        if extension.savefield == GRAD_BATCH and GRAD_BATCH in merged:
+            if subsampling_grad is not None:
+                raise ValueError(
+                    "Diagnostics with individual gradients (histograms) need "
+                    "subsampling_grad=None."
+                )
+            merged[GRAD_BATCH] = IndividualGradients()
+        merged.setdefault(extension.savefield, extension)
+    return list(merged.values()), [active.monitor.module_hook(active.step), *hooks]
