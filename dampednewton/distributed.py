@@ -34,7 +34,36 @@ from torch import Tensor
 # Status of a rank's backward pass, all-gathered with the loss and batch size.
 PASS_OK = 0.0
 PASS_FAILED = 1.0
+PASS_RETURNED_NONE = 2.0  # the closure returned None: a skipped batch
 UNKNOWN_BATCH_SIZE = -1
+
+
+def world_initialized() -> bool:
+    """Whether ``torch.distributed`` is available and initialized."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def check_created_after_init(before_init: bool) -> None:
+    """Refuse to step alone an optimizer made before ``init_process_group``.
+
+    Its default process group (``None``: the world group when initialized) was
+    resolved when it was created, to a single process; stepping each rank on its
+    own batch would let the replicas drift apart silently.
+
+    Args:
+        before_init: Whether it was created with the default group before
+            ``torch.distributed`` was initialized.
+
+    Raises:
+        RuntimeError: If ``torch.distributed`` now runs several processes.
+    """
+    if before_init and world_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "DampedNewton was created before torch.distributed.init_process_group, "
+            "so it would step each rank on its own batch (the replicas drift apart). "
+            "Create it after init_process_group: it then takes the global batch's "
+            "step on every rank."
+        )
 
 
 def resolve_process_group(process_group: Any) -> Communicator | None:
@@ -51,7 +80,7 @@ def resolve_process_group(process_group: Any) -> Communicator | None:
         TypeError: For anything but ``None`` or a process group.
     """
     if process_group is None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not world_initialized():
             return None
         process_group = dist.group.WORLD
     elif not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
@@ -72,11 +101,13 @@ class PassAgreement:
     Attributes:
         mean_loss: Mean of the ranks' losses (NaN if one is not finite).
         failed_ranks: Ranks whose backward pass raised.
+        none_ranks: Ranks whose closure returned ``None`` (a skipped batch).
         world_size: Number of ranks.
     """
 
     mean_loss: float
     failed_ranks: tuple[int, ...]
+    none_ranks: tuple[int, ...]
     world_size: int
 
 
@@ -149,7 +180,13 @@ class Communicator:
         return torch.cat(parts, dim=dim)
 
     def agree_on_pass(
-        self, loss: float, batch_size: int, failed: bool, *, check_sizes: bool
+        self,
+        loss: float,
+        batch_size: int,
+        failed: bool,
+        *,
+        check_sizes: bool,
+        returned_none: bool = False,
     ) -> PassAgreement:
         """All-gather the ranks' losses, batch sizes and failures of one pass.
 
@@ -160,6 +197,7 @@ class Communicator:
             failed: Whether its backward pass raised.
             check_sizes: Refuse unequal local batch sizes (when buffers will be
                 gathered).
+            returned_none: Whether its closure returned ``None`` (a skipped batch).
 
         Returns:
             The agreement.
@@ -167,13 +205,17 @@ class Communicator:
         Raises:
             ValueError: For unequal local batch sizes with ``check_sizes``.
         """
-        local = torch.tensor(
-            [loss, float(batch_size), PASS_FAILED if failed else PASS_OK],
-            dtype=torch.float64,
+        status = (
+            PASS_FAILED if failed else PASS_RETURNED_NONE if returned_none else PASS_OK
         )
+        local = torch.tensor([loss, float(batch_size), status], dtype=torch.float64)
         table = self.gather_samples(local.unsqueeze(0), dim=0)
+        statuses = table[:, 2].tolist()
         failed_ranks = tuple(
-            rank for rank in range(self.world_size) if table[rank, 2] != PASS_OK
+            rank for rank, value in enumerate(statuses) if value == PASS_FAILED
+        )
+        none_ranks = tuple(
+            rank for rank, value in enumerate(statuses) if value == PASS_RETURNED_NONE
         )
         self._nonfinite_loss_ranks = tuple(
             rank
@@ -181,7 +223,11 @@ class Communicator:
             if not math.isfinite(local_loss) and rank not in failed_ranks
         )
         sizes = {int(size) for size in table[:, 1].tolist()}
-        if check_sizes and not failed_ranks and len(sizes - {UNKNOWN_BATCH_SIZE}) > 1:
+        if (
+            check_sizes
+            and not (failed_ranks or none_ranks)
+            and len(sizes - {UNKNOWN_BATCH_SIZE}) > 1
+        ):
             raise ValueError(
                 "DampedNewton under torch.distributed needs the same local batch size "
                 f"on every rank (got {table[:, 1].long().tolist()} by rank): the mean "
@@ -192,10 +238,11 @@ class Communicator:
         return PassAgreement(
             mean_loss=float(table[:, 0].mean()),
             failed_ranks=failed_ranks,
+            none_ranks=none_ranks,
             world_size=self.world_size,
         )
 
-    def mean_loss_of_pass(self, loss: Any, batch_size: int | None) -> Tensor:
+    def mean_loss_of_pass(self, loss: Any, batch_size: int | None) -> Tensor | None:
         """The ranks' mean loss, once every rank's backward pass ended.
 
         Args:
@@ -205,19 +252,30 @@ class Communicator:
                 pass ran (then buffers are not gathered and sizes not checked).
 
         Returns:
-            The mean loss (NaN if one rank's loss is not finite).
+            The mean loss (NaN if one rank's loss is not finite); ``None`` when the
+            closure returned ``None`` on every rank (the batch is skipped).
 
         Raises:
             TypeError: If the closure did not return a tensor.
-            RuntimeError: If another rank's backward pass raised.
+            RuntimeError: If another rank's backward pass raised, or the closure
+                returned ``None`` on some ranks only.
         """
         is_tensor = isinstance(loss, Tensor)
         agreement = self.agree_on_pass(
             loss.detach().item() if is_tensor else math.nan,
             UNKNOWN_BATCH_SIZE if batch_size is None else batch_size,
-            failed=not is_tensor,
+            failed=not is_tensor and loss is not None,
             check_sizes=batch_size is not None,
+            returned_none=loss is None,
         )
+        if agreement.none_ranks and not agreement.failed_ranks:
+            if len(agreement.none_ranks) == self.world_size:
+                return None
+            raise RuntimeError(
+                "DampedNewton refused the step: the closure returned None (a skipped "
+                f"batch) on rank(s) {list(agreement.none_ranks)} only; every rank "
+                "must skip the same batches. Parameters unchanged on every rank."
+            )
         if not is_tensor:
             raise TypeError(
                 f"The closure must return the loss tensor, got {type(loss).__name__}."

@@ -34,6 +34,7 @@ from dampednewton._step.unpicklable import mark_unpicklable
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.backpack.seeding import SeededGenerator
 from dampednewton.diagnostics import DiagnosticsMonitor
+from dampednewton.distributed import world_initialized
 from dampednewton.policies.basis import Basis, KroneckerBasis
 from dampednewton.policies.checks import check_subsampling
 from dampednewton.policies.complement import ComplementPolicy
@@ -215,7 +216,12 @@ class DampedNewton(Optimizer):
         seeded = SeededGenerator(seed)
         if communicator is not None and seed is None:
             seeded.seed = communicator.broadcast_seed(seeded.seed)
-        self._pipeline = Pipeline(check_nonfinite(nonfinite), communicator, seeded)
+        self._pipeline = Pipeline(
+            check_nonfinite(nonfinite),
+            communicator,
+            seeded,
+            before_init=process_group is None and not world_initialized(),
+        )
         self.records = {GLOBAL: {"step": 0, "skipped_steps": 0}}
         self._constructing = True  # where add_param_group's warnings point
         super().__init__(params, defaults)
@@ -378,7 +384,9 @@ class DampedNewton(Optimizer):
         seeded = SeededGenerator(pipeline["generator"]["seed"])
         seeded.load_state_dict(pipeline["generator"], self._device())
         communicator = check_process_group(None, self.monitor)
-        self._pipeline = Pipeline(pipeline["nonfinite"], communicator, seeded)
+        self._pipeline = Pipeline(
+            pipeline["nonfinite"], communicator, seeded, not world_initialized()
+        )
 
     def _device(self) -> torch.device:
         return self.param_groups[0]["params"][0].device

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from dampednewton._step.group_result import GroupStep
-from dampednewton._step.records import BASIS, FROZEN
+from dampednewton._step.options import GroupOptions
+from dampednewton._step.records import BASIS, FROZEN, GLOBAL, GROUPS, REFRESH_DUE
 from dampednewton.math.frozen_basis import (
     BasisStep,
     FrozenBasis,
@@ -153,4 +154,28 @@ def frozen_group_step(
         batch_curvature=guarded_curvature(result, frozen, bound),
         selected=kept,
         complement_curvature=frozen.inverse_complement.reciprocal(),
+    )
+
+
+def between_refreshes(
+    options: Sequence[GroupOptions], records: Mapping[str, Any], step: int
+) -> bool:
+    """Whether every group steps along its frozen basis (no refresh is due).
+
+    Args:
+        options: Every group's options.
+        records: The optimizer's records (counters, group statistics).
+        step: The step's index.
+
+    Returns:
+        ``True`` when no group refreshes its averaged curvature at ``step``.
+    """
+    stats = records.get(GROUPS)
+    if not stats or records[GLOBAL].get(REFRESH_DUE, False):
+        return False
+    return all(
+        option.averaging is not None
+        and FROZEN in group
+        and not option.averaging.refreshes(step, group["curvature_updates"])
+        for option, group in zip(options, stats, strict=True)
     )

@@ -54,7 +54,8 @@ def run_closure(
             options and targets, as the extensions do in a pass with them).
         accumulation: Whether several backward passes (micro-batches) may run.
         deferred: Where a pass without extensions leaves the targets' check for
-            the step's host read (``None``: check at once).
+            the step's host read (``None``: check at once); every pass counts the
+            loss modules' samples into it (its ``local_samples``).
 
     Returns:
         What the closure returned.
@@ -89,7 +90,7 @@ def run_closure(
         else:
             with (
                 backward_pass(extensions, [*hooks, check.module_hook]),
-                recording(modules),
+                recording(modules, deferred),
             ):
                 loss = closure()
     # A closure that returns None without a backward pass skips its batch.
@@ -102,9 +103,18 @@ def run_closure(
     return loss
 
 
-def recording(modules: ExtendedModules | None) -> AbstractContextManager:
-    """``modules.recording()``, or nothing to record into."""
-    return nullcontext() if modules is None else modules.recording()
+def recording(
+    modules: ExtendedModules | None, deferred: DeferredChecks | None
+) -> AbstractContextManager:
+    """``modules.recording()`` counting the loss modules' samples into ``deferred``."""
+    if modules is None:
+        return nullcontext()
+
+    def count(module: Module, inputs: tuple) -> None:
+        if deferred is not None and inputs and isinstance(inputs[0], Tensor):
+            deferred.local_samples += inputs[0].shape[0]
+
+    return modules.recording(count)
 
 
 @contextmanager

@@ -129,11 +129,14 @@ class ClosureReturnedNone(TypeError):
     """
 
 
-def check_loss_type(loss: object) -> None:
+def check_loss_type(loss: object) -> Tensor:
     """Refuse a closure that did not return the loss tensor.
 
     Args:
         loss: What the closure returned.
+
+    Returns:
+        The loss.
 
     Raises:
         TypeError: If it is not a tensor.
@@ -153,6 +156,7 @@ def check_loss_type(loss: object) -> None:
             "The closure must return the mean loss, a tensor of one number, got "
             f"shape {tuple(loss.shape)}: use the loss function's reduction='mean'."
         )
+    return loss
 
 
 def refuse(

@@ -20,6 +20,7 @@ from torch import Generator, Tensor
 from dampednewton._step.active_monitor import ActiveMonitor
 from dampednewton._step.adaptation import adapt, claim, distinct_adaptive
 from dampednewton._step.amortized import (
+    between_refreshes,
     gradient_vector,
     record_step_lengths,
     stored_frozen,
@@ -44,7 +45,6 @@ from dampednewton._step.options import (
     loss_tolerance,
 )
 from dampednewton._step.records import (
-    FROZEN,
     GLOBAL,
     GROUPS,
     REFRESH_DUE,
@@ -61,7 +61,7 @@ from dampednewton.backpack.extensions import modified_loss_warning
 from dampednewton.backpack.loss_checks import DeferredChecks, targets_error
 from dampednewton.backpack.seeding import SeededGenerator
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.distributed import Communicator
+from dampednewton.distributed import Communicator, check_created_after_init
 from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_host
 
 State = dict[Any, Any]
@@ -76,12 +76,20 @@ class Pipeline:
         nonfinite: ``'raise'`` or ``'skip'`` (validated).
         communicator: Data parallelism, or ``None`` for one process.
         seeded: The optimizer's Monte-Carlo generator.
+        before_init: Created with the default process group before
+            ``torch.distributed`` was initialized (a step under several processes
+            is refused).
     """
 
     def __init__(
-        self, nonfinite: str, communicator: Communicator | None, seeded: SeededGenerator
+        self,
+        nonfinite: str,
+        communicator: Communicator | None,
+        seeded: SeededGenerator,
+        before_init: bool = False,
     ) -> None:
         self.nonfinite = nonfinite
+        self.before_init = before_init
         self.communicator = communicator
         self.seeded = seeded
         self.step_pass = StepPass()
@@ -110,6 +118,7 @@ class Pipeline:
         statistics (:mod:`._step.records`). A step that raises leaves parameters,
         state, records and generator as they were (:class:`.guard.StepRollback`).
         """
+        check_created_after_init(self.before_init)
         options, shared = self.validated.get(groups)
         check_basis_unchanged(records.get(GROUPS, ()), shared.kronecker)
         if self.dtypes.follow(groups, state, records.get(GROUPS, ())):
@@ -120,7 +129,7 @@ class Pipeline:
         # Between refreshes the Gram basis steps along its frozen bases (the lean
         # path, or with a monitor or data parallelism the general one); the damping
         # adapts on refreshes only, so that neither changes the trajectory.
-        between = not shared.kronecker and self._between_refreshes(
+        between = not shared.kronecker and between_refreshes(
             options, records, step_index
         )
         lean = between and active is None and self.communicator is None
@@ -149,10 +158,8 @@ class Pipeline:
             if rollback.restore(records[GLOBAL]["step"]):
                 self.clear()
             params = (p for group in groups for p in group["params"])
-            if (
-                isinstance(error, ClosureReturnedNone)
-                and self.communicator is None
-                and all(p.grad is None for p in params)
+            if isinstance(error, ClosureReturnedNone) and all(
+                p.grad is None for p in params
             ):
                 return None  # a skipped batch: nothing back-propagated, nothing moves
             raise
@@ -188,11 +195,15 @@ class Pipeline:
                 communicator=self.communicator,
                 refresh=records[GLOBAL].get(REFRESH_DUE, False),
             )
-            loss, results = passed.loss, passed.results
-            check_loss_type(loss)
+            loss, results = check_loss_type(passed.loss), passed.results
             thresholds = [option.warn_small_eigvals for option in options]
             status = read_status(loss, results, thresholds, passed.deferred)
-            status.check_inputs(results, passed.deferred)
+            try:
+                status.check_inputs(results, passed.deferred)
+            except ValueError as error:  # the other ranks refuse the step too
+                if self.communicator is not None:
+                    self.communicator.refusal(str(error))
+                raise
             if not status.loss_unscaled:
                 warnings.warn(
                     modified_loss_warning(
@@ -316,20 +327,6 @@ class Pipeline:
             return self.seeded.for_rank(device, rank, records[GLOBAL]["step"])
         return self.seeded.get(device)
 
-    def _between_refreshes(
-        self, options: Sequence[GroupOptions], records: Records, step: int
-    ) -> bool:
-        """Whether every group steps along its frozen basis (no refresh is due)."""
-        stats = records.get(GROUPS)
-        if not stats or records[GLOBAL].get(REFRESH_DUE, False):
-            return False
-        return all(
-            option.averaging is not None
-            and FROZEN in group
-            and not option.averaging.refreshes(step, group["curvature_updates"])
-            for option, group in zip(options, stats, strict=True)
-        )
-
     def _frozen_step(
         self,
         closure: Callable[[], Tensor],
@@ -354,7 +351,7 @@ class Pipeline:
             for index, group in enumerate(groups):
                 basis = self.step_pass.bases.get(index, state, group["params"])
                 frozen = stored_frozen(records[GROUPS][index])
-                assert frozen is not None  # checked by _between_refreshes
+                assert frozen is not None  # checked by between_refreshes
                 gradient = gradient_vector(group["params"], basis)
                 steps.append(frozen_basis_step(basis, gradient, frozen))
                 frozens.append(frozen)

@@ -47,14 +47,15 @@ class PassResult(NamedTuple):
     """What :meth:`StepPass.run` gives the step.
 
     Attributes:
-        loss: The closure's loss (under data parallelism: the ranks' mean).
+        loss: The closure's loss (under data parallelism: the ranks' mean; ``None``
+            when the closure returned ``None`` on every rank).
         results: Every group's step (``None``: no trainable parameter).
         solved: Whether every group's eigensolver succeeded.
         deferred: The checks that the BackPACK hooks left for the step to read (its
             other checks are in the steps).
     """
 
-    loss: Tensor
+    loss: Tensor | None
     results: list[GroupStep | None]
     solved: bool
     deferred: DeferredChecks
@@ -160,13 +161,17 @@ class StepPass:
                 hooks,
                 self.extended_modules,
                 accumulation=monitor is None,
+                deferred=deferred,
             )
         if communicator is not None:
-            if deferred.model_output_finite is not None:
-                loss = loss.where(deferred.model_output_finite, math.nan)
-            loss = communicator.mean_loss_of_pass(
-                loss, None if engine is None else engine.batch_size
-            )
+            finite = deferred.model_output_finite
+            if finite is not None and isinstance(loss, Tensor):
+                loss = loss.where(finite, math.nan)
+            # Between refreshes the loss modules counted the samples.
+            samples = deferred.local_samples if engine is None else engine.batch_size
+            loss = communicator.mean_loss_of_pass(loss, samples or None)
+            if loss is None:  # every rank skips the batch
+                return PassResult(loss, [None] * len(blocks), True, deferred)
             if not torch.isfinite(loss):
                 return PassResult(loss, [None] * len(blocks), True, deferred)
             if engine is not None:

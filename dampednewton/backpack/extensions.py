@@ -52,8 +52,6 @@ def _run_translating_errors(
         check_loss_shapes(module, module_input(module), getattr(module, "input1", None))
         deferred = getattr(extension, "deferred_checks", None)
         check_targets(module, deferred)
-        if deferred is not None and isinstance(extension, SqrtGGNExact | SqrtGGNMC):
-            deferred.local_samples += module_input(module).shape[0]
     else:
         check_no_autocast(module)
         check_supported_configuration(module)

@@ -45,8 +45,14 @@ class ExtendedModules:
         return len(self._modules)
 
     @contextmanager
-    def recording(self) -> Iterator[None]:
+    def recording(
+        self, on_loss: Callable[[Module, tuple], None] | None = None
+    ) -> Iterator[None]:
         """Record every extended module that runs a forward pass inside the block.
+
+        Args:
+            on_loss: Called with each extended loss module and its inputs after its
+                forward pass.
 
         Yields:
             Nothing; run the closure inside.
@@ -57,6 +63,8 @@ class ExtendedModules:
                 self._modules.add(module)
                 if isinstance(module, _BatchNorm):
                     self.batch_norms.add(module)
+                elif on_loss is not None and isinstance(module, _Loss):
+                    on_loss(module, inputs)
 
         handle = torch.nn.modules.module.register_module_forward_hook(record)
         try:

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from dampednewton import CurvatureAveraging, KroneckerBasis, NoiseFilter
-from tests.distributed.workers import Job, assert_matches_reference, spawn
+from tests.distributed.spawning import spawn_ranks
+from tests.distributed.workers import (
+    EVERY_RANK,
+    Job,
+    assert_matches_reference,
+    run_created_before_init,
+    spawn,
+)
 
 KRONECKER = {
     "basis": KroneckerBasis(),
@@ -150,9 +159,39 @@ def test_a_closure_that_raises_on_one_rank_raises_on_every_rank(
 
 
 @pytest.mark.parametrize("step", [1, 2], ids=["refresh", "between"])
-def test_unequal_local_batches_are_refused_on_every_rank(step, tmp_path):
-    """The Kronecker basis averages factors and gradients: equal shares needed."""
-    job = Job(steps=3, fault_rank=1, fault_step=step, fault="short", options=KRONECKER)
+@pytest.mark.parametrize("options", [{}, KRONECKER], ids=["gram", "kronecker"])
+def test_unequal_local_batches_are_refused_on_every_rank(options, step, tmp_path):
+    """The global batch's mean gradient needs equal shares, between refreshes too."""
+    job = Job(steps=3, fault_rank=1, fault_step=step, fault="short", options=options)
     for rank in spawn(job, 2, tmp_path):
         assert "same local batch size" in rank["errors"][step]
         assert torch.equal(rank["history"][step], rank["history"][step - 1])
+
+
+@pytest.mark.parametrize("step", [1, 2], ids=["refresh", "between"])
+@pytest.mark.parametrize("options", [{}, KRONECKER], ids=["gram", "kronecker"])
+def test_a_batch_every_rank_skips_is_skipped_on_every_rank(options, step, tmp_path):
+    """Every closure returns None without a backward pass (Lightning's skip).
+
+    No rank steps, none raises, and training goes on in lock step.
+    """
+    job = Job(steps=4, options=options, fault_rank=EVERY_RANK, fault="skip")
+    job = dataclasses.replace(job, fault_step=step)
+    ranks = spawn(job, 2, tmp_path)
+    for rank in ranks:
+        assert rank["errors"] == [None] * 4
+        assert rank["losses"][step] is None
+        assert torch.equal(rank["history"][step], rank["history"][step - 1])
+        assert not torch.equal(rank["history"][-1], rank["history"][step])
+    assert torch.equal(ranks[0]["history"][-1], ranks[1]["history"][-1])
+
+
+@pytest.mark.parametrize("options", [{}, KRONECKER], ids=["gram", "kronecker"])
+def test_an_optimizer_created_before_init_process_group_refuses_to_step(
+    options, tmp_path
+):
+    """It resolved its default group to one process: each rank would step alone."""
+    job = Job(options=options)
+    for rank in spawn_ranks(run_created_before_init, job, 2, tmp_path):
+        assert "created before torch.distributed.init_process_group" in rank["error"]
+        assert rank["unchanged"]

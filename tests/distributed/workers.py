@@ -34,6 +34,8 @@ from tests.distributed.spawning import spawn_ranks
 
 LOCAL_BATCH = 4
 SEED = 0
+EVERY_RANK = -1
+"""``Job.fault_rank`` of a fault on every rank."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,10 @@ class Job:
             (gradient accumulation, each loss weighted by its share ``N_m/N``);
             empty: one backward pass.
         fault_rank: Rank whose closure goes wrong at step ``fault_step`` (``None``:
-            none): ``fault`` is ``'raise'`` (after its backward pass) or
-            ``'short'`` (a local batch one sample short).
+            none; :data:`EVERY_RANK`: all): ``fault`` is ``'raise'`` (after its
+            backward pass), ``'short'`` (a local batch one sample short) or
+            ``'skip'`` (the closure returns ``None`` without a backward pass, as
+            Lightning's skipped batch).
         fault_step: See ``fault_rank``.
         fault: See ``fault_rank``.
     """
@@ -263,12 +267,14 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
         inputs, labels = _local(job, world_size, rank, step)
         if job.resume_at is not None and step == job.resume_at:
             resumed = _resume(rank, job, out, model, optimizer)
-        faulty = rank == job.fault_rank and step == job.fault_step
+        faulty = job.fault_rank in (rank, EVERY_RANK) and step == job.fault_step
         if faulty and job.fault == "short":
             inputs, labels = inputs[1:], labels[1:]
         closure = _closure(stepped, optimizer, loss_fn, inputs, labels, job)
         if faulty and job.fault == "raise":
             closure = _raising_after(closure)
+        if faulty and job.fault == "skip":
+            closure = _skipping(optimizer)
         try:
             losses.append(optimizer.step(closure))
             errors.append(None)
@@ -292,6 +298,41 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
         "communication_bytes": sent,
         "errors": errors,
     }
+
+
+def _skipping(optimizer: DampedNewton) -> Callable[[], None]:
+    """A closure that skips its batch: gradients zeroed, no forward, ``None``."""
+
+    def skipping() -> None:
+        optimizer.zero_grad()
+
+    return skipping
+
+
+def run_created_before_init(
+    rank: int, world_size: int, init_file: str, out: str, job: Job
+) -> None:
+    """The optimizer created before ``init_process_group``: its first step's error."""
+    torch.set_num_threads(1)
+    model = make_model(job.model)
+    optimizer = make_optimizer(model, job.options)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    try:
+        inputs, labels = _local(job, world_size, rank, 0)
+        closure = _closure(model, optimizer, make_loss(job.model), inputs, labels, job)
+        before = _flat(model)
+        try:
+            optimizer.step(closure)
+            error = None
+        except RuntimeError as raised:
+            error = str(raised)
+        result = {"error": error, "unchanged": torch.equal(before, _flat(model))}
+        torch.save(result, os.path.join(out, f"{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _raising_after(closure: Callable[[], Tensor]) -> Callable[[], Tensor]:
