@@ -223,6 +223,13 @@ class BackwardCheck:
                 ", add a regularizer to the loss instead of back-propagating it "
                 "separately"
             )
+        if passes >= 1 and self._loss_backwards > passes:
+            return (
+                f"one backward pass started at {self._loss_backwards} losses (the "
+                "forward passes of several micro-batches before one backward pass), "
+                "whose curvature BackPACK cannot tell apart. Run one forward and one "
+                "backward pass per micro-batch, in turn (docs/accumulation.md)"
+            )
         if self._stale and bool(torch.stack(self._stale).any()):
             return (
                 "the parameters' .grad held values from before the closure's backward "

@@ -19,7 +19,7 @@ from backpack import extend
 from torch import nn
 from torch.func import functional_call
 
-from dampednewton import CurvatureAveraging, DampedNewton
+from dampednewton import CurvatureAveraging, DampedNewton, GramBasis, KroneckerBasis
 from tests.cases import LINEAR_MSE, PROBLEMS, Problem
 from tests.utils import (
     VIVIT_STEP,
@@ -153,6 +153,24 @@ def _forwards_before_backwards(
     return lambda: optimizer.step(forwards_first)
 
 
+def _forwards_then_one_backward(
+    case: Case, optimizer: DampedNewton
+) -> Callable[[], Any]:
+    """Both halves' forward passes, then one backward pass of their mean loss."""
+    half = len(case.X) // 2
+
+    def forwards_first():
+        optimizer.zero_grad()
+        loss = sum(
+            case.loss_fn(case.model(case.X[part]), case.y[part]) / 2
+            for part in (slice(None, half), slice(half, None))
+        )
+        loss.backward()
+        return loss
+
+    return lambda: optimizer.step(forwards_first)
+
+
 def _separate_regularizer(case: Case, optimizer: DampedNewton) -> Callable[[], Any]:
     """A second backward pass that never reached the loss module."""
 
@@ -206,6 +224,10 @@ DOUBLE_BACKWARD = (
     r".*retain_graph.*one forward and one backward pass per micro-batch.*def closure"
 )
 NOT_THROUGH_LOSS = r"(?s)ran 2 backward passes.*1 of them started at .* loss module"
+SEVERAL_LOSSES = (
+    r"(?s)(already back-propagated|one backward pass started at 2 losses)"
+    r".*one forward and one backward pass per micro-batch"
+)
 STALE_GRADIENTS = r"(?s)held values from before.*optimizer\.zero_grad\(\)"
 
 NONFINITE_CASES = [
@@ -252,6 +274,12 @@ STEP_CASES = [
         _forwards_before_backwards,
         RuntimeError,
         DOUBLE_BACKWARD,
+    ),
+    BadStep(
+        "forwards-then-one-backward",
+        _forwards_then_one_backward,
+        RuntimeError,
+        SEVERAL_LOSSES,
     ),
     BadStep(
         "separate-regularizer", _separate_regularizer, RuntimeError, NOT_THROUGH_LOSS
@@ -353,12 +381,14 @@ def test_nonfinite_step_is_skipped_with_a_warning(bad: BadStep):
     [
         (_same_graph_twice, DOUBLE_BACKWARD),
         (_forwards_before_backwards, DOUBLE_BACKWARD),
+        (_forwards_then_one_backward, SEVERAL_LOSSES),
         (_separate_regularizer, NOT_THROUGH_LOSS),
         (_stale_gradients, STALE_GRADIENTS),
     ],
     ids=[
         "same-graph-twice",
         "forwards-before-backwards",
+        "forwards-then-one-backward",
         "separate-regularizer",
         "stale-gradients",
     ],
@@ -396,6 +426,27 @@ def test_the_kronecker_basis_refuses_a_subsample_beyond_the_batch():
     before = snapshot(optimizer)
 
     with pytest.raises(IndexError, match=r"select sample \d+, .*subsampling_ggn="):
+        call()
+
+    assert_parameters_equal(params, values)
+    assert_same_state(snapshot(optimizer), before)
+
+
+@pytest.mark.parametrize("basis", [KroneckerBasis(), GramBasis()], ids=repr)
+def test_forwards_then_one_backward_is_refused_between_refreshes(basis):
+    """Without BackPACK's hooks the loss modules count the losses of the pass."""
+    case = build_case(MLP_CE)
+    optimizer = DampedNewton(case.model.parameters(), basis=basis, seed=0)
+    for _ in range(2):  # both bases refresh at steps 0, 1, 3
+        optimizer.step(
+            make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+        )
+    call = _forwards_then_one_backward(case, optimizer)
+    params = list(case.model.parameters())
+    values = [p.detach().clone() for p in params]
+    before = snapshot(optimizer)
+
+    with pytest.raises(RuntimeError, match="one backward pass started at 2 losses"):
         call()
 
     assert_parameters_equal(params, values)
