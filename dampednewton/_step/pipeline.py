@@ -54,6 +54,7 @@ from dampednewton._step.records import (
     group_stats,
     store_factors,
 )
+from dampednewton._step.replicas import check_replicas_equal
 from dampednewton._step.step_pass import StepPass
 from dampednewton._step.step_status import read_status, settled
 from dampednewton._step.update import apply_flat_step, apply_steps
@@ -124,6 +125,9 @@ class Pipeline:
         if self.dtypes.follow(groups, state, records.get(GROUPS, ())):
             self.clear()  # the model changed dtype: its state was converted
         step_index = records[GLOBAL]["step"]
+        params = [p for group in groups for p in group["params"]]
+        if self.communicator is not None and step_index == 0:
+            check_replicas_equal(self.communicator, params)
         calls = step_index + records[GLOBAL].get("skipped_steps", 0)
         active = ActiveMonitor.at(monitor, calls)
         # Between refreshes the Gram basis steps along its frozen bases (the lean
@@ -136,7 +140,7 @@ class Pipeline:
         adaptive = distinct_adaptive(option.adaptive_damping for option in options)
         claim(adaptive, self)
         rollback = StepRollback(
-            [p for group in groups for p in group["params"]],
+            params,
             state,
             records,
             step_index,
@@ -157,7 +161,6 @@ class Pipeline:
         except BaseException as error:
             if rollback.restore(records[GLOBAL]["step"]):
                 self.clear()
-            params = (p for group in groups for p in group["params"])
             if isinstance(error, ClosureReturnedNone) and all(
                 p.grad is None for p in params
             ):

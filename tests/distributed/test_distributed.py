@@ -195,3 +195,15 @@ def test_an_optimizer_created_before_init_process_group_refuses_to_step(
     for rank in spawn_ranks(run_created_before_init, job, 2, tmp_path):
         assert "created before torch.distributed.init_process_group" in rank["error"]
         assert rank["unchanged"]
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["by-hand", "ddp"])
+def test_replicas_that_start_apart_are_refused_unless_ddp_aligns_them(ddp, tmp_path):
+    """Averaging by hand, each rank would move its own replica by the global step."""
+    ranks = spawn(Job(steps=2, apart=True, ddp=ddp), 2, tmp_path)
+    for rank in ranks:
+        if ddp:  # DistributedDataParallel copied rank 0's parameters to every rank
+            assert rank["errors"] == [None, None]
+        else:
+            assert "the ranks' parameters differ" in rank["errors"][0]
+    assert ddp == torch.equal(ranks[0]["history"][-1], ranks[1]["history"][-1])

@@ -16,6 +16,7 @@ from tests.distributed.workers import (
     LOCAL_BATCH,
     Job,
     assert_matches_reference,
+    make_model,
     spawn,
 )
 
@@ -147,5 +148,9 @@ def test_communication_bytes_equal_cost_model(mc_samples, tmp_path):
     )
     agreement = (world_size - 1) * 3 * FLOAT64  # loss, batch size, failure flag
     refusal = 2 * (world_size - 1) * FLOAT64  # all-reduced flags, one per rank
+    # The first step's check that the replicas agree: the highest and the lowest of
+    # up to four entries per parameter, all-reduced.
+    entries = sum(min(4, p.numel()) for p in make_model("cnn").parameters())
+    replicas = 2 * 2 * (world_size - 1) / world_size * entries * FLOAT64
     for rank in spawn(job, world_size, tmp_path):
-        assert rank["communication_bytes"] == [gathers + agreement + refusal]
+        assert rank["communication_bytes"] == [gathers + agreement + refusal + replicas]

@@ -66,6 +66,8 @@ class Job:
             Lightning's skipped batch).
         fault_step: See ``fault_rank``.
         fault: See ``fault_rank``.
+        apart: Rank 1's model starts from other parameters (each rank seeded
+            differently by mistake).
     """
 
     model: str = "mlp"
@@ -80,6 +82,7 @@ class Job:
     fault_rank: int | None = None
     fault_step: int = 1
     fault: str = "raise"
+    apart: bool = False
 
 
 def make_model(name: str) -> nn.Module:
@@ -257,6 +260,9 @@ def run_rank(rank: int, world_size: int, init_file: str, out: str, job: Job) -> 
 
 def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
     model = make_model(job.model)
+    if job.apart and rank == 1:
+        with torch.no_grad():
+            next(model.parameters())[0] += 1e-3
     stepped: nn.Module = DistributedDataParallel(model) if job.ddp else model
     optimizer = make_optimizer(model, job.options)
     loss_fn = make_loss(job.model)
