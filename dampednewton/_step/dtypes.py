@@ -26,7 +26,7 @@ class ParameterDtypes:
     """The parameters' dtypes at the last step."""
 
     def __init__(self) -> None:
-        """Know no dtypes yet (the first step only records them)."""
+        """Know no dtypes yet: the first step compares the state with them."""
         self._dtypes: tuple[torch.dtype, ...] | None = None
 
     def follow(
@@ -35,7 +35,10 @@ class ParameterDtypes:
         state: MutableMapping[Any, dict[str, Any]],
         group_records: Sequence[dict[str, Any]],
     ) -> bool:
-        """Convert the state if a parameter changed dtype since the last step.
+        """Convert the state if a parameter's dtype is not the one it was kept for.
+
+        After the first step (of this optimizer, or since a load or a copy) only a
+        change of the parameters' dtypes makes it look at the state.
 
         Args:
             groups: The param groups.
@@ -46,22 +49,23 @@ class ParameterDtypes:
             Whether the state was converted (caches of its tensors are stale).
         """
         dtypes = tuple(p.dtype for group in groups for p in group["params"])
-        changed = self._dtypes is not None and dtypes != self._dtypes
-        self._dtypes = dtypes
-        if not changed:
+        if dtypes == self._dtypes:
             return False
+        self._dtypes = dtypes
+        changed = False
         for group in groups:
             for param in group["params"]:
                 if param in state:
                     dtype = computation_dtype(param.dtype)
-                    state[param] = converted(state[param], dtype)
-        convert_group_records(groups, group_records)
-        return True
+                    entries, moved = converted(state[param], dtype)
+                    if moved:
+                        state[param], changed = entries, True
+        return convert_group_records(groups, group_records) or changed
 
 
 def convert_group_records(
     groups: Sequence[Mapping[str, Any]], group_records: Sequence[dict[str, Any]]
-) -> None:
+) -> bool:
     """Put each group's recorded tensors in the dtype its first parameter computes in.
 
     The Gram basis keeps its averaged factor's weights and its frozen basis there.
@@ -69,22 +73,39 @@ def convert_group_records(
     Args:
         groups: The param groups.
         group_records: Per group, its statistics (converted in place).
+
+    Returns:
+        Whether a tensor was converted.
     """
+    changed = False
     for group, stats in zip(groups, group_records, strict=False):
         if group["params"]:
             dtype = computation_dtype(group["params"][0].dtype)
-            stats.update(converted(stats, dtype))
+            entries, moved = converted(stats, dtype)
+            if moved:
+                stats.update(entries)
+                changed = True
+    return changed
 
 
-def converted(entries: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """``entries`` with floating-point tensors (also in nested dicts) in ``dtype``."""
-    return {
-        name: (
-            value.to(dtype)
-            if isinstance(value, Tensor) and value.is_floating_point()
-            else converted(value, dtype)
-            if isinstance(value, dict)
-            else value
-        )
-        for name, value in entries.items()
-    }
+def converted(
+    entries: Mapping[str, Any], dtype: torch.dtype
+) -> tuple[dict[str, Any], bool]:
+    """``entries`` with floating-point tensors (also in nested dicts) in ``dtype``.
+
+    Returns:
+        The converted entries (the same tensors where they were in ``dtype``) and
+        whether any tensor was converted.
+    """
+    result: dict[str, Any] = {}
+    changed = False
+    for name, value in entries.items():
+        if isinstance(value, Tensor) and value.is_floating_point():
+            result[name] = value.to(dtype)
+            changed = changed or value.dtype != dtype
+        elif isinstance(value, dict):
+            result[name], moved = converted(value, dtype)
+            changed = changed or moved
+        else:
+            result[name] = value
+    return result, changed

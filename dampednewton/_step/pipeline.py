@@ -103,6 +103,7 @@ class Pipeline:
         """Forget what depends on the state (after loading a state dict)."""
         self.step_pass.clear()
         self.kronecker.clear()
+        self.dtypes = ParameterDtypes()  # the next step compares the state
 
     def step(
         self,
@@ -358,9 +359,8 @@ class Pipeline:
                 gradient = gradient_vector(group["params"], basis)
                 steps.append(frozen_basis_step(basis, gradient, frozen))
                 frozens.append(frozen)
-            # One read: the loss (and the last refresh's), each step's slope and
-            # squared length, and its frozen excess and length. A non-finite loss,
-            # gradient or step makes a read value non-finite.
+            # One read: the loss (and the last refresh's), each step's slope, squared
+            # length, frozen excess and length (non-finite if anything is).
             reference = records[GLOBAL].get(REFRESH_LOSS)
             read = [loss.detach(), loss.detach() if reference is None else reference]
             for step, frozen in zip(steps, frozens, strict=True):

@@ -250,3 +250,47 @@ def test_a_model_converted_mid_run_steps_as_if_resumed_in_its_new_dtype(
         for name, value in optimizers[0].state[param].items():
             if isinstance(value, torch.Tensor) and value.is_floating_point():
                 assert value.dtype == after, name
+
+
+@pytest.mark.parametrize(
+    "basis", [KroneckerBasis(), GramBasis()], ids=["kronecker", "gram"]
+)
+@pytest.mark.parametrize("how", ["loaded", "copied"])
+def test_a_model_converted_after_its_optimizer_was_loaded_or_copied(basis, how):
+    """The first step after a load or a copy compares the state with the parameters.
+
+    Reference: the checkpoint loaded into the converted model.
+    """
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(16, 6, generator=generator)
+    targets = torch.randint(0, 3, (16,), generator=generator)
+    loss_fn = extend(nn.CrossEntropyLoss())
+
+    def model_and_optimizer():
+        torch.manual_seed(0)
+        model = extend(nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)))
+        return model, DampedNewton(model.parameters(), basis=basis, seed=0)
+
+    model, optimizer = model_and_optimizer()
+    closure = make_closure(optimizer, model, loss_fn, inputs, targets)
+    for _ in range(5):
+        optimizer.step(closure)
+    saved = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    if how == "copied":
+        model, optimizer = copy.deepcopy((model, optimizer))
+    else:
+        model, optimizer = model_and_optimizer()
+        model.load_state_dict(saved[0])
+        optimizer.load_state_dict(saved[1])
+    model.double()
+    reference, reference_optimizer = model_and_optimizer()
+    reference.load_state_dict(saved[0])
+    reference.double()
+    reference_optimizer.load_state_dict(saved[1])
+    for run, run_optimizer in ((model, optimizer), (reference, reference_optimizer)):
+        closure = make_closure(run_optimizer, run, loss_fn, inputs.double(), targets)
+        for _ in range(6):  # across the refresh at step 7
+            run_optimizer.step(closure)
+    for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert mine.dtype == torch.float64
+        assert torch.equal(mine, theirs)
