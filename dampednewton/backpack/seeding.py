@@ -11,6 +11,7 @@ the device of the sampled quantities and is created the first time it is needed.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -47,6 +48,27 @@ def drawing_from(generator: Generator) -> Iterator[None]:
             torch.set_rng_state(generator.get_state())
             yield
             generator.set_state(torch.get_rng_state())
+
+
+def _restore(generator: Generator, state: Tensor, seed: int) -> None:
+    """Set a saved state; one of another device's generator reseeds, with a warning.
+
+    A CUDA generator's state does not fit a CPU generator (and back): a checkpoint of
+    a GPU run resumed on the CPU still loads, its draws going on from ``seed``.
+    """
+    try:
+        generator.set_state(state)
+    except RuntimeError:
+        warnings.warn(
+            f"The saved Monte-Carlo generator state ({state.numel()} bytes) belongs "
+            f"to a generator of another device than {generator.device} (a checkpoint "
+            "of a run on another device): the draws go on from the seed, so they "
+            "differ from those the saved run would have taken.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        entropy = np.random.SeedSequence([seed, state.numel()])
+        generator.manual_seed(int(entropy.generate_state(1, np.uint64)[0]))
 
 
 class SeededGenerator:
@@ -97,7 +119,7 @@ class SeededGenerator:
                 )
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
             if self._loaded is not None:
-                self._generator.set_state(self._loaded)
+                _restore(self._generator, self._loaded, self.seed)
                 self._loaded = None
         return self._generator
 

@@ -256,3 +256,28 @@ def test_a_copy_of_a_monitored_optimizer_has_no_monitor_and_steps(how: str):
     run_steps(copied, twin, STEPS_AFTER)
     assert_parameters_equal(list(model.parameters()), list(original.model.parameters()))
     assert len(monitor.log) == STEPS_BEFORE + STEPS_AFTER
+
+
+def test_a_generator_state_of_another_device_loads_with_a_warning():
+    """A GPU run's checkpoint (a CUDA generator's 16-byte state) resumes on the CPU.
+
+    Its draws go on from the seed, the same in every resume; the rest is loaded.
+    """
+    case = build_case(MLP_CE)
+    optimizer = make_optimizer(case, mc_samples=1, seed=3)
+    run_steps(optimizer, case, 2)
+    saved = optimizer.state_dict()
+    saved["param_groups"][0]["dampednewton"]["generator"]["generator"] = torch.zeros(
+        16, dtype=torch.uint8
+    )
+    resumed = []
+    for _ in range(2):
+        twin = build_case(MLP_CE)
+        twin.model.load_state_dict(case.model.state_dict())
+        twin_optimizer = make_optimizer(twin, mc_samples=1, seed=0)
+        with pytest.warns(RuntimeWarning, match="generator of another device"):
+            twin_optimizer.load_state_dict(saved)
+        assert twin_optimizer.records["global"]["step"] == 2
+        run_steps(twin_optimizer, twin, 2)
+        resumed.append(list(twin.model.parameters()))
+    assert_parameters_equal(resumed[0], resumed[1])
