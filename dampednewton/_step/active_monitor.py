@@ -7,15 +7,18 @@ A record's ``"step"`` counts the optimizer's ``step`` calls, skipped ones includ
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from dampednewton.backpack.extensions import IndividualGradients
+from dampednewton.backpack.loss_checks import DeferredChecks
 from dampednewton.backpack.passes import Hook
 from dampednewton.backpack.savefields import GRAD_BATCH
 from dampednewton.diagnostics import DiagnosticsMonitor
+from dampednewton.diagnostics.draws import SeededDiagGGNMC
 from dampednewton.diagnostics.log import Record
 
 
@@ -77,3 +80,28 @@ def with_monitor(
             merged[GRAD_BATCH] = IndividualGradients()
         merged.setdefault(extension.savefield, extension)
     return list(merged.values()), [active.monitor.module_hook(active.step), *hooks]
+
+
+@contextmanager
+def checked_sampling(extensions: Iterable, deferred: DeferredChecks) -> Iterator[None]:
+    """The monitor's Monte-Carlo traces sample inside the block as the step does.
+
+    A non-finite model output is sampled as zeros and flagged in ``deferred``, so
+    the step is refused (or skipped) as without the trace; outside the block (a
+    standalone monitor) the traces sample what they get.
+
+    Args:
+        extensions: The pass's extensions.
+        deferred: The step's deferred checks.
+
+    Yields:
+        Nothing; run the closure inside.
+    """
+    sampled = [e for e in extensions if isinstance(e, SeededDiagGGNMC)]
+    for extension in sampled:
+        extension.deferred_checks = deferred
+    try:
+        yield
+    finally:
+        for extension in sampled:
+            extension.deferred_checks = None

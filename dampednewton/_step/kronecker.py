@@ -32,7 +32,11 @@ from typing import Any
 import torch
 from torch import Generator, Tensor
 
-from dampednewton._step.active_monitor import ActiveMonitor, with_monitor
+from dampednewton._step.active_monitor import (
+    ActiveMonitor,
+    checked_sampling,
+    with_monitor,
+)
 from dampednewton._step.closure import failure_shared, run_closure
 from dampednewton._step.guard import (
     STACKLEVEL_OF_CALLER,
@@ -166,7 +170,7 @@ class KroneckerSteps:
         if monitor is not None:
             extensions, hooks = with_monitor(extensions, hooks, monitor, None)
         with GeneratorSnapshot(generator if collector is not None else None) as saved:
-            with failure_shared(communicator):
+            with failure_shared(communicator), checked_sampling(extensions, deferred):
                 loss = run_closure(
                     closure,
                     params,

@@ -19,7 +19,11 @@ import torch
 from backpack.extensions.backprop_extension import BackpropExtension
 from torch import Generator, Tensor
 
-from dampednewton._step.active_monitor import ActiveMonitor, with_monitor
+from dampednewton._step.active_monitor import (
+    ActiveMonitor,
+    checked_sampling,
+    with_monitor,
+)
 from dampednewton._step.amortized import FrozenBases, frozen_group_step, trust_bound
 from dampednewton._step.averaged_step import averaged_step
 from dampednewton._step.closure import failure_shared, run_closure
@@ -153,7 +157,7 @@ class StepPass:
                 extension, ExactSqrtGGN | MonteCarloSqrtGGN | IndividualGradients
             ):
                 extension.deferred_checks = deferred
-        with failure_shared(communicator):
+        with failure_shared(communicator), checked_sampling(extensions, deferred):
             loss = run_closure(
                 closure,
                 params,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 from backpack.extensions import DiagGGNMC
 from backpack.extensions.backprop_extension import BackpropExtension
@@ -22,9 +23,14 @@ from torch import Generator, Tensor
 from torch.nn import Module
 from torch.nn.modules.loss import _Loss
 
+from dampednewton.backpack.loss_checks import DeferredChecks
 from dampednewton.backpack.savefields import module_input
 from dampednewton.backpack.seeding import SeededGenerator, drawing_from
 from dampednewton.distributed import Communicator
+from dampednewton.math.finite import finite_flag
+
+MONITOR_STREAM = 0x6D6F6E
+"""Mixed into ``torch.initial_seed()``: the monitor's draws are not the optimizer's."""
 
 
 class MonteCarloDraws:
@@ -38,13 +44,17 @@ class MonteCarloDraws:
     """
 
     def __init__(self, seed: int | None, communicator: Communicator | None) -> None:
-        """Seed the generator (``None`` draws a seed, rank 0's under data parallelism).
+        """Seed the generator (``None``: from torch's initial seed, rank 0's).
 
         Args:
-            seed: The seed, or ``None`` to draw one from torch's global generator.
+            seed: The seed, or ``None`` for one derived from ``torch.initial_seed()``
+                (what ``torch.manual_seed`` set), which leaves torch's global random
+                stream where it was: creating the monitor changes no draw of the run.
             communicator: The ranks' collectives (``None``: one process).
         """
-        self.seeded = SeededGenerator(seed)
+        entropy = np.random.SeedSequence([torch.initial_seed(), MONITOR_STREAM])
+        derived = int(entropy.generate_state(1, np.uint64)[0] >> 1)
+        self.seeded = SeededGenerator(derived if seed is None else seed)
         if communicator is not None and seed is None:
             self.seeded.seed = communicator.broadcast_seed(self.seeded.seed)
         self.communicator = communicator
@@ -68,15 +78,26 @@ class SeededDiagGGNMC(DiagGGNMC):
         """Sample ``mc_samples`` times; the monitor sets :attr:`draws`."""
         super().__init__(mc_samples=mc_samples)
         self.draws: MonteCarloDraws | None = None
+        self.deferred_checks: DeferredChecks | None = None
+        """Set by ``DampedNewton`` for its pass: a non-finite model output is then
+        sampled as zeros and flagged there (the step is refused), as its own
+        Monte-Carlo curvature does, instead of raising inside ``backward``."""
 
     def __call__(
         self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]
     ) -> None:
         """Run BackPACK's extension, sampling at the loss from the generator."""
-        if self.draws is None or not isinstance(module, _Loss):
+        if not isinstance(module, _Loss):
             super().__call__(module, g_inp, g_out)
             return
-        with drawing_from(self.draws.generator(module_input(module).device)):
+        output = module_input(module)
+        if self.deferred_checks is not None:
+            self.deferred_checks.add_model_output_finite(finite_flag(output))
+            output.data.nan_to_num_(0.0, 0.0, 0.0)  # .data: autograd's version stays
+        if self.draws is None:
+            super().__call__(module, g_inp, g_out)
+            return
+        with drawing_from(self.draws.generator(output.device)):
             super().__call__(module, g_inp, g_out)
 
 

@@ -107,9 +107,9 @@ class DiagnosticsMonitor:
                 global batch the records describe; ``None``: the world group when
                 ``torch.distributed`` is initialized with more than one process,
                 else a single process.
-            seed: Seed of the Monte-Carlo traces' generator (``None``: drawn from
-                torch's global generator, rank 0's under data parallelism); their
-                draws leave torch's global random stream untouched.
+            seed: Seed of the Monte-Carlo traces' generator (``None``: derived
+                from ``torch.initial_seed()``, rank 0's under data parallelism);
+                neither it nor their draws touch torch's global random stream.
 
         Raises:
             ValueError: If there are no diagnostics, two share a label, or two

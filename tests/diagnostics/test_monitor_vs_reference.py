@@ -180,3 +180,19 @@ def _saved(state: dict) -> io.BytesIO:
     torch.save(state, buffer)
     buffer.seek(0)
     return buffer
+
+
+def test_the_default_seed_comes_from_torchs_initial_seed_without_drawing():
+    """seed=None: creating the monitor leaves the global stream; manual_seed fixes it."""
+    case = build_case(DIAGNOSTICS_PROBLEMS[0])
+    traces = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        state = torch.get_rng_state()
+        monitor = DiagnosticsMonitor(
+            [CurvatureTrace(curvature="diag_ggn_mc")], case.model.named_parameters()
+        )
+        assert torch.equal(torch.get_rng_state(), state)
+        traces.append(run_monitored_step(case, monitor)["diag_ggn_mc/trace"])
+        assert torch.equal(torch.get_rng_state(), state)
+    assert traces[0] == traces[1]

@@ -140,3 +140,41 @@ def test_records_count_step_calls_also_after_a_skipped_step(basis):
             optimizer.step(closure)
     assert optimizer.records["global"]["step"] == 5
     assert [record["step"] for record in monitor.log] == [0, 1, 2, 4, 5]
+
+
+@pytest.mark.parametrize("basis", [KroneckerBasis(), GramBasis()], ids=repr)
+@pytest.mark.parametrize("step", [1, 2], ids=["refresh", "between"])
+@pytest.mark.filterwarnings("ignore:1 of the 12 GGN eigenvalues")
+def test_a_monte_carlo_trace_does_not_stop_a_non_finite_step_from_being_skipped(
+    basis, step
+):
+    """The trace samples a NaN output as zeros and flags it; the step is skipped."""
+    case = build_case(PROBLEMS[0])
+    trace = CurvatureTrace(curvature="diag_ggn_mc")
+    monitor = DiagnosticsMonitor([trace], case.model.named_parameters(), seed=0)
+    optimizer = DampedNewton(
+        case.model.parameters(),
+        basis=basis,
+        mc_samples=0,
+        nonfinite="skip",
+        monitor=monitor,
+    )
+    for _ in range(step):
+        optimizer.step(
+            make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+        )
+    poisoned = case.X.clone()
+    poisoned[0, 0] = float("nan")
+    before = [p.detach().clone() for p in case.model.parameters()]
+    closure = make_closure(optimizer, case.model, case.loss_fn, poisoned, case.y)
+    with pytest.warns(RuntimeWarning, match="refused the update"):
+        optimizer.step(closure)
+    assert optimizer.records["global"]["skipped_steps"] == 1
+    for param, value in zip(case.model.parameters(), before, strict=True):
+        assert torch.equal(param, value)
+    # Standalone afterwards, the trace no longer zeroes outputs for a step.
+    assert all(
+        extension.deferred_checks is None
+        for extension in monitor.extensions(step + 1)
+        if hasattr(extension, "deferred_checks")
+    )
