@@ -183,7 +183,7 @@ def _saved(state: dict) -> io.BytesIO:
 
 
 def test_the_default_seed_comes_from_torchs_initial_seed_without_drawing():
-    """seed=None: creating the monitor leaves the global stream; manual_seed fixes it."""
+    """seed=None: the global stream stays where it was; manual_seed fixes the draws."""
     case = build_case(DIAGNOSTICS_PROBLEMS[0])
     traces = []
     for _ in range(2):
