@@ -49,7 +49,11 @@ class CurvatureAveraging:
 
     def __post_init__(self) -> None:
         """Validate the settings."""
-        if not isinstance(self.decay, int | float) or not 0 <= self.decay < 1:
+        if (
+            isinstance(self.decay, bool)
+            or not isinstance(self.decay, int | float)
+            or not 0 <= self.decay < 1
+        ):
             raise ValueError(
                 f"CurvatureAveraging needs 0 <= decay < 1, got {self.decay!r}."
             )

@@ -136,8 +136,9 @@ class DampedNewton(Optimizer):
             for the exact GGN (default: 1).
         subsampling_ggn: Sample indices of each rank's batch for the curvature,
             ``None`` for all (default: None).
-        subsampling_grad: Gram basis: sample indices for the directional
-            gradients, ``None`` for all (default: None).
+        subsampling_grad: Gram basis without averaging (ViViT's step): sample
+            indices for the directional gradients, ``None`` for all (default:
+            None).
         warn_small_eigvals: Warn once per group when a selected direction has an
             eigenvalue below this (counted in
             ``records['groups'][i]['steps_with_small_eigenvalues']``) (default: 1e-4).

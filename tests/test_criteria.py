@@ -19,7 +19,7 @@ CASES = [
     ("top-2", TopK(2), [4, 5]),
     ("top-k-larger-than-rank", TopK(10), [2, 3, 4, 5]),
     ("threshold", EigenvalueThreshold(0.1), [3, 4, 5]),
-    ("threshold-zero", EigenvalueThreshold(0.0), [1, 2, 3, 4, 5]),
+    ("threshold-zero", EigenvalueThreshold(0.0), [2, 3, 4, 5]),
     ("relative-half", RelativeThreshold(0.5), [4, 5]),
     ("relative-all", RelativeThreshold(1e-12), [2, 3, 4, 5]),
     ("relative-one", RelativeThreshold(1.0), [5]),
@@ -62,8 +62,23 @@ def test_int_shorthand_and_callables():
         (lambda: EigenvalueThreshold(-1.0), ValueError),
         (lambda: RelativeThreshold(0.0), ValueError),
         (lambda: RelativeThreshold(1.5), ValueError),
+        (lambda: EigenvalueThreshold("1e-3"), TypeError),
+        (lambda: EigenvalueThreshold(True), TypeError),
+        (lambda: RelativeThreshold("0.5"), TypeError),
     ],
-    ids=["k=0", "k-float", "shorthand-0", "bool", "string", "negative", "zero", ">1"],
+    ids=[
+        "k=0",
+        "k-float",
+        "shorthand-0",
+        "bool",
+        "string",
+        "negative",
+        "zero",
+        ">1",
+        "string-threshold",
+        "bool-threshold",
+        "string-fraction",
+    ],
 )
 def test_invalid_criteria(make, error):
     with pytest.raises(error):
@@ -103,3 +118,10 @@ def test_selected_indices_accepts_non_positive_eigenvalues():
     """ViViT's keep-all criterion: the computations warn about these, not refuse."""
     keep_all = lambda evals: list(range(evals.numel()))  # noqa: E731
     assert selected_indices(keep_all, EVALS).tolist() == list(range(6))
+
+
+def test_a_zero_threshold_selects_no_round_off_eigenvalue():
+    """EigenvalueThreshold(0) keeps the numerically positive eigenvalues only."""
+    evals = torch.tensor([-1e-9, 1e-12, 3e-9, 0.5, 2.0], dtype=torch.float32)
+    assert EigenvalueThreshold(0.0)(evals) == [3, 4]
+    assert 3e-9 < numerical_zero(evals).item()

@@ -170,6 +170,12 @@ def test_policies_round_trip(policy):
         (lambda: LevenbergMarquardt(value=10.0, maximum=1.0), ValueError),
         (lambda: as_damping("large"), TypeError),
         (lambda: as_damping(-0.1), ValueError),
+        (lambda: ConstantDamping("0.1"), TypeError),
+        (lambda: ConstantDamping(True), TypeError),
+        (lambda: RelativeDamping(None), TypeError),
+        (lambda: LevenbergMarquardt(value="1"), TypeError),
+        (lambda: LevenbergMarquardt(interval=2.5), TypeError),
+        (lambda: LevenbergMarquardt(updates=-3), ValueError),
     ],
     ids=[
         "negative",
@@ -181,10 +187,16 @@ def test_policies_round_trip(policy):
         "value>max",
         "string",
         "negative-shorthand",
+        "string-value",
+        "bool-value",
+        "none-fraction",
+        "lm-string-value",
+        "lm-float-interval",
+        "lm-negative-updates",
     ],
 )
 def test_invalid_settings(make, error):
-    with pytest.raises(error):
+    with pytest.raises(error, match=r"must be|needs|Damping"):
         make()
 
 
@@ -202,6 +214,37 @@ def test_stateless_policies_cannot_be_changed_after_their_check(policy, field):
     """The optimizer trusts a constant's value: a later assignment must not get in."""
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(policy, field, -5.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("interval", 0, ValueError),
+        ("interval", 2.5, TypeError),
+        ("decrease", 3.0, ValueError),
+        ("increase", 0.5, ValueError),
+        ("minimum", 5.0, ValueError),
+        ("maximum", -1.0, ValueError),
+        ("updates", -1, ValueError),
+    ],
+)
+def test_levenberg_marquardt_checks_every_assigned_field(field, value, error):
+    """As at construction: the step trusts the fields (interval=0 divided by zero)."""
+    policy = LevenbergMarquardt(value=0.3, interval=2)
+    before = dataclasses.asdict(policy)
+    with pytest.raises(error, match=field):
+        setattr(policy, field, value)
+    assert dataclasses.asdict(policy) == before
+
+
+def test_levenberg_marquardt_adapts_within_its_bounds():
+    """The adapted value is clipped before it is set (never out of its bounds)."""
+    policy = LevenbergMarquardt(value=1.0, maximum=1.2)
+    policy.update(0.0)
+    assert policy.value == 1.2
+    policy = LevenbergMarquardt(value=1.0, minimum=0.9)
+    policy.update(1.0)
+    assert policy.value == 0.9
 
 
 @pytest.mark.parametrize("value", [-5.0, math.nan, math.inf])

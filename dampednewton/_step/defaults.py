@@ -17,7 +17,8 @@ from dampednewton.policies.damping import LevenbergMarquardt
 DEFAULT_DAMPING = 0.1
 """Initial ``δ`` of the Gram basis' default Levenberg-Marquardt damping."""
 DEFAULT_DAMPING_INTERVAL = 5
-"""Steps between adaptations of that damping (K-FAC's T₃)."""
+"""Updates between adaptations of that damping (K-FAC's T₃); the optimizer updates it
+on the steps that refresh the curvature (every step without averaging)."""
 
 
 class _BasisDefault:

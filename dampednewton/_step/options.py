@@ -143,7 +143,8 @@ class SharedOptions:
 
         Raises:
             ValueError: If a group's shared option differs from the first group's,
-                or the groups mix bases.
+                the groups mix bases, or ``subsampling_grad`` is given where every
+                group averages its curvature (no group would use it).
         """
         first = cls.from_group(groups[0])
         if first.kronecker and first.subsampling_grad is not None:
@@ -169,6 +170,16 @@ class SharedOptions:
                         f"backward pass serves all): {groups[0][key]!r} vs "
                         f"{group[key]!r}."
                     )
+        if first.subsampling_grad is not None and all(
+            group.get("averaging") is not None for group in groups
+        ):
+            raise ValueError(
+                "subsampling_grad selects the samples of the directional gradients "
+                "of ViViT's step (averaging=None); with curvature averaging (the Gram "
+                "basis' default) every group steps with the whole batch's mean "
+                "gradient. Pass averaging=None for ViViT's step, or leave "
+                "subsampling_grad=None."
+            )
         return first
 
 

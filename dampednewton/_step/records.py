@@ -225,7 +225,8 @@ class StepRecorder:
                     self._warned_no_direction.add(index)
                     warnings.warn(
                         f"The criterion of parameter group {index} selected no "
-                        "direction: the group does not move this step (counted in "
+                        "direction: the group moves by its complement step only "
+                        "(not at all with the default SmallestCurvature; counted in "
                         "optimizer.records['groups'][i]['steps_without_direction']).",
                         stacklevel=STACKLEVEL_OF_CALLER + 1,  # Pipeline._full_step
                     )

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from dampednewton.math.linalg import numerical_zero
+from dampednewton.policies.checks import check_number
 
 
 @runtime_checkable
@@ -84,7 +85,7 @@ class TopK:
 
 @dataclass(frozen=True)
 class EigenvalueThreshold:
-    """Select every eigenvalue strictly above ``min_value``.
+    """Select every eigenvalue strictly above ``min_value`` (and above round-off).
 
     Attributes:
         min_value: Threshold (non-negative), e.g. ``1e-4`` to skip directions whose
@@ -95,6 +96,7 @@ class EigenvalueThreshold:
 
     def __post_init__(self) -> None:
         """Validate the threshold."""
+        check_number("EigenvalueThreshold's min_value", self.min_value)
         if not math.isfinite(self.min_value) or self.min_value < 0:
             raise ValueError(
                 f"EigenvalueThreshold needs a finite min_value >= 0, got "
@@ -103,7 +105,8 @@ class EigenvalueThreshold:
 
     def __call__(self, evals: Tensor) -> list[int]:
         """Return the indices of the selected eigenvalues (ascending)."""
-        return torch.nonzero(evals > self.min_value).flatten().tolist()
+        keep = (evals > self.min_value) & (evals > numerical_zero(evals))
+        return torch.nonzero(keep).flatten().tolist()
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,7 @@ class RelativeThreshold:
 
     def __post_init__(self) -> None:
         """Validate the fraction."""
+        check_number("RelativeThreshold's fraction", self.fraction)
         if not 0 < self.fraction <= 1:
             raise ValueError(
                 f"RelativeThreshold needs 0 < fraction <= 1, got {self.fraction!r}."

@@ -27,10 +27,12 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from dampednewton.policies.checks import check_integer, check_number
 
 
 @runtime_checkable
@@ -99,6 +101,7 @@ class ConstantDamping(MeanStatisticsDamping):
 
     def __post_init__(self) -> None:
         """Validate the value."""
+        check_number("The damping", self.value)
         if not math.isfinite(self.value) or self.value < 0:
             raise ValueError(
                 f"Damping must be finite and >= 0, got {self.value!r}. Use 0 for an "
@@ -127,6 +130,7 @@ class RelativeDamping(MeanStatisticsDamping):
 
     def __post_init__(self) -> None:
         """Validate the fraction."""
+        check_number("RelativeDamping's fraction", self.fraction)
         if not math.isfinite(self.fraction) or self.fraction < 0:
             raise ValueError(
                 f"RelativeDamping needs a finite fraction >= 0, got {self.fraction!r}."
@@ -181,6 +185,7 @@ class NoiseAwareDamping:
     def __post_init__(self) -> None:
         """Validate the settings."""
         ConstantDamping(self.base)
+        check_number("z", self.z)
         if not math.isfinite(self.z) or self.z < 0:
             raise ValueError(f"z must be finite and >= 0, got {self.z!r}.")
 
@@ -247,9 +252,13 @@ class LevenbergMarquardt(MeanStatisticsDamping):
     where ``q(s) = ḡᵀs + ½ sᵀGs`` is the quadratic model of the step taken (summed over
     all groups; along the directions ``Σ_k (γ̄_k c_k + ½ λ̄_k c_k²)``, plus the
     complement step's terms, see :mod:`dampednewton._step.quadratic_model`). Every
-    ``interval`` steps, ``δ`` is multiplied by ``increase`` when ``ρ < 1/4`` (the
+    ``interval`` updates, ``δ`` is multiplied by ``increase`` when ``ρ < 1/4`` (the
     model was too optimistic) and by ``decrease`` when ``ρ > 3/4``, then clipped to
-    ``[minimum, maximum]``.
+    ``[minimum, maximum]``. The optimizer updates it on the steps that refresh the
+    curvature (every step without averaging; with the Gram basis' default
+    averaging, at steps 0, 1, 3, 7, 15, 31, ... so ``interval=5`` adapts on every
+    fifth refresh): between refreshes the step follows a frozen basis, and an
+    adaptation there would change the trajectory with the refresh schedule.
 
     Attributes:
         value: Current damping ``δ`` (the state).
@@ -271,31 +280,20 @@ class LevenbergMarquardt(MeanStatisticsDamping):
 
     def __post_init__(self) -> None:
         """Validate the settings."""
-        ConstantDamping(self.value)
-        if not 0 < self.decrease < 1 or not self.increase > 1:
-            raise ValueError(
-                "LevenbergMarquardt needs 0 < decrease < 1 < increase, got "
-                f"decrease={self.decrease}, increase={self.increase}."
-            )
-        if not 0 <= self.minimum <= self.value <= self.maximum:
-            raise ValueError(
-                f"LevenbergMarquardt needs 0 <= minimum <= value <= maximum, got "
-                f"{self.minimum}, {self.value}, {self.maximum}."
-            )
-        if self.interval < 1:
-            raise ValueError(f"interval must be >= 1, got {self.interval}.")
+        _check_levenberg_marquardt(vars(self))
 
     def __setattr__(self, name: str, value: object) -> None:
-        """Set a field; a new ``value`` is checked, as at construction.
+        """Set a field, checked with the others as at construction.
 
-        The optimizer trusts the current ``value`` without checking it at each step,
-        so an invalid one must not get in by assignment either.
+        The optimizer trusts the settings without checking them at each step, so an
+        invalid one must not get in by assignment either.
 
         Raises:
-            ValueError: For a ``value`` that is negative or not finite.
+            TypeError: For a field of the wrong type.
+            ValueError: For a field out of its range.
         """
-        if name == "value":
-            ConstantDamping(value)  # type: ignore[arg-type]
+        if _LM_FIELDS <= vars(self).keys():  # constructed: __post_init__ checked
+            _check_levenberg_marquardt({**vars(self), name: value})
         super().__setattr__(name, value)
 
     def __call__(
@@ -318,11 +316,48 @@ class LevenbergMarquardt(MeanStatisticsDamping):
         self.updates += 1
         if self.updates % self.interval or math.isnan(reduction_ratio):
             return
+        value = self.value
         if reduction_ratio < 0.25:
-            self.value *= self.increase
+            value *= self.increase
         elif reduction_ratio > 0.75:
-            self.value *= self.decrease
-        self.value = min(max(self.value, self.minimum), self.maximum)
+            value *= self.decrease
+        self.value = min(max(value, self.minimum), self.maximum)
+
+
+_LM_FIELDS = {
+    "value",
+    "decrease",
+    "increase",
+    "minimum",
+    "maximum",
+    "interval",
+    "updates",
+}
+
+
+def _check_levenberg_marquardt(fields: dict[str, Any]) -> None:
+    """Check :class:`LevenbergMarquardt`'s fields together.
+
+    Raises:
+        TypeError: For a field of the wrong type.
+        ValueError: For a field out of its range.
+    """
+    for name in ("value", "decrease", "increase", "minimum", "maximum"):
+        check_number(f"LevenbergMarquardt's {name}", fields[name])
+    check_integer("LevenbergMarquardt's interval", fields["interval"], 1)
+    check_integer("LevenbergMarquardt's updates", fields["updates"], 0)
+    ConstantDamping(fields["value"])
+    decrease, increase = fields["decrease"], fields["increase"]
+    if not 0 < decrease < 1 or not increase > 1:
+        raise ValueError(
+            "LevenbergMarquardt needs 0 < decrease < 1 < increase, got "
+            f"decrease={decrease}, increase={increase}."
+        )
+    if not 0 <= fields["minimum"] <= fields["value"] <= fields["maximum"]:
+        raise ValueError(
+            "LevenbergMarquardt needs 0 <= minimum <= value <= maximum, got "
+            f"{fields['minimum']}, {fields['value']}, {fields['maximum']}."
+        )
 
 
 def as_damping(damping: float | Damping) -> Damping:

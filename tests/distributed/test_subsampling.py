@@ -20,7 +20,7 @@ BOTH = {"subsampling_ggn": [2, 1], "subsampling_grad": [0, 3], "averaging": None
     ("model", "options"),
     [
         ("mlp", {"subsampling_ggn": [3, 0]}),
-        ("mlp", {"subsampling_grad": [1, 2, 3]}),
+        ("mlp", {"subsampling_grad": [1, 2, 3], "averaging": None}),
         ("mlp", BOTH),
         ("cnn", {**BOTH, "damping": "noise"}),
     ],

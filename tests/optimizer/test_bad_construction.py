@@ -116,6 +116,13 @@ CONSTRUCTION_CASES = [
         "Leave subsampling_grad=None",
         {"subsampling_grad": [0, 1]},
     ),
+    BadConstruction(
+        "averaged-gram-with-subsampled-gradients",
+        {"basis": GramBasis()},
+        ValueError,
+        "Pass averaging=None for ViViT's step",
+        {"subsampling_grad": [0, 1]},
+    ),
     BadConstruction("basis-string", {"basis": "kfac"}, TypeError, "basis must be"),
     BadConstruction(
         "averaging-string-in-group",
