@@ -60,9 +60,11 @@ def averaged_step(
     Directions ``u_i = B_i/√w_i`` with curvatures ``λ_i = w_i/(1 − β^t)`` (the
     bias-corrected average), slopes ``γ̄_i = ḡᵀu_i`` from the parameters' ``.grad``.
     Damping policies see ``gammas = γ̄[None]`` and ``lambdas = λ[None]`` and no Gram
-    eigenvectors (``[0, K]``). The quadratic model's curvature is the average's, which
-    is zero in the complement. On a refresh, this batch's ``VᵀB`` and ``Vᵀḡ`` give the
-    curvature ``sᵀVVᵀs`` of the batch's GGN along the step as well.
+    eigenvectors (``[0, K]``). The quadratic model's curvature is the average's: along
+    the chosen directions and, for the complement step, along the factor's
+    directions the criterion left out (zero beyond the factor). On a refresh, this
+    batch's ``VᵀB`` and ``Vᵀḡ`` give the curvature ``sᵀVVᵀs`` of the batch's GGN
+    along the step as well.
 
     Args:
         group: The group (its options have ``averaging``).
@@ -121,6 +123,7 @@ def averaged_step(
     )
     slope = torch.sum(projections * coefficients)
     batch_curvature = None
+    outside: Tensor | float = 0.0  # the model's curvature off the chosen directions
     if rho is None:
         weights = coefficients / norms
         direction = tuple(torch.tensordot(weights.to(c), c, dims=1) for c in columns)
@@ -135,6 +138,7 @@ def averaged_step(
             for c, g in zip(columns, gradients, strict=True)
         )
         slope = slope - energy / rho
+        outside = _unchosen_curvature(factor, all_evals, chosen, gradients, rho)
         if batch_products is not None and mean_products is not None:
             chosen_products = _entries(batch_products.T, chosen).T
             mapped = chosen_products @ weights - mean_products / rho
@@ -156,13 +160,45 @@ def averaged_step(
         damping=damping,
         coefficients=coefficients,
         slope=slope,
-        curvature=torch.sum(evals * coefficients**2),
+        curvature=torch.sum(evals * coefficients**2) + outside,
         batch_curvature=batch_curvature,
         complement_curvature=rho,
         selected=positive,
         damping_valid=valid,
         factor=factor,
     )
+
+
+def _unchosen_curvature(
+    factor: AveragedFactor,
+    all_evals: Tensor,
+    chosen: int | Tensor,
+    gradients: Sequence[Tensor],
+    rho: Tensor,
+) -> Tensor:
+    """``Σ_j λ_j (ḡᵀu_j / ρ)²`` over the factor's directions the criterion left out.
+
+    The complement step ``−g_⊥/ρ`` has the component ``−ḡᵀu_j/ρ`` along each of them,
+    where the averaged GGN has the curvature ``λ_j``: the quadratic model's share
+    of those directions (zero when every direction of the factor is chosen). No
+    host read: the left-out directions are a mask.
+    """
+    positive = factor.weights > 0
+    left_out = positive.clone()
+    if isinstance(chosen, int):
+        left_out[chosen:] = False
+    else:
+        left_out[chosen] = False
+    norms = factor.weights.sqrt().where(positive, 1.0)
+    projections = (
+        sum(
+            (basis.flatten(1) @ g.flatten().to(basis))
+            for basis, g in zip(factor.basis, gradients, strict=True)
+        )
+        / norms
+    )
+    terms = all_evals * (projections / rho) ** 2
+    return terms.where(left_out, 0.0).sum()
 
 
 def _entries(tensor: Tensor, chosen: int | Tensor) -> Tensor:

@@ -10,7 +10,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from dampednewton import DampedNewton, GramBasis, LevenbergMarquardt, SmallestCurvature
+from dampednewton import (
+    CurvatureAveraging,
+    DampedNewton,
+    GramBasis,
+    LevenbergMarquardt,
+    RelativeThreshold,
+    SmallestCurvature,
+)
 from tests import reference
 from tests.cases import PROBLEMS
 from tests.utils import Case, build_case, copy_parameters, flat, make_closure
@@ -66,6 +73,49 @@ def test_reduction_ratio_uses_the_full_quadratic_model(complement):
     expected = (new_loss - loss.detach()) / predicted
     actual = optimizer.records["global"]["reduction_ratio"]
     assert actual == pytest.approx(expected.item(), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "criterion", [RelativeThreshold(0.3), 3], ids=["relative", "top-3"]
+)
+def test_reduction_ratio_with_averaging_uses_the_averaged_curvature_everywhere(
+    criterion,
+):
+    """With averaging the model is ``ḡᵀs + ½ sᵀḠs`` for the averaged GGN ``Ḡ``.
+
+    At the first refresh ``Ḡ`` holds the top ``rank`` eigenpairs of this batch's GGN
+    (bias-corrected); a criterion that keeps fewer of them leaves the complement
+    step components along the others, whose curvature counts too. Explicit ``G``.
+    """
+    case = build_case(PROBLEM["mlp-mse"])
+    params = list(case.model.parameters())
+    optimizer = DampedNewton(
+        params,
+        damping=LevenbergMarquardt(value=0.05),
+        criterion=criterion,
+        complement=SmallestCurvature(),
+        averaging=CurvatureAveraging(decay=0.6, rank=8, interval=1, ramp=False),
+        basis=GramBasis(),
+        mc_samples=0,
+        kl_clip=None,
+        warn_small_eigvals=0,
+    )
+    G, gradient = ggn_and_mean_gradient(case)
+    evals, evecs = torch.linalg.eigh(G)
+    averaged = evecs[:, -8:] @ torch.diag(evals[-8:]) @ evecs[:, -8:].T
+    before = flat(params)
+
+    loss = optimizer.step(
+        make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    )
+
+    update = flat(params) - before
+    copy_parameters(case.reference_model, case.model)
+    new_loss = case.reference_loss_fn(case.reference_model(case.X), case.y)
+    predicted = gradient @ update + 0.5 * update @ averaged @ update
+    expected = (new_loss - loss.detach()) / predicted
+    actual = optimizer.records["global"]["reduction_ratio"]
+    assert actual == pytest.approx(expected.item(), rel=1e-8)
 
 
 def test_shared_levenberg_marquardt_policy_adapts_once_per_step():
