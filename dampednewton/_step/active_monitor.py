@@ -1,8 +1,9 @@
 """The diagnostics monitor of a step: its extensions and hook in the step's pass.
 
-A record's ``"step"`` counts the optimizer's ``step`` calls, skipped ones included
+A record's ``"step"`` counts the optimizer's ``step`` calls, refused ones included
 (``nonfinite="skip"``), as a training loop's counter and Lightning's
-``trainer.global_step`` do; the curvature refresh schedules count the steps taken.
+``trainer.global_step`` do (a closure returning ``None`` skips its batch without a
+trace, its count included); the curvature refresh schedules count the steps taken.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from torch import Tensor
 
@@ -29,17 +31,23 @@ class ActiveMonitor:
     Attributes:
         monitor: The monitor.
         step: The record's step: the optimizer's step calls so far.
+        before: The monitor's :meth:`~DiagnosticsMonitor.snapshot` before the step.
     """
 
     monitor: DiagnosticsMonitor
     step: int
+    before: tuple[int, list[Any], Any]
 
     @staticmethod
     def at(monitor: DiagnosticsMonitor | None, calls: int) -> ActiveMonitor | None:
         """The monitor if it is scheduled at step ``calls``, else ``None``."""
         if monitor is None or not monitor.is_active(calls):
             return None
-        return ActiveMonitor(monitor, calls)
+        return ActiveMonitor(monitor, calls, monitor.snapshot())
+
+    def rewind(self) -> None:
+        """Undo the step's record and draws (a step that raised changes nothing)."""
+        self.monitor.rewind(self.before)
 
     def finish(self, params: Iterable[Tensor], loss: Tensor) -> Record:
         """Assemble and log the step's record (:meth:`DiagnosticsMonitor.finish`)."""

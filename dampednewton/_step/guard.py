@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Generator, Tensor
 
+from dampednewton._step.active_monitor import ActiveMonitor
 from dampednewton._step.step_status import StepStatus
 
 # Warnings of the pipeline's helpers point at the user's call: helper,
@@ -198,6 +199,8 @@ class StepRollback:
         step: The step counter before the step.
         generator: The Monte-Carlo generator, if created (``full`` only).
         full: Whether to copy everything.
+        monitor: The diagnostics monitor active at the step (its record and draws
+            are undone too).
     """
 
     def __init__(
@@ -208,8 +211,10 @@ class StepRollback:
         step: int,
         generator: Generator | None,
         full: bool,
+        monitor: ActiveMonitor | None = None,
     ) -> None:
         """Remember the state's and the records' keys, and everything with ``full``."""
+        self._monitor = monitor
         self._dicts = (state, records)
         self._step = step
         self._keys = [set(state), set(records)]
@@ -235,6 +240,8 @@ class StepRollback:
         Returns:
             Whether the state was replaced (then caches built from it are stale).
         """
+        if self._monitor is not None:
+            self._monitor.rewind()
         if self._copies is not None:
             values, saved, generator = self._copies
             with torch.no_grad():

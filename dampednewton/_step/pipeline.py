@@ -148,6 +148,7 @@ class Pipeline:
             self.seeded.created,
             # Only a step that adapts the damping calls the closure again.
             full=not between and any(policy.ratio_needed() for policy in adaptive),
+            monitor=active,
         )
         try:
             if shared.kronecker:
@@ -179,10 +180,7 @@ class Pipeline:
         active: ActiveMonitor | None,
         adapts: bool,
     ) -> Tensor:
-        """A step with a BackPACK pass (refreshes and un-averaged groups).
-
-        ``adapts``: whether the adaptive dampings see it (not between refreshes).
-        """
+        """A step with a BackPACK pass; ``adapts``: the adaptive dampings see it."""
         step_index = records[GLOBAL]["step"]
         generator = self.mc_generator(groups, records)
         with GeneratorSnapshot(generator) as snapshot:

@@ -117,6 +117,16 @@ class DiagnosticsLog:
         if self.sinks and index % len(self._records) != self._unwritten:
             self._write(self._records[index])
 
+    def truncate(self, length: int) -> None:
+        """Drop the records from position ``length`` on (unwritten ones stay unwritten).
+
+        Args:
+            length: How many records to keep.
+        """
+        del self._records[length:]
+        if self._unwritten is not None and self._unwritten >= length:
+            self._unwritten = None
+
     def flush(self) -> None:
         """Write the last record to the sinks if they do not have it yet.
 

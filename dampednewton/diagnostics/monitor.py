@@ -161,6 +161,23 @@ class DiagnosticsMonitor:
         draws = None if self._draws is None else self._draws.seeded.state_dict()
         return {"network_ranges": ranges, "monte_carlo": draws}
 
+    def snapshot(self) -> tuple[int, list[Any], Any]:
+        """The log's length, histogram ranges and draws, for :meth:`rewind`."""
+        ranges = [getattr(r, "network_ranges", None) for r in self._reducers]
+        draws = None if self._draws is None else self._draws.seeded.state_dict()
+        return len(self.log), ranges, draws
+
+    def rewind(self, snapshot: tuple[int, list[Any], Any]) -> None:
+        """Undo the records (unwritten yet), ranges and draws since :meth:`snapshot`."""
+        length, ranges, draws = snapshot
+        self.log.truncate(length)
+        for reducer, saved in zip(self._reducers, ranges, strict=True):
+            if isinstance(reducer, HistogramReducer):
+                reducer.network_ranges = saved
+        if self._draws is not None:
+            self._draws.seeded.load_state_dict(draws)
+        self._pending = self._finished = None
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from a state saved by :meth:`state_dict`.
 

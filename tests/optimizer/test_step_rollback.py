@@ -12,10 +12,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
 from dampednewton import DampedNewton, GramBasis, LevenbergMarquardt
+from dampednewton.diagnostics import (
+    GSNR,
+    CurvatureTrace,
+    DiagnosticsMonitor,
+    GradientHistogram,
+)
 from tests.cases import PROBLEMS
 from tests.utils import (
     assert_parameters_equal,
@@ -139,3 +146,47 @@ def test_a_failed_first_step_leaves_the_state_dict_of_a_fresh_optimizer(
         )
 
     assert_same_state(snapshot(optimizer), fresh)
+
+
+def _monitor(case) -> DiagnosticsMonitor:
+    return DiagnosticsMonitor(
+        [GSNR(), GradientHistogram(bins=8), CurvatureTrace(curvature="diag_ggn_mc")],
+        case.model.named_parameters(),
+        seed=1,
+    )
+
+
+@pytest.mark.parametrize("config", ["kronecker-at-refresh", "gram"])
+def test_a_failed_step_leaves_no_record_and_takes_no_draw_of_the_monitor(config):
+    """The monitor's log, histogram ranges and trace draws are undone with the step.
+
+    Reference: the same run without the failure; the retried step's record equals
+    its record there, and so do the later ones.
+    """
+    runs = []
+    for _ in range(2):
+        case = build_case(MLP_CE)
+        monitor = _monitor(case)
+        optimizer = DampedNewton(
+            case.model.parameters(), seed=0, monitor=monitor, **ADAPTIVE[config]()
+        )
+        closure = FlakyClosure(
+            make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+        )
+        runs.append((optimizer, monitor, closure))
+    (optimizer, monitor, closure), (twin, twin_monitor, twin_closure) = runs
+    for _ in range(GOOD_STEPS[config]):
+        optimizer.step(closure)
+        twin.step(twin_closure)
+    closure.fail_on = closure.calls + 2  # the adaptation's call
+    with pytest.raises(RuntimeError, match="the data loader failed"):
+        optimizer.step(closure)
+    assert len(monitor.log) == GOOD_STEPS[config]
+    for _ in range(2):
+        optimizer.step(closure)
+        twin.step(twin_closure)
+    assert [r["step"] for r in monitor.log] == [r["step"] for r in twin_monitor.log]
+    for record, expected in zip(monitor.log, twin_monitor.log, strict=True):
+        assert record.keys() == expected.keys()
+        for key, value in expected.items():
+            assert np.array_equal(record[key], value), key
