@@ -75,9 +75,13 @@ class FlakyClosure:
         return self.closure()
 
 
-@pytest.mark.parametrize("mc_samples", [0, 1], ids=["exact", "monte-carlo"])
-@pytest.mark.parametrize("config", list(ADAPTIVE))
-def test_a_failed_second_closure_call_undoes_the_step(config: str, mc_samples: int):
+def twin_runs(
+    config: str, monitor: Callable | None = None, mc_samples: int = 1
+) -> list[tuple]:
+    """Two equal runs of ``config`` after its good steps.
+
+    Each is ``(case, optimizer, closure)``, the closure able to fail on a call.
+    """
     runs = []
     for _ in range(2):
         case = build_case(MLP_CE)
@@ -85,16 +89,25 @@ def test_a_failed_second_closure_call_undoes_the_step(config: str, mc_samples: i
             case.model.parameters(),
             mc_samples=mc_samples,
             seed=0,
+            monitor=None if monitor is None else monitor(case),
             **ADAPTIVE[config](),
         )
         closure = FlakyClosure(
             make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
         )
         runs.append((case, optimizer, closure))
-    (case, optimizer, closure), (twin_case, twin, twin_closure) = runs
     for _ in range(GOOD_STEPS[config]):
-        optimizer.step(closure)
-        twin.step(twin_closure)
+        for _, optimizer, closure in runs:
+            optimizer.step(closure)
+    return runs
+
+
+@pytest.mark.parametrize("mc_samples", [0, 1], ids=["exact", "monte-carlo"])
+@pytest.mark.parametrize("config", list(ADAPTIVE))
+def test_a_failed_second_closure_call_undoes_the_step(config: str, mc_samples: int):
+    (case, optimizer, closure), (twin_case, twin, twin_closure) = twin_runs(
+        config, mc_samples=mc_samples
+    )
     params = list(case.model.parameters())
     values = [p.detach().clone() for p in params]
     before = snapshot(optimizer)
@@ -163,21 +176,9 @@ def test_a_failed_step_leaves_no_record_and_takes_no_draw_of_the_monitor(config)
     Reference: the same run without the failure; the retried step's record equals
     its record there, and so do the later ones.
     """
-    runs = []
-    for _ in range(2):
-        case = build_case(MLP_CE)
-        monitor = _monitor(case)
-        optimizer = DampedNewton(
-            case.model.parameters(), seed=0, monitor=monitor, **ADAPTIVE[config]()
-        )
-        closure = FlakyClosure(
-            make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
-        )
-        runs.append((optimizer, monitor, closure))
-    (optimizer, monitor, closure), (twin, twin_monitor, twin_closure) = runs
-    for _ in range(GOOD_STEPS[config]):
-        optimizer.step(closure)
-        twin.step(twin_closure)
+    (_, optimizer, closure), (_, twin, twin_closure) = twin_runs(config, _monitor)
+    monitor, twin_monitor = optimizer.monitor, twin.monitor
+    assert monitor is not None and twin_monitor is not None
     closure.fail_on = closure.calls + 2  # the adaptation's call
     with pytest.raises(RuntimeError, match="the data loader failed"):
         optimizer.step(closure)
