@@ -36,7 +36,7 @@ from dampednewton.backpack.unsupported import (
     check_supported_configuration,
     custom_module_message,
 )
-from dampednewton.math.finite import all_finite, finite_flag
+from dampednewton.math.finite import all_finite
 
 
 def _run_translating_errors(
@@ -337,15 +337,7 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
                         "be sampled (Monte-Carlo GGN)."
                     )
             else:
-                # A step must not raise inside backward (under data parallelism the
-                # other ranks would wait): it samples from the outputs with their
-                # non-finite entries zeroed (in place, a no-op when all are finite:
-                # BackPACK keys the backpropagated quantity by data_ptr) and the
-                # step is refused. Through .data: autograd's version counter stays,
-                # so a last layer that saved its output (Sigmoid, Tanh, ReLU)
-                # still back-propagates.
-                self.deferred_checks.add_model_output_finite(finite_flag(output))
-                output.data.nan_to_num_(0.0, 0.0, 0.0)
+                self.deferred_checks.sampled_safely(output)
         self._sample(module, g_inp, g_out)
 
     def _sample(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):

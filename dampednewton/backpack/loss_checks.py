@@ -15,6 +15,7 @@ from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, Module, MSELoss
 from torch.nn.modules.loss import _Loss
 
 from dampednewton.backpack.private import registered_module_types
+from dampednewton.math.finite import finite_flag
 
 DEFAULT_IGNORE_INDEX = -100
 
@@ -249,6 +250,22 @@ class DeferredChecks:
         """
         previous = self.model_output_finite
         self.model_output_finite = finite if previous is None else previous & finite
+
+    def sampled_safely(self, output: Tensor) -> None:
+        """Flag whether ``output`` is finite and zero its non-finite entries in place.
+
+        A step must not raise inside backward (under data parallelism the other
+        ranks would wait): Monte-Carlo sampling draws from the outputs with their
+        non-finite entries zeroed (in place, a no-op when all are finite: BackPACK
+        keys the backpropagated quantity by data_ptr) and the step is refused.
+        Through ``.data``: autograd's version counter stays, so a last layer that
+        saved its output (Sigmoid, Tanh, ReLU) still back-propagates.
+
+        Args:
+            output: The model output reaching the loss.
+        """
+        self.add_model_output_finite(finite_flag(output))
+        output.data.nan_to_num_(0.0, 0.0, 0.0)
 
 
 def check_targets(

@@ -27,7 +27,6 @@ from dampednewton.backpack.loss_checks import DeferredChecks
 from dampednewton.backpack.savefields import module_input
 from dampednewton.backpack.seeding import SeededGenerator, drawing_from
 from dampednewton.distributed import Communicator
-from dampednewton.math.finite import finite_flag
 
 MONITOR_STREAM = 0x6D6F6E
 """Mixed into ``torch.initial_seed()``: the monitor's draws are not the optimizer's."""
@@ -92,8 +91,7 @@ class SeededDiagGGNMC(DiagGGNMC):
             return
         output = module_input(module)
         if self.deferred_checks is not None:
-            self.deferred_checks.add_model_output_finite(finite_flag(output))
-            output.data.nan_to_num_(0.0, 0.0, 0.0)  # .data: autograd's version stays
+            self.deferred_checks.sampled_safely(output)
         if self.draws is None:
             super().__call__(module, g_inp, g_out)
             return
