@@ -15,7 +15,11 @@ from dampednewton.backpack.backward import BackwardCheck, quiet_backward_hook_wa
 from dampednewton.backpack.hooks import ExtendedModules
 from dampednewton.backpack.loss_checks import DeferredChecks, check_plain_loss_call
 from dampednewton.backpack.passes import Hook, backward_pass
-from dampednewton.backpack.unsupported import NO_LOSS_MODULE, check_batch_norms_in_eval
+from dampednewton.backpack.unsupported import (
+    LOSS_INPUT_NOT_MODEL_OUTPUT,
+    NO_LOSS_MODULE,
+    check_batch_norms_in_eval,
+)
 from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
 
 CLOSURE_PATTERN = """\
@@ -78,8 +82,16 @@ def run_closure(
                 check.count_forward(module, output)
                 check_plain_loss_call(module, inputs, deferred)
                 check_batch_norms_in_eval(modules.batch_norms)
+                if not fed_by_model(inputs):
+                    raise RuntimeError(
+                        LOSS_INPUT_NOT_MODEL_OUTPUT.format(loss=type(module).__name__)
+                    )
 
-            with modules.suspended(), modules.watching_losses(watch):
+            with (
+                modules.suspended(),
+                modules.tracking_outputs() as fed_by_model,
+                modules.watching_losses(watch),
+            ):
                 loss = closure()
             if check.micro_batches == 0 and loss is not None:
                 if modules.unseen_losses:  # every extended loss module was watched

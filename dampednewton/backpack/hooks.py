@@ -6,7 +6,10 @@ nothing useful, but they still cost: a full backward hook wraps the module's inp
 and outputs in extra autograd nodes (on an MLP the plain forward and backward pass
 took 2.8× as long with them). :class:`ExtendedModules` records the extended modules
 a BackPACK pass ran through, and suspends their two hooks for a pass without
-extensions (the steps between curvature refreshes); every other hook stays.
+extensions (the steps between curvature refreshes); every other hook stays. It also
+records which modules' outputs the loss modules took in that pass, so that a pass
+without extensions can refuse an operation between the model and the loss, which
+BackPACK's pass would have refused (its quantities are keyed by the output's memory).
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ class ExtendedModules:
         """Whether a pass ran a loss module that no recorded pass saw (then every
         extended loss module is watched: torch's global hook slows every module's
         call, so only then)."""
+        self.loss_sources: weakref.WeakSet[Module] = weakref.WeakSet()
+        """The modules whose output a loss module took in the last recorded pass
+        that ran one (of a container and its last layer, which share the output,
+        the container)."""
 
     def __len__(self) -> int:
         """Number of recorded modules still alive."""
@@ -50,6 +57,9 @@ class ExtendedModules:
     ) -> Iterator[None]:
         """Record every extended module that runs a forward pass inside the block.
 
+        Also records the modules whose outputs the loss modules took
+        (:attr:`loss_sources`), where a loss module ran.
+
         Args:
             on_loss: Called with each extended loss module and its inputs after its
                 forward pass.
@@ -57,20 +67,68 @@ class ExtendedModules:
         Yields:
             Nothing; run the closure inside.
         """
+        # BackPACK holds every extended module's output during its pass, so no
+        # address is reused before the loss runs.
+        outputs: dict[int, list[Module]] = {}
+        sources: list[Module] = []
+        losses = 0
 
         def record(module: Module, inputs: tuple, output: Tensor) -> None:
-            if getattr(module, EXTENDED_FLAG, False):
-                self._modules.add(module)
-                if isinstance(module, _BatchNorm):
-                    self.batch_norms.add(module)
-                elif on_loss is not None and isinstance(module, _Loss):
+            nonlocal losses
+            if not getattr(module, EXTENDED_FLAG, False):
+                return
+            self._modules.add(module)
+            if isinstance(module, _BatchNorm):
+                self.batch_norms.add(module)
+            if isinstance(module, _Loss):
+                losses += 1
+                if inputs and isinstance(inputs[0], Tensor):
+                    fed = outputs.get(inputs[0].data_ptr())
+                    if fed:  # the outermost module (a container's last layer shares it)
+                        sources.append(fed[-1])
+                if on_loss is not None:
                     on_loss(module, inputs)
+            elif isinstance(output, Tensor):
+                outputs.setdefault(output.data_ptr(), []).append(module)
 
         handle = torch.nn.modules.module.register_module_forward_hook(record)
         try:
             yield
         finally:
             handle.remove()
+            if losses:
+                self.loss_sources = weakref.WeakSet(sources)
+
+    @contextmanager
+    def tracking_outputs(self) -> Iterator[Callable[[tuple], bool]]:
+        """Note the outputs of :attr:`loss_sources` inside the block.
+
+        Yields:
+            ``fed_by_model(inputs)``: whether a loss module's ``inputs`` start with
+            one of those outputs (by memory address, as BackPACK's pass keys its
+            quantities: a view of the output passes, ``model(x) / 2`` does not);
+            always true when no recorded pass saw a loss take a module's output.
+        """
+        sources = list(self.loss_sources)
+        seen: set[int] = set()
+
+        def note(module: Module, inputs: tuple, output: Any) -> None:
+            if isinstance(output, Tensor):
+                seen.add(output.data_ptr())
+
+        def fed_by_model(inputs: tuple) -> bool:
+            if not sources:
+                return True
+            return bool(inputs) and (
+                isinstance(inputs[0], Tensor) and inputs[0].data_ptr() in seen
+            )
+
+        handles = [module.register_forward_hook(note) for module in sources]
+        try:
+            yield fed_by_model
+        finally:
+            for handle in handles:
+                handle.remove()
 
     @contextmanager
     def suspended(self) -> Iterator[None]:

@@ -24,6 +24,17 @@ NO_LOSS_MODULE = (
     "BCEWithLogitsLoss) and loss = loss_fn(model(inputs), targets)."
 )
 
+LOSS_INPUT_NOT_MODEL_OUTPUT = (
+    "DampedNewton refused the step: {loss} took something other than the output of "
+    "the model that the last curvature refresh saw (an operation between the model "
+    "and the loss, such as model(inputs) / 2, indexing or torch.relu, or another "
+    "model), so the gradient and the curvature would describe different losses "
+    "(the next refresh's BackPACK pass would refuse it too); parameters and "
+    "optimizer state unchanged. Pass the model's output to the loss module as it "
+    "is, and put such operations inside the model as modules (nn.ReLU, nn.Flatten, "
+    "...) in an nn.Sequential."
+)
+
 
 def batch_norm_training_message(module: Module) -> str:
     """Why a BatchNorm layer in training mode is refused, and what to do."""

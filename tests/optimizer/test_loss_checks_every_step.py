@@ -262,3 +262,97 @@ def test_a_functional_loss_between_refreshes_is_refused_by_the_next_step(basis):
     _assert_refused_without_trace(
         case, optimizer, functional, "no BackPACK-extended loss module", RuntimeError
     )
+
+
+KEEP = torch.tensor([True, False, True, True])
+"""Drops the second of the 4 samples of the MLP problem."""
+
+
+@dataclass(frozen=True)
+class Between:
+    """What a closure puts between the model and the loss, and its targets.
+
+    Attributes:
+        id: Readable identifier.
+        output: The loss's input from the model's output.
+        targets: The loss's targets from the problem's.
+    """
+
+    id: str
+    output: Callable[[Tensor], Tensor]
+    targets: Callable[[Tensor], Tensor] = _same
+
+
+OPERATIONS = [
+    Between("halved", lambda output: output / 2),
+    Between("relu", torch.relu),
+    Between("sample-dropped", lambda output: output[KEEP], lambda y: y[KEEP]),
+]
+NO_OPERATIONS = [
+    Between("view", lambda output: output.view(output.shape[0], -1)),
+    Between("tuple-item", lambda output: (output, output.detach())[0]),
+]
+BETWEEN_REFUSAL = {
+    "refresh": "No curvature information reached Linear",
+    "between-refreshes": "CrossEntropyLoss took something other than the output of "
+    r"the model that the last curvature refresh saw.*model\(inputs\) / 2",
+}
+
+
+def _defaults(basis: str):
+    """The problem and the optimizer with a basis' defaults (refreshes at 0, 1, 3)."""
+    case = build_case(MLP_CE)
+    choice = KroneckerBasis() if basis == "kronecker" else GramBasis()
+    return case, DampedNewton(case.model.parameters(), seed=0, basis=choice)
+
+
+def _through(case, between: Between) -> tuple[Callable[[Tensor], Tensor], Tensor]:
+    """The model followed by the operation, and the targets to go with it."""
+    return (lambda X: between.output(case.model(X))), between.targets(case.y)
+
+
+@pytest.mark.parametrize("when", list(GOOD_STEPS))
+@pytest.mark.parametrize("basis", list(BASES))
+@pytest.mark.parametrize("between", OPERATIONS, ids=lambda between: between.id)
+def test_an_operation_between_model_and_loss_is_refused_on_any_step(
+    between: Between, basis: str, when: str
+):
+    """BackPACK's pass refuses it at a refresh; the loss's watch in between.
+
+    BackPACK keys what it back-propagates by the output's memory, which an operation
+    after the model changes; between refreshes the loss module's input is compared
+    with the outputs of the modules a refresh saw feeding it.
+    """
+    case, optimizer = _defaults(basis)
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    for _ in range(GOOD_STEPS[when]):
+        optimizer.step(closure)
+    model, targets = _through(case, between)
+    bad = make_closure(optimizer, model, case.loss_fn, case.X, targets)
+
+    _assert_refused_without_trace(
+        case, optimizer, bad, BETWEEN_REFUSAL[when], RuntimeError
+    )
+    values = [p.detach().clone() for p in case.model.parameters()]
+    optimizer.step(closure)  # back to the model's output, training goes on
+    assert not all(map(torch.equal, values, case.model.parameters()))
+
+
+@pytest.mark.parametrize("basis", list(BASES))
+@pytest.mark.parametrize("between", NO_OPERATIONS, ids=lambda between: between.id)
+def test_the_output_itself_passes_on_every_step(between: Between, basis: str):
+    """A view of the output, or the output picked from a tuple, is the output.
+
+    The steps equal those of a closure that passes the output directly.
+    """
+    runs = []
+    for through in (None, between):
+        case, optimizer = _defaults(basis)
+        model, targets = (
+            (case.model, case.y) if through is None else _through(case, through)
+        )
+        closure = make_closure(optimizer, model, case.loss_fn, case.X, targets)
+        for _ in range(5):  # refreshes at steps 0, 1, 3; steps 2 and 4 in between
+            optimizer.step(closure)
+        runs.append(list(case.model.parameters()))
+    assert_parameters_equal(*runs)
