@@ -15,11 +15,7 @@ from dampednewton.backpack.backward import BackwardCheck, quiet_backward_hook_wa
 from dampednewton.backpack.hooks import ExtendedModules
 from dampednewton.backpack.loss_checks import DeferredChecks, check_plain_loss_call
 from dampednewton.backpack.passes import Hook, backward_pass
-from dampednewton.backpack.unsupported import (
-    LOSS_INPUT_NOT_MODEL_OUTPUT,
-    NO_LOSS_MODULE,
-    check_batch_norms_in_eval,
-)
+from dampednewton.backpack.unsupported import NO_LOSS_MODULE, check_batch_norms_in_eval
 from dampednewton.distributed import UNKNOWN_BATCH_SIZE, Communicator
 
 CLOSURE_PATTERN = """\
@@ -82,14 +78,11 @@ def run_closure(
                 check.count_forward(module, output)
                 check_plain_loss_call(module, inputs, deferred)
                 check_batch_norms_in_eval(modules.batch_norms)
-                if not fed_by_model(inputs):
-                    raise RuntimeError(
-                        LOSS_INPUT_NOT_MODEL_OUTPUT.format(loss=type(module).__name__)
-                    )
+                check_loss_input(module, inputs)
 
             with (
                 modules.suspended(),
-                modules.tracking_outputs() as fed_by_model,
+                modules.checking_loss_inputs() as check_loss_input,
                 modules.watching_losses(watch),
             ):
                 loss = closure()

@@ -6,10 +6,10 @@ nothing useful, but they still cost: a full backward hook wraps the module's inp
 and outputs in extra autograd nodes (on an MLP the plain forward and backward pass
 took 2.8× as long with them). :class:`ExtendedModules` records the extended modules
 a BackPACK pass ran through, and suspends their two hooks for a pass without
-extensions (the steps between curvature refreshes); every other hook stays. It also
-records which modules' outputs the loss modules took in that pass, so that a pass
-without extensions can refuse an operation between the model and the loss, which
-BackPACK's pass would have refused (its quantities are keyed by the output's memory).
+extensions (the steps between curvature refreshes); every other hook stays. In both
+kinds of pass the loss modules' inputs are checked to be module outputs, not results
+of an operation between the model and the loss, which BackPACK's quantities (keyed
+by memory address) cannot pass: :func:`check_loss_input`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
+
+from dampednewton.backpack.unsupported import LOSS_INPUT_NOT_MODEL_OUTPUT
 
 EXTENDED_FLAG = "_backpack_extend"
 """The attribute ``backpack.extend`` sets on the modules it gave hooks."""
@@ -43,9 +45,10 @@ class ExtendedModules:
         extended loss module is watched: torch's global hook slows every module's
         call, so only then)."""
         self.loss_sources: weakref.WeakSet[Module] = weakref.WeakSet()
-        """The modules whose output a loss module took in the last recorded pass
-        that ran one (of a container and its last layer, which share the output,
-        the container)."""
+        """The modules whose output a loss module took in a recorded pass (of a
+        container and its last layer, which share the output, the container), over
+        all recorded passes: a model with several heads that take turns has each
+        head that a refresh saw."""
 
     def __len__(self) -> int:
         """Number of recorded modules still alive."""
@@ -58,7 +61,8 @@ class ExtendedModules:
         """Record every extended module that runs a forward pass inside the block.
 
         Also records the modules whose outputs the loss modules took
-        (:attr:`loss_sources`), where a loss module ran.
+        (:attr:`loss_sources`), and refuses a loss that took a module's output
+        through an operation (:func:`check_loss_input`).
 
         Args:
             on_loss: Called with each extended loss module and its inputs after its
@@ -67,65 +71,48 @@ class ExtendedModules:
         Yields:
             Nothing; run the closure inside.
         """
-        # BackPACK holds every extended module's output during its pass, so no
-        # address is reused before the loss runs.
-        outputs: dict[int, list[Module]] = {}
-        sources: list[Module] = []
-        losses = 0
+        outputs = ModuleOutputs()
 
         def record(module: Module, inputs: tuple, output: Tensor) -> None:
-            nonlocal losses
             if not getattr(module, EXTENDED_FLAG, False):
                 return
             self._modules.add(module)
             if isinstance(module, _BatchNorm):
                 self.batch_norms.add(module)
             if isinstance(module, _Loss):
-                losses += 1
-                if inputs and isinstance(inputs[0], Tensor):
-                    fed = outputs.get(inputs[0].data_ptr())
-                    if fed:  # the outermost module (a container's last layer shares it)
-                        sources.append(fed[-1])
+                source = check_loss_input(module, inputs, outputs)
+                if source is not None:
+                    self.loss_sources.add(source)
                 if on_loss is not None:
                     on_loss(module, inputs)
-            elif isinstance(output, Tensor):
-                outputs.setdefault(output.data_ptr(), []).append(module)
+            else:
+                outputs.add(module, inputs, output)
 
         handle = torch.nn.modules.module.register_module_forward_hook(record)
         try:
             yield
         finally:
             handle.remove()
-            if losses:
-                self.loss_sources = weakref.WeakSet(sources)
 
     @contextmanager
-    def tracking_outputs(self) -> Iterator[Callable[[tuple], bool]]:
+    def checking_loss_inputs(self) -> Iterator[Callable[[Module, tuple], None]]:
         """Note the outputs of :attr:`loss_sources` inside the block.
 
         Yields:
-            ``fed_by_model(inputs)``: whether a loss module's ``inputs`` start with
-            one of those outputs (by memory address, as BackPACK's pass keys its
-            quantities: a view of the output passes, ``model(x) / 2`` does not);
-            always true when no recorded pass saw a loss take a module's output.
+            ``check(loss, inputs)``: :func:`check_loss_input` against those outputs.
+            An input of another origin (a head that no refresh saw feed a loss)
+            passes: the next refresh's pass checks it.
         """
-        sources = list(self.loss_sources)
-        seen: set[int] = set()
+        outputs = ModuleOutputs()
+        handles = [
+            module.register_forward_hook(outputs.add) for module in self.loss_sources
+        ]
 
-        def note(module: Module, inputs: tuple, output: Any) -> None:
-            if isinstance(output, Tensor):
-                seen.add(output.data_ptr())
+        def check(loss: Module, inputs: tuple) -> None:
+            check_loss_input(loss, inputs, outputs)
 
-        def fed_by_model(inputs: tuple) -> bool:
-            if not sources:
-                return True
-            return bool(inputs) and (
-                isinstance(inputs[0], Tensor) and inputs[0].data_ptr() in seen
-            )
-
-        handles = [module.register_forward_hook(note) for module in sources]
         try:
-            yield fed_by_model
+            yield check
         finally:
             for handle in handles:
                 handle.remove()
@@ -189,6 +176,74 @@ class ExtendedModules:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+GRAPH_SEARCH_LIMIT = 32
+"""Autograd nodes searched from a loss's input for a module's output (the operations
+between a model and its loss are few)."""
+
+
+class ModuleOutputs:
+    """The outputs of the modules seen in one pass: their addresses and nodes.
+
+    The autograd nodes are held until the pass ends (they are the graph's anyway).
+    """
+
+    def __init__(self) -> None:
+        """Start with no output."""
+        self.modules: dict[int, Module] = {}
+        """The last module (a container after its last layer) of each address."""
+        self._nodes: dict[int, Any] = {}
+
+    def add(self, module: Module, inputs: tuple, output: Any) -> None:
+        """Note a module's output (a forward hook's signature)."""
+        if isinstance(output, Tensor):
+            self.modules[output.data_ptr()] = module
+            if output.grad_fn is not None:
+                self._nodes[id(output.grad_fn)] = output.grad_fn
+
+    def computed_from(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s autograd graph reaches one of the outputs (bounded)."""
+        frontier = [tensor.grad_fn]
+        for _ in range(GRAPH_SEARCH_LIMIT):
+            if not frontier:
+                return False
+            node = frontier.pop(0)
+            if node is None:
+                continue
+            if id(node) in self._nodes:
+                return True
+            frontier.extend(following for following, _ in node.next_functions)
+        return False
+
+
+def check_loss_input(
+    loss: Module, inputs: tuple, outputs: ModuleOutputs
+) -> Module | None:
+    """Refuse a loss whose input was computed from a module's output by an operation.
+
+    BackPACK keys what it back-propagates by the memory of the loss's input and of
+    each module's output: the output itself and its views pass, ``model(x) / 2`` or
+    ``model(x)[keep]`` reach no module (BackPACK's error, or a wrong shape where a
+    freed address was reused).
+
+    Args:
+        loss: The loss module after its forward pass.
+        inputs: Its inputs.
+        outputs: The outputs of the modules seen in the pass.
+
+    Returns:
+        The module whose output the loss took, if it is among ``outputs``.
+
+    Raises:
+        RuntimeError: For an input computed from one of ``outputs``.
+    """
+    if not inputs or not isinstance(inputs[0], Tensor):
+        return None
+    source = outputs.modules.get(inputs[0].data_ptr())
+    if source is None and outputs.computed_from(inputs[0]):
+        raise RuntimeError(LOSS_INPUT_NOT_MODEL_OUTPUT.format(loss=type(loss).__name__))
+    return source
 
 
 def _pop(hooks: dict, function: object) -> dict:

@@ -25,14 +25,15 @@ NO_LOSS_MODULE = (
 )
 
 LOSS_INPUT_NOT_MODEL_OUTPUT = (
-    "DampedNewton refused the step: {loss} took something other than the output of "
-    "the model that the last curvature refresh saw (an operation between the model "
-    "and the loss, such as model(inputs) / 2, indexing or torch.relu, or another "
-    "model), so the gradient and the curvature would describe different losses "
-    "(the next refresh's BackPACK pass would refuse it too); parameters and "
+    "DampedNewton refused the step: {loss} took the model's output through an "
+    "operation (such as model(inputs) / 2, indexing or torch.relu, or the autograd "
+    "function that DistributedDataParallel puts there with find_unused_parameters="
+    "True or static_graph=True), which BackPACK's curvature cannot pass, so the "
+    "gradient and the curvature would describe different losses; parameters and "
     "optimizer state unchanged. Pass the model's output to the loss module as it "
-    "is, and put such operations inside the model as modules (nn.ReLU, nn.Flatten, "
-    "...) in an nn.Sequential."
+    "is, put such operations inside the model as modules (nn.ReLU, nn.Flatten, ...) "
+    "in an nn.Sequential, and leave DistributedDataParallel's options at their "
+    "defaults."
 )
 
 

@@ -207,3 +207,18 @@ def test_replicas_that_start_apart_are_refused_unless_ddp_aligns_them(ddp, tmp_p
         else:
             assert "the ranks' parameters differ" in rank["errors"][0]
     assert ddp == torch.equal(ranks[0]["history"][-1], ranks[1]["history"][-1])
+
+
+@pytest.mark.parametrize("ddp_option", ["find_unused_parameters", "static_graph"])
+def test_ddp_options_that_wrap_the_output_are_refused_with_the_fix(
+    ddp_option, tmp_path
+):
+    """DDP's own autograd function between model and loss hides the output.
+
+    Refused at the loss's forward pass on every rank, naming the option; no step.
+    """
+    job = Job(steps=1, ddp=True, ddp_options={ddp_option: True}, options=KRONECKER)
+    for rank in spawn(job, 2, tmp_path):
+        assert "took the model's output through an operation" in rank["errors"][0]
+        assert f"{ddp_option}=True" in rank["errors"][0]
+        assert torch.equal(rank["history"][0], rank["initial"])

@@ -50,6 +50,7 @@ class Job:
         options: Keyword arguments of :class:`DampedNewton` besides the defaults here.
         ddp: Wrap the model in ``DistributedDataParallel`` (else average gradients in
             the closure by hand).
+        ddp_options: Keyword arguments of ``DistributedDataParallel``.
         nan_rank: Rank whose inputs are NaN at step ``nan_step`` (``None``: none).
         nan_step: See ``nan_rank``.
         resume_at: Save on rank 0 after this many steps, load on every rank into a
@@ -74,6 +75,7 @@ class Job:
     steps: int = 2
     options: dict[str, Any] = field(default_factory=dict)
     ddp: bool = False
+    ddp_options: dict[str, Any] = field(default_factory=dict)
     nan_rank: int | None = None
     nan_step: int = 1
     resume_at: int | None = None
@@ -263,9 +265,12 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
     if job.apart and rank == 1:
         with torch.no_grad():
             next(model.parameters())[0] += 1e-3
-    stepped: nn.Module = DistributedDataParallel(model) if job.ddp else model
+    stepped: nn.Module = (
+        DistributedDataParallel(model, **job.ddp_options) if job.ddp else model
+    )
     optimizer = make_optimizer(model, job.options)
     loss_fn = make_loss(job.model)
+    initial = _flat(model)
     history, losses, skipped, sent, errors = [], [], [], [], []
     resumed: tuple[nn.Module, DampedNewton] | None = None
     resumed_history = []
@@ -303,6 +308,7 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
         "resumed": resumed_history,
         "communication_bytes": sent,
         "errors": errors,
+        "initial": initial,
     }
 
 
