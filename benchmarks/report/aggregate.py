@@ -173,6 +173,21 @@ class Tuned:
     edges: dict[str, str]
 
 
+def describing_run(runs: Iterable[RunResult]) -> RunResult:
+    """The run whose record names the problem's metric, direction and targets.
+
+    The first run that trained (a failed job records none of them), else the first.
+
+    Args:
+        runs: Runs of one problem (at least one).
+
+    Returns:
+        That run.
+    """
+    runs = list(runs)
+    return next((r for r in runs if r.maximize is not None), runs[0])
+
+
 def tune(settings: Iterable[Setting]) -> dict[tuple[str, str], Tuned]:
     """Pick the best setting of every (problem, optimizer) pair.
 

@@ -28,7 +28,7 @@ def load_results(sweep_dir: Path) -> list[RunResult]:
     Raises:
         FileNotFoundError: If there is no result file.
     """
-    paths = sorted(Path(sweep_dir).rglob(RESULT_FILE), key=_job_order)
+    paths = sorted(Path(sweep_dir).rglob(RESULT_FILE), key=job_order)
     if not paths:
         raise FileNotFoundError(
             f"No {RESULT_FILE} below {sweep_dir}: run `python -m benchmarks.run "
@@ -54,7 +54,7 @@ def load_results(sweep_dir: Path) -> list[RunResult]:
     return distinguish_protocols(ran)
 
 
-def _job_order(path: Path) -> tuple:
+def job_order(path: Path) -> tuple:
     """Sort key of a result file: job folders by number (2 before 10), then name."""
     return tuple(
         (0, int(part), "") if part.isdigit() else (1, 0, part)

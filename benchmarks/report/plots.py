@@ -18,7 +18,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from benchmarks.report.aggregate import Setting, Tuned
+from benchmarks.report.aggregate import Setting, Tuned, describing_run
 from benchmarks.sweep.result import RunResult, recorded
 
 #: A sensitivity curve whose means differ by less than this fraction is flat.
@@ -165,6 +165,14 @@ def _value_axis(values: Sequence[float]) -> str:
     return "log" if spans_decades else "linear"
 
 
+def numeric_grid(choice: Tuned, key: str) -> bool:
+    """Whether ``choice`` varied ``key`` over numbers (a sensitivity plot's axis)."""
+    values = choice.grid.get(key, [])
+    return bool(values) and all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in values
+    )
+
+
 def _lm_start_value(key: str, choice: Tuned) -> bool:
     """Whether ``key`` is Levenberg-Marquardt's start value of the damping."""
     policy = choice.best.hyperparameters.get("damping._target_", "")
@@ -194,7 +202,8 @@ def _final_metrics(
         ),
         key=lambda point: point[0],
     )
-    finals = np.full((max(len(s.runs) for _, s in points), len(points)), np.nan)
+    seeds = max((len(s.runs) for _, s in points), default=0)
+    finals = np.full((seeds, len(points)), np.nan)
     for column, (_, setting) in enumerate(points):
         metrics = [recorded(r.final, "final").test_metric for r in setting.ok_runs]
         finals[: len(metrics), column] = metrics
@@ -214,17 +223,22 @@ def sensitivity_figure(problem: str, key: str, tuned: dict[str, Tuned]) -> Figur
         problem: Problem name (title).
         key: The hyperparameter on the x-axis (e.g. ``"lr"``).
         tuned: Optimizer name → its tuned setting on this problem (only optimizers
-            that varied ``key`` are drawn).
+            that varied ``key`` over numbers are drawn).
 
     Returns:
         The figure.
     """
     figure = Figure(figsize=(6, 4), layout="constrained")
     ax = figure.subplots()
-    varied = {o: choice for o, choice in tuned.items() if key in choice.grid}
+    varied = {o: choice for o, choice in tuned.items() if numeric_grid(choice, key)}
     first = next(iter(varied.values()), None)
-    metric = (first.best.runs[0].metric or "metric") if first else "metric"
-    log = first is not None and not first.best.maximize  # a loss spans decades
+    described = (
+        describing_run(r for t in varied.values() for r in t.best.runs)
+        if first
+        else None
+    )
+    metric = (described.metric or "metric") if described else "metric"
+    log = described is not None and described.maximize is False  # a loss spans decades
     drawn = []
     for optimizer, choice in varied.items():
         x, finals, crosses = _final_metrics(key, choice)

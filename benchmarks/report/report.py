@@ -17,13 +17,19 @@ from pathlib import Path
 from benchmarks.report.aggregate import (
     Setting,
     Tuned,
+    describing_run,
     fastest_to_target,
     group_settings,
     step_time_ratio,
     tune,
 )
 from benchmarks.report.loading import load_results
-from benchmarks.report.plots import plot_curves, plot_sensitivity, plot_step_cost
+from benchmarks.report.plots import (
+    numeric_grid,
+    plot_curves,
+    plot_sensitivity,
+    plot_step_cost,
+)
 from benchmarks.report.runs_csv import write_csv
 from benchmarks.report.text import (
     format_hyperparameters,
@@ -160,10 +166,10 @@ def problem_table(
     Returns:
         Markdown text.
     """
-    first = next(r for t in tuned.values() for r in t.best.runs)
+    first = describing_run(r for t in tuned.values() for r in t.best.runs)
     config = first.config.get("problem", {})
     metric = first.metric or config.get("metric", "metric")
-    direction = "higher" if next(iter(tuned.values())).best.maximize else "lower"
+    direction = "lower" if first.maximize is False else "higher"
     targets = first.targets
     parallel = any(
         r.world_size > 1 for s in settings if s.problem == problem for r in s.runs
@@ -327,7 +333,8 @@ def write_report(sweep_dir: Path) -> dict[str, Path]:
             tuned,
             out / f"curves_{re.sub(r'[^A-Za-z0-9_.=-]+', '_', problem)}.png",
         )
-        for key in sorted({k for t in tuned.values() for k in t.grid}):
+        numeric = {k for t in tuned.values() for k in t.grid if numeric_grid(t, k)}
+        for key in sorted(numeric):  # lists or names varied: no axis to plot on
             name = f"sensitivity_{problem}_{key}"
             paths[name] = plot_sensitivity(problem, key, tuned, out / f"{name}.png")
     paths["step_cost"] = plot_step_cost(settings, out / "step_cost.png")

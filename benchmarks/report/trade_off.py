@@ -17,6 +17,7 @@ from benchmarks.report.aggregate import (
     FastestToTarget,
     Setting,
     Tuned,
+    describing_run,
     fastest_to_target,
     step_time_ratio,
 )
@@ -37,8 +38,13 @@ def _compare(theirs: float, ours: float, better: str, worse: str, even: str) -> 
         even: Text for a ratio within 5 % of 1.
 
     Returns:
-        The text, the factor to 2 significant digits.
+        The text, the factor to 2 significant digits (``∞`` where one value is 0:
+        a target the initial model met).
     """
+    if theirs == ours:
+        return even
+    if ours == 0 or theirs == 0:
+        return (better if ours == 0 else worse).format(x="∞")
     ratio = theirs / ours
     if math.isclose(ratio, 1.0, rel_tol=0.05):
         return even
@@ -97,7 +103,7 @@ def trade_off(
         return None
     name, choice = max(ours.items(), key=lambda item: item[1].best.score())
     rival_name, rival = max(others.items(), key=lambda item: item[1].best.score())
-    first = choice.best.runs[0]
+    first = describing_run(r for t in tuned.values() for r in t.best.runs)
     metric, targets = first.metric or "metric", first.targets
     final, _ = choice.best.final("test_metric")
     rival_final, _ = rival.best.final("test_metric")
@@ -106,6 +112,9 @@ def trade_off(
         f"{format_number(rival_final)} for {rival_name}, the best other optimizer."
     )
     reached = [i for i in range(len(targets)) if _figures(choice, i)[0].reached]
+    # A target the initial model meets (0 steps: every optimizer starts from it)
+    # says nothing; the hardest one it had to train for does.
+    trained = [i for i in reached if _figures(choice, i)[0].value > 0]
     if not reached:
         cost = step_time_ratio(settings, problem, name, rival_name)
         return (
@@ -113,7 +122,7 @@ def trade_off(
             f"({', '.join(f'{t:g}' for t in targets)}) on the median seed, and one "
             f"step costs {format_number(cost, 2)}× one {rival_name} step. " + ending
         )
-    index = reached[-1]
+    index = (trained or reached)[-1]
     steps, seconds = _figures(choice, index)
     lead = (
         f"On {problem}, {name} reached test {metric} {targets[index]:g} in "

@@ -25,11 +25,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from benchmarks.report.aggregate import Tuned, group_settings, tune
+from benchmarks.report.loading import distinguish_protocols, job_order
 from benchmarks.sweep.callbacks import summary_line
 from benchmarks.sweep.config_dict import config_dict
 from benchmarks.sweep.data_parallel import launched_rank
 from benchmarks.sweep.job import run_job
-from benchmarks.sweep.result import RunResult
+from benchmarks.sweep.result import RESULT_FILE, RunResult
 from benchmarks.sweep.resume import sweep_results
 
 #: Ratio between neighbouring grid values: half a decade.
@@ -159,9 +160,13 @@ def plan_round(sweep_dir: Path, round_: int, rounds: int) -> list[ExtensionJob]:
         for number, result in sweep_results(sweep_dir).items()
         if _before_round(result, round_)
     }
-    trained = sorted(  # in the order of loading.load_results
-        (result for result in earlier.values() if result.status != "skipped"),
-        key=lambda result: Path(str(result.job_dir)),
+    # As the report sees them: in loading.load_results' order (ties between
+    # settings go the same way), each problem setting tuned apart.
+    trained = distinguish_protocols(
+        sorted(
+            (result for result in earlier.values() if result.status != "skipped"),
+            key=lambda result: job_order(Path(str(result.job_dir)) / RESULT_FILE),
+        )
     )
     jobs = []
     number = max(earlier, default=-1) + 1

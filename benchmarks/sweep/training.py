@@ -183,7 +183,15 @@ def _step(
             return math.nan
     else:
         closure()
-        optimizer.step()
+        try:
+            optimizer.step()
+        except Exception:
+            # An optimizer that raises on a non-finite gradient (a NaN matrix's
+            # decomposition) diverged, as one whose loss turns NaN; the loss is read
+            # only then (one host read a step otherwise, after the step).
+            if math.isfinite(losses[0].item()):
+                raise
+            return math.nan
     return losses[0].item()
 
 

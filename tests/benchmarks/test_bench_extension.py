@@ -13,7 +13,12 @@ import pytest
 
 from benchmarks.report.aggregate import group_settings, tune
 from benchmarks.report.loading import load_results
-from benchmarks.sweep.grid_extension import FACTOR, extend_sweep, extensions
+from benchmarks.sweep.grid_extension import (
+    FACTOR,
+    extend_sweep,
+    extensions,
+    plan_round,
+)
 from benchmarks.sweep.result import RunResult
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,6 +65,57 @@ def test_no_extension_for_integer_negative_or_incomplete_grids():
         result(0.1, 0, None, status="diverged"),
     ]
     assert found(integers) == found(negative) == found(diverged) == []
+
+
+def _written(tmp_path: Path, finals: dict[tuple[int, float], float], seeds: int):
+    """Results of SGD on problem ``p`` in numbered job folders, one per run.
+
+    ``finals`` maps ``(batch size, learning rate)`` to the final accuracy.
+    """
+    number = 0
+    for (batch_size, lr), final in finals.items():
+        for seed in range(seeds):
+            run = result(lr, seed, final)
+            run.config = {
+                "problem": {"name": "p", "batch_size": batch_size},
+                "optimizer": {"lr": lr},
+                "seed": seed,
+            }
+            run.write(tmp_path / str(number))
+            number += 1
+
+
+def _planned(tmp_path: Path) -> list[tuple[int, float]]:
+    return [
+        (job.config["problem"]["batch_size"], job.config["optimizer"]["lr"])
+        for job in plan_round(tmp_path, 1, 1)
+    ]
+
+
+def test_each_problem_setting_is_extended_at_its_own_edge(tmp_path):
+    """A sweep over a problem setting is tuned per setting, as the report does."""
+    finals = {(16, 0.1): 0.95, (16, 1.0): 0.9, (64, 0.1): 0.8, (64, 1.0): 0.96}
+    _written(tmp_path, finals, seeds=2)
+    assert sorted(_planned(tmp_path)) == [
+        (16, pytest.approx(0.1 / FACTOR)),
+        (16, pytest.approx(0.1 / FACTOR)),
+        (64, pytest.approx(1.0 * FACTOR)),
+        (64, pytest.approx(1.0 * FACTOR)),
+    ]
+
+
+def test_a_tie_is_broken_as_the_report_breaks_it(tmp_path):
+    """Jobs 0–17: learning rates 0.03 (jobs 3–5) and 3 (jobs 15–17) tie at the top.
+
+    The report tunes in job order (2 before 10) and keeps the first, 0.03, inside
+    the grid: nothing to extend (in text order, 15–17 came before 3–5: 3 was tuned
+    and extended).
+    """
+    lrs = {0.01: 0.5, 0.03: 0.9, 0.1: 0.8, 0.3: 0.7, 1.0: 0.6, 3.0: 0.9}
+    _written(tmp_path, {(8, lr): final for lr, final in lrs.items()}, seeds=3)
+    tuned = tune(group_settings(load_results(tmp_path)))[("p", "sgd")]
+    assert tuned.best.hyperparameters["lr"] == 0.03
+    assert _planned(tmp_path) == []
 
 
 def test_zero_rounds_run_nothing(tmp_path):

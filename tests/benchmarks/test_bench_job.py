@@ -186,6 +186,25 @@ def test_a_non_finite_step_refused_by_dampednewton_is_diverged(
     assert result["curves"]["step"][0] == 0 and result["steps_taken"] < 60
 
 
+def test_an_optimizer_that_raises_on_a_non_finite_gradient_diverged(
+    compose_config, tmp_path
+):
+    """torch-optimizer's Shampoo decomposes a NaN matrix and raises: a divergence."""
+    summary, result = _job(
+        compose_config,
+        tmp_path,
+        [
+            "problem=digits_mlp",
+            "problem.steps=20",
+            "problem.eval_every=20",
+            "optimizer=shampoo",
+            "optimizer.lr=1e38",
+        ],
+    )
+    assert result["status"] == "diverged" and summary.status == "diverged"
+    assert result["divergence"].startswith("non-finite mini-batch loss or step")
+
+
 def test_chance_threshold_is_a_fraction_of_the_gap_to_one():
     protocol = Protocol("accuracy", (), 1, 1, 1, chance_margin=0.15)
     assert protocol.chance_threshold(10) == pytest.approx(0.1 + 0.15 * 0.9)

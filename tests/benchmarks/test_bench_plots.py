@@ -11,6 +11,7 @@ import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from benchmarks.report.aggregate import group_settings, tune
+from benchmarks.report.loading import load_results
 from benchmarks.report.plots import (
     curves_figure,
     seed_band,
@@ -18,7 +19,7 @@ from benchmarks.report.plots import (
     step_cost_figure,
 )
 from benchmarks.report.report import write_report
-from benchmarks.sweep.result import RunResult
+from benchmarks.sweep.result import FinalMetrics, RunResult
 
 LM = "dampednewton.LevenbergMarquardt"
 
@@ -184,3 +185,23 @@ def test_report_of_a_sweep_whose_jobs_all_failed(tmp_path):
     assert "| sgd | " in paths["markdown"].read_text()
     for name in ("curves_digits_logreg", "sensitivity_digits_logreg_lr", "step_cost"):
         assert paths[name].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_setting_varied_over_lists_gets_no_sensitivity_plot(tmp_path):
+    """Muon's betas as a grid of pairs: the report plots the numbers only."""
+    for number, (betas, lr) in enumerate(
+        (b, lr) for b in ([0.9, 0.95], [0.9, 0.999]) for lr in (0.01, 0.1)
+    ):
+        final = 1.0 + lr + betas[1]
+        run = result("muon", {"adamw_betas": betas, "lr": lr}, 0, final)
+        run.best_test_metric = final
+        run.final = FinalMetrics(test_metric=final, train_loss=final, test_loss=final)
+        run.write(tmp_path / str(number))
+    tuned = tuned_on(load_results(tmp_path))
+    assert set(tuned["muon"].grid) == {"adamw_betas", "lr"}
+    figure = sensitivity_figure("noisy_quadratic", "adamw_betas", tuned)
+    assert len(figure.axes[0].lines) == 0
+
+    paths = write_report(tmp_path)
+    assert paths["sensitivity_noisy_quadratic_lr"].read_bytes()[:4] == b"\x89PNG"
+    assert "sensitivity_noisy_quadratic_adamw_betas" not in paths

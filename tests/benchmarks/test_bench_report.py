@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from benchmarks.report.aggregate import group_settings, tune
 from benchmarks.report.report import problem_table
+from benchmarks.report.trade_off import trade_off
+from benchmarks.sweep.result import RunResult
 from tests.benchmarks.made_results import made_result
 
 
@@ -26,3 +28,42 @@ def test_table_gives_every_optimizer_its_grids_fastest_run_to_each_target():
         "| soap | 10 (lr=0.003, 2/2) | 0.1 (lr=0.003, 2/2) | 40 (lr=0.01, 2/2) | "
         "0.4 (lr=0.01, 2/2) |"
     ) in table
+
+
+def _run_of(optimizer: str, status: str, final: float | None = None) -> RunResult:
+    """A run on problem ``q`` (a loss, lower is better); a failed one records less."""
+    record = {
+        "problem": "q",
+        "optimizer": optimizer,
+        "seed": 0,
+        "status": status,
+        "config": {"problem": {"steps": 20, "batch_size": 128, "eval_every": 10}},
+    }
+    if status == "ok":
+        record.update(
+            hyperparameters={"lr": 0.01},
+            maximize=False,
+            metric="loss",
+            targets=[400.0, 87.0],
+            final={"test_metric": final, "test_loss": final, "train_loss": final},
+            best={"test_metric": final},
+            steps_to_target=[10, 20],
+            time_to_target=[0.01, 0.02],
+            step_time={"median": 0.001},
+        )
+    else:
+        record["error"] = "ValueError: Muon needs a hidden weight matrix"
+    return RunResult.from_json(record)
+
+
+def test_a_failed_first_optimizer_leaves_the_metric_and_targets_to_the_others():
+    """Muon failed on the model: the table still names the loss and the targets."""
+    runs = [_run_of("muon", "failed"), _run_of("sgd", "ok", 80.0)]
+    runs.append(_run_of("dampednewton", "ok", 90.0))
+    settings = group_settings(runs)
+    tuned = {optimizer: t for (_, optimizer), t in tune(settings).items()}
+    assert next(iter(tuned)) == "muon"
+    table = problem_table("q", tuned, settings)
+    assert "Test metric: loss (lower is better), targets 400, 87" in table
+    assert "| steps to 87 | time to 87 [s] |" in table
+    assert "reached test loss 87 in 20 steps" in trade_off("q", tuned, settings)
