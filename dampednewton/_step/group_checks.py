@@ -33,7 +33,11 @@ GRAM_ONLY_OPTIONS = ("criterion", "complement", "newton_fraction")
 
 
 def warn_ignored_options(
-    basis: Any, gram_options: Mapping[str, Any], where: str = "", stacklevel: int = 3
+    basis: Any,
+    gram_options: Mapping[str, Any],
+    averaging: Any = None,
+    where: str = "",
+    stacklevel: int = 3,
 ) -> None:
     """Warn about the Gram basis' options given to the Kronecker basis.
 
@@ -41,6 +45,8 @@ def warn_ignored_options(
         basis: The basis they were given with.
         gram_options: ``criterion``, ``complement``, ``newton_fraction`` as given
             (:data:`BASIS_DEFAULT` when not).
+        averaging: The group's averaging (its ``rank`` truncates the Gram basis'
+            averaged factor only).
         where: Where they were given, e.g. ``" in parameter group 1"``.
         stacklevel: ``warnings.warn``'s, counted from this function.
     """
@@ -49,6 +55,8 @@ def warn_ignored_options(
     given = sorted(
         name for name, value in gram_options.items() if value is not BASIS_DEFAULT
     )
+    if getattr(averaging, "rank", None) is not None:
+        given.append("averaging's rank")
     if given:
         warnings.warn(
             f"Options of the Gram basis' directions ({', '.join(given)}){where} have "
@@ -139,4 +147,6 @@ def check_added_group(
         raise
     where = f" in parameter group {len(param_groups) - 1}"
     warn_unknown_keys(group, defaults, where, stacklevel + 1)
-    warn_ignored_options(group["basis"], gram_options, where, stacklevel + 1)
+    warn_ignored_options(
+        group["basis"], gram_options, group["averaging"], where, stacklevel + 1
+    )

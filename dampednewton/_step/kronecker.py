@@ -145,6 +145,8 @@ class KroneckerSteps:
             or option.averaging.refreshes(step, group.get(UPDATES, 0))
             for option, group in zip(options, stats, strict=True)
         ]
+        # An adaptive damping adapts on refreshes only: its model's curvature then.
+        with_curvature = with_curvature and any(refreshing)
         params = [p for group in groups for p in group["params"]]
         extensions: list = []
         hooks: list = []
@@ -264,10 +266,11 @@ class KroneckerSteps:
             if result is not None:
                 _apply(result, option, state, scale)
                 for first, moments in result.moments:
-                    state[first].update(moment_entries(moments))
+                    if first.grad is not None:  # an unused layer's stay, as Adam's
+                        state[first].update(moment_entries(moments))
                 if result.moments:
                     group_stats[MOMENTS_REFRESH] = group_stats[UPDATES]
-        return KroneckerPass(loss, steps, scales, record, True)
+        return KroneckerPass(loss, steps, scales, record, True, bool(fresh))
 
     def _group_step(
         self,
@@ -368,6 +371,8 @@ class KroneckerPass:
         scales: Every group's trust-region scale ``ν``.
         record: The diagnostics monitor's record of the step, if it was active.
         accepted: Whether the step was taken (``False``: refused).
+        refreshed: Whether a group's curvature was refreshed (an adaptive damping
+            adapts on such steps only).
     """
 
     loss: Tensor
@@ -375,6 +380,7 @@ class KroneckerPass:
     scales: list[float]
     record: dict | None
     accepted: bool
+    refreshed: bool = False
 
 
 def _apply(

@@ -21,10 +21,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dampednewton._step.kronecker_averages import (
+    averaged,
+    bias_corrected,
+    corrections,
+    first_parameter,
+    layer_refreshes,
+    stored_average,
+)
 from dampednewton._step.kronecker_group import LayerBatch
 from dampednewton._step.kronecker_state import (
     INPUT_EIGEN,
     INPUT_FACTOR,
+    LAYER_REFRESHES,
     LAYERS,
     OUTPUT_EIGEN,
     OUTPUT_FACTOR,
@@ -59,11 +68,13 @@ class RefreshedBatch:
         batch: The layers and their eigenpairs (stacked for several layers).
         inputs: The new averaged ``A`` factors ``[(L,) d_in (+1), d_in (+1)]``.
         outputs: The new averaged ``S`` factors ``[(L,) d_out, d_out]``.
+        refreshes: The refreshes each layer's new average holds.
     """
 
     batch: LayerBatch
     inputs: Tensor
     outputs: Tensor
+    refreshes: tuple[int, ...]
 
 
 def refreshed_layers(
@@ -93,10 +104,11 @@ def refreshed_layers(
         covered.update(id(p) for p in (layer.weight, layer.bias) if p is not None)
         shapes.setdefault(_shape_key(layer), []).append(layer)
     for param in group["params"]:
-        # A parameter this step's forward pass did not use has no gradient either:
-        # it keeps its factors and does not move.
-        unused = param.grad is None
-        if param.requires_grad and not unused and id(param) not in covered:
+        # A parameter this step's forward pass did not use has no gradient either
+        # (or zeros, after zero_grad(set_to_none=False)): it keeps its factors.
+        if not param.requires_grad or id(param) in covered or param.grad is None:
+            continue
+        if param.grad.any():  # a host read, on this path only
             raise RuntimeError(
                 "No curvature reached a parameter of shape "
                 f"{tuple(param.shape)}: extend model and loss function with BackPACK "
@@ -104,8 +116,11 @@ def refreshed_layers(
                 "loss_fn)`), call `loss.backward()` in the closure and use every "
                 "parameter in the forward pass. " + COMPILE_HINT
             )
+    counts = layer_refreshes(group, stats)
+    # Without averaging the factors are this batch's: every refresh decomposes them.
+    rotate = decay == 0 or basis_policy.rotates(stats.get(UPDATES, 0))
     return [
-        _refreshed_batch(members, state, basis_policy, decay, stats.get(UPDATES, 0))
+        _refreshed_batch(members, state, basis_policy, decay, counts, rotate)
         for members in shapes.values()
     ]
 
@@ -148,18 +163,24 @@ def _refreshed_batch(
     state: Any,
     basis: KroneckerBasis,
     decay: float,
-    refreshes: int,
+    counts: Mapping[int, int],
+    rotate: bool,
 ) -> RefreshedBatch:
     """Average and decompose the factors of layers of one shape together.
 
-    A layer without stored factors (new to the group, or whose factors changed
-    shape since: a bias frozen or unfrozen) starts its average at this refresh's
-    factors.
+    A layer without stored factors (new to the group, frozen at a refresh since, or
+    whose factors changed shape: a bias frozen or unfrozen) starts its average at
+    this refresh's factors (:func:`~._step.kronecker_averages.stored_average`).
     """
     means = [layer.mean() for layer in members]
+    firsts = [id(first_parameter(layer)) for layer in members]
     stored = [
-        _current(state[layer.weight if layer.weight is not None else layer.bias], mean)
-        for layer, mean in zip(members, means, strict=True)
+        stored_average(state[first_parameter(layer)], mean, first in counts)
+        for layer, mean, first in zip(members, means, firsts, strict=True)
+    ]
+    held = [
+        counts.get(first, 0) if entry else 0
+        for first, entry in zip(firsts, stored, strict=True)
     ]
     if len(members) == 1:
         inputs, outputs = means[0]
@@ -168,16 +189,16 @@ def _refreshed_batch(
         outputs = torch.stack([mean[1] for mean in means])
     # The eigenpairs are those of the bias-corrected averages (the eigenvectors of
     # the averages themselves): one division per factor.
-    correction = 1 - decay ** (refreshes + 1)
+    correction = corrections(decay, held)
     if decay > 0:
-        inputs = _averaged(inputs, stored, INPUT_FACTOR, decay, correction)
-        outputs = _averaged(outputs, stored, OUTPUT_FACTOR, decay, correction)
+        inputs = averaged(inputs, stored, INPUT_FACTOR, decay, correction)
+        outputs = averaged(outputs, stored, OUTPUT_FACTOR, decay, correction)
     output_eigen, input_eigen = decomposed(
         basis,
         stored,
-        inputs if correction == 1 else inputs / correction,
-        outputs if correction == 1 else outputs / correction,
-        refreshes,
+        bias_corrected(inputs, correction),
+        bias_corrected(outputs, correction),
+        rotate,
     )
     if len(members) == 1:
         each = [(output_eigen, input_eigen)]
@@ -192,46 +213,10 @@ def _refreshed_batch(
         for layer, (output, input_side) in zip(members, each, strict=True)
     ]
     return RefreshedBatch(
-        LayerBatch(layers, output_eigen, input_eigen), inputs, outputs
-    )
-
-
-def _current(entry: Mapping[str, Any], mean: tuple[Tensor, Tensor]) -> Mapping:
-    """A layer's stored state, or none where its factors' shapes are not the mean's."""
-    inputs, outputs = entry.get(INPUT_FACTOR), entry.get(OUTPUT_FACTOR)
-    if inputs is None or outputs is None:
-        return entry
-    if inputs.shape == mean[0].shape and outputs.shape == mean[1].shape:
-        return entry
-    return {}
-
-
-def _averaged(
-    new: Tensor,
-    stored: Sequence[Mapping[str, Any]],
-    key: str,
-    decay: float,
-    correction: float,
-) -> Tensor:
-    """``βF + (1 − β)F_batch`` of stacked factors.
-
-    Where none is stored, ``correction·F_batch``: the bias-corrected average is then
-    this refresh's factor (at the first refresh ``correction = 1 − β``, ``F = 0``).
-    """
-    old = [entry.get(key) for entry in stored]
-    present = [factor for factor in old if factor is not None]
-    if not present:
-        return correction * new
-    if len(present) == len(old):
-        previous = present[0] if len(present) == 1 else torch.stack(present)
-        return torch.lerp(new, previous, decay)
-    return torch.stack(
-        [
-            correction * factor
-            if stored_factor is None
-            else torch.lerp(factor, stored_factor, decay)
-            for factor, stored_factor in zip(new.unbind(0), old, strict=True)
-        ]
+        LayerBatch(layers, output_eigen, input_eigen),
+        inputs,
+        outputs,
+        tuple(count + 1 for count in held),
     )
 
 
@@ -240,12 +225,13 @@ def decomposed(
     stored: Sequence[Mapping[str, Any]],
     inputs: Tensor,
     outputs: Tensor,
-    refreshes: int,
+    rotate: bool,
 ) -> tuple[FactorEigen, FactorEigen]:
     """Eigenpairs of layers' averaged factors ``(S, A)`` for this refresh.
 
-    Rotating refreshes (:meth:`KroneckerBasis.rotates`) decompose the factors anew;
-    the others refresh the eigenvalues along the stored eigenvectors. ``stored``
+    Rotating refreshes (``rotate``: :meth:`KroneckerBasis.rotates`, or every refresh
+    without averaging) decompose the factors anew; the others refresh the
+    eigenvalues along the stored eigenvectors. ``stored``
     holds each layer's state; with several layers the factors are stacked
     ``[L, d, d]`` and decomposed together, unless the layers' stored eigenpairs
     differ in kind (some stored, some not, or of other shapes): then each layer is
@@ -257,7 +243,7 @@ def decomposed(
     ]
     if len(previous) > 1 and not _alike(previous):
         each = [
-            decomposed(basis, [entry], input_side, output, refreshes)
+            decomposed(basis, [entry], input_side, output, rotate)
             for entry, output, input_side in zip(
                 stored, outputs.unbind(0), inputs.unbind(0), strict=True
             )
@@ -274,7 +260,7 @@ def decomposed(
             stacked_eigen(outputs_before),
             stacked_eigen(inputs_before),
         )
-    if output is None or input_eigen is None or basis.rotates(refreshes):
+    if output is None or input_eigen is None or rotate:
         return (
             factor_eigen(
                 outputs,
@@ -312,14 +298,16 @@ def commit_layers(
     (:func:`~dampednewton._step.kronecker_state.stored_bases`).
     """
     position = {id(p): i for i, p in enumerate(group["params"])}
+    counts = layer_refreshes(group, stats)
     pairs = []
+    held = []
     for entry in refreshed:
         batch = entry.batch
         stacked = batch.stacked
         inputs = entry.inputs.unbind(0) if stacked else (entry.inputs,)
         outputs = entry.outputs.unbind(0) if stacked else (entry.outputs,)
-        for basis, input_factor, output_factor in zip(
-            batch.layers, inputs, outputs, strict=True
+        for basis, input_factor, output_factor, count in zip(
+            batch.layers, inputs, outputs, entry.refreshes, strict=True
         ):
             state[basis.first].update(
                 {
@@ -335,6 +323,7 @@ def commit_layers(
                     None if basis.bias is None else position[id(basis.bias)],
                 )
             )
+            held.append(count)
     # A layer this step's forward pass did not use keeps its basis for the next steps.
     params = group["params"]
     refreshed_positions = {i for pair in pairs for i in pair if i is not None}
@@ -342,17 +331,15 @@ def commit_layers(
         pair
         for pair in stats.get(LAYERS, ())
         if refreshed_positions.isdisjoint(i for i in pair if i is not None)
-        and all(
-            params[i].requires_grad and params[i].grad is None
-            for i in pair
-            if i is not None
-        )
+        # unused (refreshed_layers refused a trainable one with a gradient)
+        and all(params[i].requires_grad for i in pair if i is not None)
     ]
     pairs += kept
+    held += [counts[id(params[i if i is not None else j])] for i, j in kept]
     # In the group's order of the parameters that hold each layer's state.
-    stats[LAYERS] = tuple(
-        sorted(pairs, key=lambda pair: pair[1] if pair[0] is None else pair[0])
-    )
+    ordered = sorted(zip(pairs, held, strict=True), key=lambda item: _holder(item[0]))
+    stats[LAYERS] = tuple(pair for pair, _ in ordered)
+    stats[LAYER_REFRESHES] = tuple(count for _, count in ordered)
     stats[UPDATES] = stats.get(UPDATES, 0) + 1
     stats["num_directions"] = sum(
         basis.output.values.numel() * basis.inputs.values.numel()
@@ -360,6 +347,14 @@ def commit_layers(
         for basis in entry.batch.layers
     )
     return None if kept else [entry.batch for entry in refreshed]
+
+
+def _holder(pair: tuple[int | None, int | None]) -> int:
+    """The index of the parameter that holds a layer's state (weight, else bias)."""
+    weight, bias = pair
+    index = bias if weight is None else weight
+    assert index is not None
+    return index
 
 
 def mean_over_ranks(

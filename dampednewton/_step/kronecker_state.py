@@ -36,7 +36,11 @@ STATE_KEYS = frozenset(
 )
 """Every per-parameter entry the Kronecker basis writes."""
 UPDATES = "curvature_updates"
-"""Group statistics: refreshes so far (the averages' ``t``)."""
+"""Group statistics: refreshes so far."""
+LAYER_REFRESHES = "kronecker_layer_refreshes"
+"""Group statistics: per layer of :data:`LAYERS`, the refreshes its averaged factors
+hold (its average's ``t``: fewer than the group's for a layer some refreshes did not
+see; absent in checkpoints of earlier versions, where every layer holds them all)."""
 
 
 def eigen_entries(prefix: str, eigen: FactorEigen) -> dict[str, Tensor]:

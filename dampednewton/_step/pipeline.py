@@ -304,7 +304,7 @@ class Pipeline:
                         ),
                     }
                 )
-        if adaptive:
+        if adaptive and taken.refreshed:  # as the Gram basis: on refreshes only
             multiples = [
                 o.lr * scale for o, scale in zip(options, taken.scales, strict=True)
             ]

@@ -297,7 +297,8 @@ def test_a_bias_frozen_or_unfrozen_restarts_its_layer_average(change):
         case.y,
         bias=change == "unfreeze",
     )
-    correction = 1 - decay**3
+    correction = 1 - decay  # the layer's first refresh, the group's third
+    assert optimizer.records["groups"][0]["kronecker_layer_refreshes"][-1] == 1
     state = optimizer.state[last.weight]
     assert_close(state[INPUT_FACTOR] / correction, inputs, rtol=1e-10, atol=1e-12)
     assert_close(state[OUTPUT_FACTOR] / correction, outputs, rtol=1e-10, atol=1e-12)

@@ -218,3 +218,32 @@ def test_a_policy_adapted_by_another_optimizer_is_refused(basis):
     with pytest.warns(UserWarning, match="adapted by an earlier DampedNewton"):
         second.step(make_closure(second, case.model, case.loss_fn, case.X, case.y))
     assert policy.updates == updates + 1
+
+
+@pytest.mark.parametrize("basis", [None, GramBasis()], ids=["kronecker", "gram"])
+def test_levenberg_marquardt_adapts_on_curvature_refreshes_only(basis):
+    """Both bases refresh at steps 0, 1, 3, 7: only those call the closure twice.
+
+    The second call (the loss at the moved parameters) is the adaptation's, so the
+    policy's ``interval`` counts refreshes (docs/usage.md).
+    """
+    case = build_case(PROBLEM["mlp-ce"])
+    damping = LevenbergMarquardt(value=3e-3, interval=1)
+    optimizer = DampedNewton(
+        case.model.parameters(),
+        seed=0,
+        damping=damping,
+        **({} if basis is None else {"basis": basis}),
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    calls = []
+
+    def counted() -> Tensor:
+        calls[-1] += 1
+        return closure()
+
+    for _ in range(10):
+        calls.append(0)
+        optimizer.step(counted)
+    assert [step for step, count in enumerate(calls) if count == 2] == [0, 1, 3, 7]
+    assert set(calls) == {1, 2} and damping.updates == 4

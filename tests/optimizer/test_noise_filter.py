@@ -241,3 +241,43 @@ def test_moments_start_anew_when_a_bias_is_frozen_or_unfrozen(change):
         1 - FILTER.beta1, rel=1e-14
     )
     optimizer.step(closure)
+
+
+def test_an_unused_layer_keeps_its_moments_as_adam_its_state():
+    """A step that leaves the first layer unused advances none of its moments.
+
+    Its ``.grad`` stays None: not between refreshes (step 2), not at a refresh
+    (step 3).
+    """
+    case = build_case(case_by_id("mlp-ce"))
+    optimizer = DampedNewton(
+        case.model.parameters(), seed=0, basis=KroneckerBasis(noise_filter=FILTER)
+    )
+    first, *rest = case.model
+    for step in range(5):
+        unused = step in (2, 3)
+        before = {
+            key: value.clone() for key, value in optimizer.state[first.weight].items()
+        }
+
+        def closure(unused: bool = unused) -> Tensor:
+            optimizer.zero_grad()
+            hidden = first(case.X)
+            loss = case.loss_fn(
+                torch.nn.Sequential(*rest)(hidden.detach() if unused else hidden),
+                case.y,
+            )
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+        moments = [key for key in before if key.startswith("noise_filter")]
+        if unused:
+            assert moments and all(
+                torch.equal(optimizer.state[first.weight][key], before[key])
+                for key in moments
+            )
+        elif moments:
+            assert not torch.equal(
+                optimizer.state[first.weight][moments[0]], before[moments[0]]
+            )

@@ -34,7 +34,10 @@ from tests.utils import (
 
 MLP_CE = PROBLEMS[0]
 ADAPTIVE = {
-    "kronecker": lambda: {"damping": LevenbergMarquardt(value=3e-3, interval=1)},
+    "kronecker-unaveraged": lambda: {
+        "averaging": None,
+        "damping": LevenbergMarquardt(value=3e-3, interval=1),
+    },
     "kronecker-at-refresh": lambda: {
         "damping": LevenbergMarquardt(value=3e-3, interval=1)
     },
@@ -49,15 +52,14 @@ ADAPTIVE = {
     },
 }
 GOOD_STEPS = {
-    "kronecker": 4,
+    "kronecker-unaveraged": 4,
     "kronecker-at-refresh": 3,
     "gram": 3,
     "gram-unaveraged": 4,
 }
-"""Steps before the failing one: the Kronecker step 4 reuses the bases of the
-refresh at 3, step 3 refreshes them (both cached beside the state); the averaged
-Gram basis adapts its damping only on a refresh (3), not on the steps along its
-frozen bases."""
+"""Steps before the failing one: both bases adapt their damping only on a refresh
+(the averaged ones' step 3, not the steps along their kept bases; without averaging
+every step, here step 4, whose bases replace those cached beside the state)."""
 
 
 class FlakyClosure:

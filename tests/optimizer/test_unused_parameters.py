@@ -24,12 +24,14 @@ MLP_CE = PROBLEMS[0]
 UNUSED_STEPS = (2, 3)  # between refreshes, then the refresh at step 3
 
 
-def _closure(optimizer: DampedNewton, case: Case, unused: bool) -> Callable[[], Tensor]:
+def _closure(
+    optimizer: DampedNewton, case: Case, unused: bool, set_to_none: bool = True
+) -> Callable[[], Tensor]:
     """The loss with the first layer's output detached (its parameters unused)."""
     first, *rest = case.model
 
     def closure() -> Tensor:
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         hidden = first(case.X)
         if unused:
             hidden = hidden.detach()
@@ -76,6 +78,32 @@ def test_an_unused_layer_keeps_its_values_and_curvature_and_steps_again():
     # Used again between refreshes (step 4), the layer steps along its kept basis;
     # the frozen twin's layer joins at the next refresh only.
     assert not torch.equal(first[0], twin.model[0].weight)
+
+
+def test_zeroed_gradients_of_an_unused_layer_keep_its_curvature_at_a_refresh():
+    """``zero_grad(set_to_none=False)``: zeros where a step does not reach.
+
+    The layer is unused all the same (its factors kept through the refresh at step
+    3), not refused as a layer no curvature reached.
+    """
+    case = build_case(MLP_CE)
+    optimizer = DampedNewton(case.model.parameters(), seed=0)
+    weight = case.model[0].weight
+    for step in range(5):
+        unused = step in UNUSED_STEPS
+        if unused:
+            factors = {
+                key: value.clone()
+                for key, value in optimizer.state[weight].items()
+                if key.startswith("kronecker_")
+            }
+        optimizer.step(_closure(optimizer, case, unused, set_to_none=False))
+        if unused:
+            assert weight.grad is not None and not weight.grad.any()
+            for key, value in factors.items():
+                assert torch.equal(optimizer.state[weight][key], value), key
+    # the first layer's average holds the refreshes of steps 0 and 1, the other's 3
+    assert optimizer.records["groups"][0]["kronecker_layer_refreshes"] == (2, 3)
 
 
 def test_a_gram_group_that_a_step_leaves_unused_takes_no_step():

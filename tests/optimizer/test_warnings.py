@@ -16,6 +16,7 @@ from backpack import backpack
 from packaging.version import Version
 
 from dampednewton import (
+    CurvatureAveraging,
     DampedNewton,
     EigvalshComputation,
     GramBasis,
@@ -187,14 +188,15 @@ def test_the_computations_keep_backpacks_own_warning():
         {"complement": None},
         {"complement": 0.5},
         {"newton_fraction": 0.3},
+        {"averaging": CurvatureAveraging(rank=4)},
     ],
-    ids=["criterion", "no-complement", "complement", "newton-fraction"],
+    ids=["criterion", "no-complement", "complement", "newton-fraction", "rank"],
 )
 def test_gram_options_given_to_the_kronecker_basis_warn(options):
     """They would do nothing; the defaults and the Gram basis stay silent."""
     params = [torch.nn.Parameter(torch.ones(2))]
-    name = next(iter(options))
-    with pytest.warns(UserWarning, match=rf"directions \({name}\) have no effect"):
+    name = "averaging's rank" if "averaging" in options else next(iter(options))
+    with pytest.warns(UserWarning, match=rf"directions \({name}\).* have no effect"):
         DampedNewton(params, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
