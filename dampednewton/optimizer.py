@@ -123,8 +123,9 @@ class DampedNewton(Optimizer):
             ``> 0``, or ``None`` for no complement step (default:
             ``SmallestCurvature()``).
         newton_fraction: ``φ`` in ``(0, 1]`` (*basis*: 1.0 / 0.3).
-        averaging: :class:`CurvatureAveraging` (needs a constant or
-            Levenberg-Marquardt damping), or ``None`` for this batch's curvature
+        averaging: :class:`CurvatureAveraging` (needs a damping that uses mean
+            slopes only: a number, ``ConstantDamping``, ``RelativeDamping``,
+            ``LevenbergMarquardt``), or ``None`` for this batch's curvature
             (*basis*: ``CurvatureAveraging(decay=0.95, interval=15)`` /
             ``CurvatureAveraging()``).
         kl_clip: ``κ > 0`` of the trust region, or ``None`` for none (*basis*:
@@ -270,8 +271,9 @@ class DampedNewton(Optimizer):
         Raises:
             RuntimeError: Without a closure, inside ``torch.inference_mode()``,
                 when the model or loss function is not
-                extended with BackPACK, or when the closure ran several backward
-                passes or did not zero the gradients.
+                extended with BackPACK, or when the closure back-propagated one
+                graph twice, ran several forward passes before their backward passes
+                or did not zero the gradients.
             ValueError: For invalid hyperparameters in a group, shared settings that
                 differ between groups, a loss without ``reduction='mean'``, or an
                 adaptive damping object that another optimizer adapts.

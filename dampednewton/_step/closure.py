@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
+from dampednewton._step.guard import BACKPROPAGATED_NONE, ClosureReturnedNone
 from dampednewton.backpack.backward import BackwardCheck, quiet_backward_hook_warning
 from dampednewton.backpack.hooks import ExtendedModules
 from dampednewton.backpack.loss_checks import DeferredChecks, check_plain_loss_call
@@ -99,6 +100,8 @@ def run_closure(
             ):
                 loss = closure()
     # A closure that returns None without a backward pass skips its batch.
+    if loss is None and check.ran_backward:
+        raise ClosureReturnedNone(BACKPROPAGATED_NONE, skipped=False)
     problem = None if loss is None else check.problem(accumulation)
     if problem is not None:
         raise RuntimeError(

@@ -56,6 +56,7 @@ from dampednewton.math.gram_space import (
     inverse_lengths,
     newton_coefficients,
 )
+from dampednewton.math.precision import source_dtype
 
 
 class StepFinisher:
@@ -127,7 +128,8 @@ class StepFinisher:
         options = block_of(block).options
         gram = block.reduced_gram
         finite = finite_flag(gram.diagonal())
-        directions = diagonalize(gram.where(finite, 0.0), options.criterion)
+        source = source_dtype(block.group["params"])
+        directions = diagonalize(gram.where(finite, 0.0), options.criterion, source)
         evals, gram_evecs = directions.evals, directions.gram_evecs
         positive, lengths = directions.positive, directions.lengths
         products = slope_products(block, self.per_sample_gradients)
@@ -220,7 +222,9 @@ class StepFinisher:
             basis_gram, cross.where(finite, 0.0), gram, averaging.decay
         )
         rank_kept = averaging.rank_for(group.options.criterion)
-        weights, mixing = leading_eigenpairs(small, rank_kept)
+        weights, mixing = leading_eigenpairs(
+            small, rank_kept, source_dtype(group.params)
+        )
         of_basis, of_batch = split_mixing(mixing, rank, averaging.decay)
         mapped = to_parameter_space(block, of_batch)
         basis = rotated_basis(previous.basis, mapped, of_basis)

@@ -124,10 +124,22 @@ def check_not_inference_mode() -> None:
 class ClosureReturnedNone(TypeError):
     """The closure returned ``None`` instead of the loss.
 
-    Without a backward pass (no gradient), Lightning's way to skip a batch
-    (``training_step`` returning ``None``): the step is skipped, as ``torch.optim``
-    skips parameters without gradients. Otherwise a mistake (a missing ``return``).
+    Without a backward pass, Lightning's way to skip a batch (``training_step``
+    returning ``None``): the step is skipped (:attr:`skipped`), as ``torch.optim``
+    skips parameters without gradients. After a backward pass a mistake (a missing
+    ``return``), raised to the caller.
     """
+
+    def __init__(self, message: str, skipped: bool) -> None:
+        """Keep whether the closure ran no backward pass (the batch is skipped)."""
+        super().__init__(message)
+        self.skipped = skipped
+
+
+BACKPROPAGATED_NONE = (
+    "The closure must return the loss tensor, got None after a backward pass (a "
+    "missing `return loss`?)."
+)
 
 
 def check_loss_type(loss: object) -> Tensor:
@@ -143,11 +155,8 @@ def check_loss_type(loss: object) -> Tensor:
         TypeError: If it is not a tensor.
         ValueError: If it is not a single number.
     """
-    if loss is None:
-        raise ClosureReturnedNone(
-            "The closure must return the loss tensor, got None (it back-propagated: "
-            "a missing `return loss`?)."
-        )
+    if loss is None:  # the closure ran no backward pass (else refused before)
+        raise ClosureReturnedNone("The closure skipped its batch.", skipped=True)
     if not isinstance(loss, Tensor):
         raise TypeError(
             f"The closure must return the loss tensor, got {type(loss).__name__}."

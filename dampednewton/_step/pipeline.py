@@ -163,9 +163,7 @@ class Pipeline:
         except BaseException as error:
             if rollback.restore(records[GLOBAL]["step"]):
                 self.clear()
-            if isinstance(error, ClosureReturnedNone) and all(
-                p.grad is None for p in params
-            ):
+            if isinstance(error, ClosureReturnedNone) and error.skipped:
                 return None  # a skipped batch: nothing back-propagated, nothing moves
             raise
 

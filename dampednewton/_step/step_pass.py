@@ -180,6 +180,8 @@ class StepPass:
                 return PassResult(loss, [None] * len(blocks), True, deferred)
             if engine is not None:
                 engine.reduce_kept()
+        elif loss is None:  # a skipped batch: no backward pass, nothing to reduce
+            return PassResult(loss, [None] * len(blocks), True, deferred)
         elif engine is not None:
             engine.reduce_kept()  # the micro-batches of gradient accumulation
         with torch.no_grad():

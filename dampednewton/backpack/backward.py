@@ -152,6 +152,11 @@ class BackwardCheck:
         self._handles = []
 
     @property
+    def ran_backward(self) -> bool:
+        """Whether a backward pass reached a parameter or started at a loss."""
+        return self.passes > 0 or self._loss_backwards > 0
+
+    @property
     def passes(self) -> int:
         """The most backward passes that delivered a gradient to one parameter."""
         return max(self._passes, default=0)

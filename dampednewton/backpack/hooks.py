@@ -26,7 +26,10 @@ from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
 
-from dampednewton.backpack.unsupported import LOSS_INPUT_NOT_MODEL_OUTPUT
+from dampednewton.backpack.unsupported import (
+    LOSS_INPUT_NOT_MODEL_OUTPUT,
+    LOSS_INPUT_PART_OF_OUTPUT,
+)
 
 EXTENDED_FLAG = "_backpack_extend"
 """The attribute ``backpack.extend`` sets on the modules it gave hooks."""
@@ -193,12 +196,15 @@ class ModuleOutputs:
         """Start with no output."""
         self.modules: dict[int, Module] = {}
         """The last module (a container after its last layer) of each address."""
+        self.shapes: dict[int, torch.Size] = {}
+        """The shape of that module's output."""
         self._nodes: dict[int, Any] = {}
 
     def add(self, module: Module, inputs: tuple, output: Any) -> None:
         """Note a module's output (a forward hook's signature)."""
         if isinstance(output, Tensor):
             self.modules[output.data_ptr()] = module
+            self.shapes[output.data_ptr()] = output.shape
             if output.grad_fn is not None:
                 self._nodes[id(output.grad_fn)] = output.grad_fn
 
@@ -225,7 +231,8 @@ def check_loss_input(
     BackPACK keys what it back-propagates by the memory of the loss's input and of
     each module's output: the output itself and its views pass, ``model(x) / 2`` or
     ``model(x)[keep]`` reach no module (BackPACK's error, or a wrong shape where a
-    freed address was reused).
+    freed address was reused), and a slice that starts at the output's memory
+    (``model(x)[:16]``, ``model(x)[:, :3]``) reaches it with the wrong shape.
 
     Args:
         loss: The loss module after its forward pass.
@@ -236,13 +243,23 @@ def check_loss_input(
         The module whose output the loss took, if it is among ``outputs``.
 
     Raises:
-        RuntimeError: For an input computed from one of ``outputs``.
+        RuntimeError: For an input computed from one of ``outputs``, or a part of
+            one.
     """
     if not inputs or not isinstance(inputs[0], Tensor):
         return None
-    source = outputs.modules.get(inputs[0].data_ptr())
+    address = inputs[0].data_ptr()
+    source = outputs.modules.get(address)
     if source is None and outputs.computed_from(inputs[0]):
         raise RuntimeError(LOSS_INPUT_NOT_MODEL_OUTPUT.format(loss=type(loss).__name__))
+    if source is not None and inputs[0].numel() != outputs.shapes[address].numel():
+        raise RuntimeError(
+            LOSS_INPUT_PART_OF_OUTPUT.format(
+                loss=type(loss).__name__,
+                taken=tuple(inputs[0].shape),
+                output=tuple(outputs.shapes[address]),
+            )
+        )
     return source
 
 

@@ -36,6 +36,14 @@ LOSS_INPUT_NOT_MODEL_OUTPUT = (
     "defaults."
 )
 
+LOSS_INPUT_PART_OF_OUTPUT = (
+    "DampedNewton refused the step: {loss} took a part {taken} of the model's output "
+    "{output} (slicing, e.g. model(inputs)[:16] or model(inputs)[:, :3]), but "
+    "BackPACK's curvature is that of the whole output; parameters and optimizer "
+    "state unchanged. Drop samples before the model (model(inputs[keep])), and give "
+    "the model's last layer as many outputs as the loss takes."
+)
+
 
 def batch_norm_training_message(module: Module) -> str:
     """Why a BatchNorm layer in training mode is refused, and what to do."""

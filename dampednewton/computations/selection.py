@@ -13,6 +13,7 @@ from dampednewton.math.cost import prefers_partial_eigensolver
 from dampednewton.math.finite import all_finite
 from dampednewton.math.gram_space import direction_lengths
 from dampednewton.math.linalg import numerical_zero, symmetric_eigh, top_eigh
+from dampednewton.math.precision import source_dtype, without_rounding
 from dampednewton.policies.criteria import (
     Criterion,
     TopK,
@@ -94,7 +95,9 @@ def select_directions(block: Block, warn_small_eigvals: float) -> Directions:
             "overflowed); no step can be computed."
         )
     criterion = as_criterion(block.group["criterion"])
-    directions = diagonalize(block.reduced_gram, criterion)
+    directions = diagonalize(
+        block.reduced_gram, criterion, source_dtype(block.group["params"])
+    )
     directions = directions.last(int(directions.selected.sum()))
     small = directions.evals[directions.positive].abs() < warn_small_eigvals
     if warn_small_eigvals > 0 and small.any():
@@ -109,7 +112,9 @@ def select_directions(block: Block, warn_small_eigvals: float) -> Directions:
     return directions
 
 
-def diagonalize(gram: Tensor, criterion: Criterion) -> Directions:
+def diagonalize(
+    gram: Tensor, criterion: Criterion, source: torch.dtype | None = None
+) -> Directions:
     """A finite Gram matrix's eigenpairs selected by a criterion, without checks.
 
     A :class:`TopK` criterion on a large Gram matrix uses the partial eigensolver
@@ -126,12 +131,17 @@ def diagonalize(gram: Tensor, criterion: Criterion) -> Directions:
     Args:
         gram: Finite symmetric Gram matrix ``[C·N, C·N]``.
         criterion: The group's criterion.
+        source: The dtype of the buffers the Gram matrix was formed from: for a
+            half precision, eigenvalues at their rounding level count as zero
+            (:func:`~dampednewton.math.precision.without_rounding`).
 
     Returns:
         The selected eigenpairs (with :class:`TopK`, possibly some that are not
         positive, marked).
     """
     evals, evecs = _eigenpairs(gram, criterion)
+    if source is not None:
+        evals = without_rounding(evals, source)
     start = top_k_start(criterion, evals.numel())
     if start is None:
         indices = selected_indices(criterion, evals)

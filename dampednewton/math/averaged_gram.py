@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from dampednewton.math.linalg import numerical_zero, symmetric_eigh
+from dampednewton.math.precision import without_rounding
 
 
 def averaged_gram(
@@ -48,7 +49,9 @@ def averaged_gram(
     return torch.cat([top, bottom], dim=0)
 
 
-def leading_eigenpairs(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+def leading_eigenpairs(
+    matrix: Tensor, rank: int, source: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
     """The ``rank`` largest eigenpairs, ascending, those not positive zeroed.
 
     Fixed-size (``min(rank, m)`` pairs, so no host sync): eigenvalues that are not
@@ -58,11 +61,16 @@ def leading_eigenpairs(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     Args:
         matrix: Symmetric PSD matrix ``[m, m]``.
         rank: Maximum number of eigenpairs.
+        source: The dtype of the batch's buffers in ``matrix`` (a half precision:
+            eigenvalues at their rounding level count as zero,
+            :func:`~dampednewton.math.precision.without_rounding`).
 
     Returns:
         Eigenvalues ``[r']`` and eigenvectors ``[m, r']`` with ``r' = min(rank, m)``.
     """
     evals, evecs = symmetric_eigh(matrix)
+    if source is not None:
+        evals = without_rounding(evals, source)
     first = max(evals.numel() - rank, 0)
     keep = evals[first:] > numerical_zero(evals)
     return evals[first:].where(keep, 0.0), evecs[:, first:] * keep

@@ -288,10 +288,17 @@ OPERATIONS = [
     Between("relu", torch.relu),
     Between("sample-dropped", lambda output: output[KEEP], lambda y: y[KEEP]),
 ]
+SLICES = [  # views that start at the output's memory
+    Between("first-samples", lambda output: output[:3], lambda y: y[:3]),
+    Between("first-classes", lambda output: output[:, :2], lambda y: y.clamp(max=1)),
+]
 NO_OPERATIONS = [
     Between("view", lambda output: output.view(output.shape[0], -1)),
     Between("tuple-item", lambda output: (output, output.detach())[0]),
 ]
+SLICE_REFUSAL = (
+    r"CrossEntropyLoss took a part \(\d, \d\) of the model's output \(4, 3\)"
+)
 OPERATION_REFUSAL = (
     r"CrossEntropyLoss took the model's output through an operation \(such as "
     r"model\(inputs\) / 2"
@@ -312,7 +319,7 @@ def _through(case, between: Between) -> tuple[Callable[[Tensor], Tensor], Tensor
 
 @pytest.mark.parametrize("when", list(GOOD_STEPS))
 @pytest.mark.parametrize("basis", list(BASES))
-@pytest.mark.parametrize("between", OPERATIONS, ids=lambda between: between.id)
+@pytest.mark.parametrize("between", OPERATIONS + SLICES, ids=lambda between: between.id)
 def test_an_operation_between_model_and_loss_is_refused_on_any_step(
     between: Between, basis: str, when: str
 ):
@@ -331,7 +338,8 @@ def test_an_operation_between_model_and_loss_is_refused_on_any_step(
     model, targets = _through(case, between)
     bad = make_closure(optimizer, model, case.loss_fn, case.X, targets)
 
-    _assert_refused_without_trace(case, optimizer, bad, OPERATION_REFUSAL, RuntimeError)
+    refusal = SLICE_REFUSAL if between in SLICES else OPERATION_REFUSAL
+    _assert_refused_without_trace(case, optimizer, bad, refusal, RuntimeError)
     values = [p.detach().clone() for p in case.model.parameters()]
     optimizer.step(closure)  # back to the model's output, training goes on
     assert not all(map(torch.equal, values, case.model.parameters()))

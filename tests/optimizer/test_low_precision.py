@@ -16,7 +16,14 @@ import torch
 from backpack import extend
 from torch import nn
 
-from dampednewton import DampedNewton, GramBasis, KroneckerBasis, NoiseFilter
+from dampednewton import (
+    DampedNewton,
+    EigenvalueThreshold,
+    GramBasis,
+    KroneckerBasis,
+    NoiseFilter,
+    TopK,
+)
 from tests.assertions import assert_close
 from tests.utils import EXACT_VIVIT_STEP, flat, make_closure, reference_step
 
@@ -294,3 +301,28 @@ def test_a_model_converted_after_its_optimizer_was_loaded_or_copied(basis, how):
     for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert mine.dtype == torch.float64
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("criterion", [EigenvalueThreshold(0.0), TopK(24)], ids=repr)
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_half_precision_round_off_is_no_curvature_direction(dtype, criterion):
+    """The cross-entropy GGN of N=8 samples and C=3 classes has rank N·(C−1) = 16.
+
+    Its Gram matrix has 24 rows: 8 null directions, which the half-precision
+    square root lifts to about ``ε²·λ_max`` (above float32's ``n·ε·λ_max``). They
+    are round-off: the step keeps the float64 reference's 16 directions.
+    """
+    model, inputs, targets = _bfloat16_problem(dtype)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(0.5)
+    reference_model = copy.deepcopy(model).to(torch.float64)
+    counts = []
+    for stepped, X in ((model, inputs), (reference_model, inputs.double())):
+        stepped, loss_fn = extend(stepped), extend(nn.CrossEntropyLoss())
+        options = {**EXACT_VIVIT_STEP, "criterion": criterion, "damping": 1e-3}
+        optimizer = DampedNewton(stepped.parameters(), **options)
+        optimizer.step(make_closure(optimizer, stepped, loss_fn, X, targets))
+        stats = optimizer.records["groups"][0]
+        counts.append(int((stats["coefficients"] != 0).sum()))
+    assert counts == [16, 16]

@@ -203,3 +203,54 @@ def test_an_optimizer_whose_parameters_a_step_leaves_all_unused_takes_no_step():
     assert all(
         torch.equal(p, v) for p, v in zip(first.parameters(), values, strict=True)
     )
+
+
+def _returning_none(optimizer: DampedNewton, case: Case, how: str):
+    """A closure that returns None: skipping its batch, or after a backward pass."""
+
+    def closure() -> None:
+        if how == "zeroed-in-place":
+            optimizer.zero_grad(set_to_none=False)
+        elif how == "after-backward":
+            optimizer.zero_grad()
+            case.loss_fn(case.model(case.X), case.y).backward()
+
+    return closure
+
+
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+@pytest.mark.parametrize("how", ["untouched", "zeroed-in-place"])
+def test_a_closure_returning_none_without_backward_skips_whatever_grad_holds(
+    basis, how
+):
+    """Skipped by the backward passes it ran (none), not by ``.grad`` being None.
+
+    After a step ``.grad`` holds that step's gradients: a closure that returns None
+    before ``zero_grad``, or after ``zero_grad(set_to_none=False)``, skips its batch
+    as one after ``zero_grad()`` does (Lightning's skipped ``training_step``).
+    """
+    case = build_case(MLP_CE)
+    options = {"basis": GramBasis()} if basis == "gram" else {}
+    optimizer = DampedNewton(case.model.parameters(), seed=0, **options)
+    optimizer.step(_closure(optimizer, case, False))
+    values = [p.clone() for p in case.model.parameters()]
+    assert optimizer.step(_returning_none(optimizer, case, how)) is None
+    assert all(
+        torch.equal(p, v) for p, v in zip(case.model.parameters(), values, strict=True)
+    )
+    assert optimizer.records["global"]["step"] == 1
+    optimizer.step(_closure(optimizer, case, False))  # training goes on
+    assert optimizer.records["global"]["step"] == 2
+
+
+@pytest.mark.parametrize("basis", ["kronecker", "gram"])
+def test_a_closure_returning_none_after_backward_is_a_missing_return(basis):
+    case = build_case(MLP_CE)
+    options = {"basis": GramBasis()} if basis == "gram" else {}
+    optimizer = DampedNewton(case.model.parameters(), seed=0, **options)
+    values = [p.clone() for p in case.model.parameters()]
+    with pytest.raises(TypeError, match=r"got None after a backward pass.*return loss"):
+        optimizer.step(_returning_none(optimizer, case, "after-backward"))
+    assert all(
+        torch.equal(p, v) for p, v in zip(case.model.parameters(), values, strict=True)
+    )
