@@ -25,7 +25,14 @@ from torch import Tensor
 
 from dampednewton._step.group_result import GroupStep
 from dampednewton._step.options import GroupOptions
-from dampednewton._step.records import BASIS, FROZEN, GLOBAL, GROUPS, REFRESH_DUE
+from dampednewton._step.records import (
+    BASIS,
+    FROZEN,
+    GLOBAL,
+    GROUPS,
+    REFRESH_DUE,
+    refreshes_at,
+)
 from dampednewton.math.frozen_basis import (
     BasisStep,
     FrozenBasis,
@@ -176,6 +183,6 @@ def between_refreshes(
     return all(
         option.averaging is not None
         and FROZEN in group
-        and not option.averaging.refreshes(step, group["curvature_updates"])
+        and not refreshes_at(option.averaging, group, step)
         for option, group in zip(options, stats, strict=True)
     )

@@ -74,7 +74,12 @@ from dampednewton._step.kronecker_state import (
 )
 from dampednewton._step.options import GroupOptions, SharedOptions
 from dampednewton._step.quadratic_model import trust_region_scale_on_host
-from dampednewton._step.records import REFRESH_DUE, REFRESH_LOSS
+from dampednewton._step.records import (
+    REFRESH_DUE,
+    REFRESH_LOSS,
+    note_first_refresh,
+    refreshes_at,
+)
 from dampednewton._step.update import update_parameters
 from dampednewton.backpack.extensions import (
     ExactSqrtGGN,
@@ -142,7 +147,7 @@ class KroneckerSteps:
             due
             or option.averaging is None
             or LAYERS not in group
-            or option.averaging.refreshes(step, group.get(UPDATES, 0))
+            or refreshes_at(option.averaging, group, step)
             for option, group in zip(options, stats, strict=True)
         ]
         # An adaptive damping adapts on refreshes only: its model's curvature then.
@@ -248,6 +253,7 @@ class KroneckerSteps:
             )
         for index, refreshed in fresh.items():
             batches = commit_layers(refreshed, groups[index], stats[index], state)
+            note_first_refresh(stats[index], step)
             if batches is None:  # a layer kept its basis: all read from the state
                 self._batches.pop(index, None)
                 self._batches_of(index, groups[index], stats[index], state)

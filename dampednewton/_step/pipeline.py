@@ -231,7 +231,7 @@ class Pipeline:
             [group["params"] for group in groups], options, results, state
         )
         stats = group_stats(records, groups)
-        store_factors(state, stats, groups, results)
+        store_factors(state, stats, groups, results, records[GLOBAL]["step"])
         if any(result is not None and result.factor for result in results):
             record_step_lengths(stats, results, scales)
             self.step_pass.bases.clear()

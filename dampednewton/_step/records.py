@@ -26,9 +26,39 @@ REFRESH_DUE = "refresh_due"
 """Global state: the next step refreshes every averaged group (the loss rose)."""
 REFRESH_LOSS = "refresh_loss"
 """Global state: the mini-batch loss of the last refresh."""
+FIRST_REFRESH = "first_refresh_step"
+"""Group statistics: the step of the group's first curvature refresh, where its
+refresh schedule starts (a group added later ramps up as the first ones did; absent:
+step 0, as for groups of earlier versions' checkpoints)."""
 BASIS = "curvature_basis"
 FROZEN = "frozen_basis"
 """A group's frozen step coefficients (:mod:`dampednewton.math.frozen_basis`)."""
+
+
+def refreshes_at(averaging: Any, stats: Mapping[str, Any], step: int) -> bool:
+    """Whether a group's averaging refreshes its curvature at ``step``.
+
+    Args:
+        averaging: The group's :class:`~dampednewton.CurvatureAveraging`.
+        stats: The group's statistics (its refreshes so far and its first).
+        step: The optimizer's step index.
+
+    Returns:
+        The schedule's answer, counted from the group's first refresh.
+    """
+    updates = stats.get("curvature_updates", 0)
+    return averaging.refreshes(step - stats.get(FIRST_REFRESH, 0), updates)
+
+
+def note_first_refresh(stats: dict[str, Any], step: int) -> None:
+    """Record ``step`` as the group's first refresh if it was (one refresh so far).
+
+    Args:
+        stats: The group's statistics, after the refresh was committed.
+        step: The refresh's step index.
+    """
+    if stats.get("curvature_updates", 0) == 1:
+        stats[FIRST_REFRESH] = step
 
 
 def stored_factor(
@@ -75,6 +105,7 @@ def store_factors(
     group_stats: Sequence[dict[str, Any]],
     param_groups: Sequence[dict[str, Any]],
     steps: Sequence[GroupStep | None],
+    step_index: int,
 ) -> None:
     """Commit the updated averaged factor of every group whose step carries one.
 
@@ -83,10 +114,12 @@ def store_factors(
         group_stats: Per group, its statistics (updated in place).
         param_groups: The param groups.
         steps: Per group, its accepted step (or ``None``).
+        step_index: The step's index (a group's first refresh is recorded).
     """
     for stats, group, step in zip(group_stats, param_groups, steps, strict=True):
         if step is not None and step.factor is not None:
             store_factor(state, stats, group["params"], step.factor)
+            note_first_refresh(stats, step_index)
             if step.frozen is not None:
                 stats[FROZEN] = step.frozen.as_dict()
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from dampednewton._step.amortized import stored_frozen
 from dampednewton._step.group_result import AveragedFactor
 from dampednewton._step.options import GroupOptions
-from dampednewton._step.records import stored_factor
+from dampednewton._step.records import FIRST_REFRESH, stored_factor
 from dampednewton.computations.block import Block
 from dampednewton.math.frozen_basis import FrozenBasis
 
@@ -47,6 +47,7 @@ class StepBlock:
     options: GroupOptions
     factor: AveragedFactor | None = None
     frozen: FrozenBasis | None = None
+    first_refresh: int = 0
 
     def refreshes(self, step: int) -> bool:
         """Whether this step refreshes the group's curvature (always unaveraged).
@@ -59,7 +60,9 @@ class StepBlock:
         """
         averaging = self.options.averaging
         updates = 0 if self.factor is None else self.factor.updates
-        return averaging is None or averaging.refreshes(step, updates)
+        return averaging is None or averaging.refreshes(
+            step - self.first_refresh, updates
+        )
 
     def engine_group(self) -> dict[str, Any]:
         """The group as the engine takes it: ``params`` and :data:`STEP_BLOCK`."""
@@ -99,7 +102,9 @@ def step_block(
         The block.
     """
     factor = frozen = None
+    first_refresh = 0
     if options.averaging is not None and stats:
         factor = stored_factor(state, stats[index], group)
         frozen = stored_frozen(stats[index])
-    return StepBlock(tuple(group["params"]), options, factor, frozen)
+        first_refresh = stats[index].get(FIRST_REFRESH, 0)
+    return StepBlock(tuple(group["params"]), options, factor, frozen, first_refresh)

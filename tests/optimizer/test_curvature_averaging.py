@@ -14,6 +14,7 @@ from dampednewton import (
     CurvatureAveraging,
     DampedNewton,
     GramBasis,
+    KroneckerBasis,
     MeasuredCurvature,
     SmallestCurvature,
 )
@@ -209,3 +210,53 @@ def test_averaged_curvature_matches_explicit_moving_average(
         )
     if measured:
         assert largest_excess > 0, "q_⊥ never exceeded λ_min: the case cannot tell"
+
+
+SCHEDULE_ONLY = {  # each basis' default schedule, without the loss's trigger
+    "kronecker": (
+        KroneckerBasis(),
+        CurvatureAveraging(decay=0.95, interval=15, loss_tolerance=None),
+        [0, 1, 3, 7, 15, 30, 45],
+    ),
+    "gram": (
+        GramBasis(),
+        CurvatureAveraging(loss_tolerance=None),
+        [0, 1, 3, 7, 15, 31, 51],
+    ),
+}
+
+
+@pytest.mark.parametrize("basis", list(SCHEDULE_ONLY))
+def test_a_group_added_later_ramps_up_from_its_first_refresh(basis):
+    """A layer joins with ``add_param_group`` at step 20.
+
+    Its schedule (refreshes 0, 1, 3, 7, 15, …) counts from there, also after a
+    checkpoint at step 30; the first group's stays.
+    """
+    policy, averaging, schedule = SCHEDULE_ONLY[basis]
+    case = build_case(PROBLEMS[0])
+    first, last = case.model[0], case.model[-1]
+    first.requires_grad_(False)
+    options = {"seed": 0, "basis": policy, "averaging": averaging}
+    optimizer = DampedNewton(last.parameters(), **options)
+    refreshed: list[list[int]] = [[], []]
+    for step in range(60):
+        if step == 20:
+            first.requires_grad_(True)
+            optimizer.add_param_group({"params": list(first.parameters())})
+        if step == 30:  # resume from a checkpoint
+            saved = optimizer.state_dict()
+            groups = [{"params": list(layer.parameters())} for layer in (last, first)]
+            optimizer = DampedNewton(groups, **options)
+            optimizer.load_state_dict(saved)
+        before = [
+            s.get("curvature_updates", 0) for s in optimizer.records.get("groups", [])
+        ]
+        optimizer.step(
+            make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+        )
+        for index, stats in enumerate(optimizer.records["groups"]):
+            if stats.get("curvature_updates", 0) != [*before, 0][index]:
+                refreshed[index].append(step)
+    assert refreshed[0] == schedule
+    assert refreshed[1] == [20 + step for step in schedule if 20 + step < 60]
