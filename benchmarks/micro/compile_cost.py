@@ -27,7 +27,12 @@ import torch
 from backpack import extend
 from torch import nn
 
-from benchmarks.micro.harness import MODELS, NUM_CLASSES, round_robin_medians
+from benchmarks.micro.harness import (
+    MODELS,
+    NUM_CLASSES,
+    input_shape,
+    round_robin_medians,
+)
 from dampednewton import DampedNewton
 
 OPTIMIZERS = ("dampednewton", "sgd")
@@ -40,7 +45,7 @@ def make_step(
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)  # benchmark script: module initialization only
     model = MODELS[model_name]()
-    X = torch.randn(batch_size, 1, 28, 28, generator=generator)
+    X = torch.randn(batch_size, *input_shape(model_name), generator=generator)
     y = torch.randint(NUM_CLASSES, (batch_size,), generator=generator)
     loss_fn = nn.CrossEntropyLoss()
     if optimizer_name == "dampednewton":
@@ -88,7 +93,7 @@ def main() -> None:
     )
     print(f"parameters after one step, compiled vs eager: {difference:.1e} apart")
     explained = torch._dynamo.explain(models["eager"])(
-        torch.randn(args.batch_size, 1, 28, 28)
+        torch.randn(args.batch_size, *input_shape(args.model))
     )
     print(
         f"{args.model} as {args.optimizer} sees it: {explained.graph_count} graphs, "

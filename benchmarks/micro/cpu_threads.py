@@ -38,6 +38,7 @@ from benchmarks.micro.harness import (
     MODELS,
     NUM_CLASSES,
     closure_step,
+    input_shape,
     round_robin_medians,
 )
 from dampednewton import DampedNewton, GramBasis, threads
@@ -82,7 +83,7 @@ def make_step(model_name: str, setting: str, batch_size: int) -> Callable[[], ob
     torch.manual_seed(0)  # benchmark script: module initialization only
     model = extend(MODELS[model_name]())
     loss_fn = extend(nn.CrossEntropyLoss())
-    X = torch.randn(batch_size, 1, 28, 28, generator=generator)
+    X = torch.randn(batch_size, *input_shape(model_name), generator=generator)
     y = torch.randint(NUM_CLASSES, (batch_size,), generator=generator)
     optimizer = DampedNewton(model.parameters(), lr=1e-3, seed=0, **SETTINGS[setting])
     return closure_step(optimizer, model, loss_fn, X, y)

@@ -178,6 +178,27 @@ def peer(name: str, model: nn.Module) -> Optimizer:
     return pytorch_optimizer.Kron(model.parameters(), lr=1e-3, weight_decay=0.0)
 
 
+VARIANT_KINDS = ("sgd", "adam", *PEERS, "fast", "dense", "default")
+"""The kinds of step :func:`make_step` builds (``kind:ggn``)."""
+GGN_KINDS = {"fast": ("mc1", "exact"), "dense": ("mc1", "exact")}
+DEFAULT_KINDS = ("", "mc1", "exact", "packed")
+
+
+def check_variant(kind: str, ggn: str) -> None:
+    """Refuse a variant :func:`make_step` does not build (a typo would run another).
+
+    Raises:
+        ValueError: Naming the variants there are.
+    """
+    allowed = GGN_KINDS.get(kind, DEFAULT_KINDS if kind == "default" else ("",))
+    if kind not in VARIANT_KINDS or ggn not in allowed:
+        raise ValueError(
+            f"Unknown step variant {kind}:{ggn}. Variants: sgd, adam, "
+            f"{', '.join(PEERS)}, fast:mc1, fast:exact, dense:mc1, dense:exact, "
+            "default, default:exact, default:packed."
+        )
+
+
 def make_step(variant: str, model_name: str, batch_size: int, device: torch.device):
     """Build model, data and a closure-driven step for one variant."""
     generator = torch.Generator().manual_seed(0)
@@ -188,6 +209,7 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
     X = X.to(device)
     y = torch.randint(NUM_CLASSES, (batch_size,), generator=generator).to(device)
     kind, _, ggn = variant.partition(":")
+    check_variant(kind, ggn)
     mc_samples = 1 if ggn == "mc1" else 0
     if kind in ("sgd", "adam"):
         plain = (

@@ -4,9 +4,11 @@ For each model, GGN variant (exact, MC-1) and batch size, prints in one process 
 median wall time of an SGD step (forward, backward, update), of ``DampedNewton.step``
 with ViViT's step (the fast, structured path; top-10, constant damping), of the
 materialized path (BackPACK's dense square roots and individual gradients, as in
-ViViT), and of ``DampedNewton`` with the package's defaults (MC-1 GGN averaged across
-steps, top-20, complement, trust region), and their ratios to SGD. With
-``--memory``, each variant also runs in a fresh process that reports its peak memory
+ViViT), and of ``DampedNewton`` with the package's defaults (the Kronecker basis:
+factors refreshed on its schedule, every 15 steps after the ramp, constant damping,
+trust region, momentum), and their ratios to SGD. With
+``--memory``, each variant but the defaults also runs in a fresh process that reports
+its peak memory
 (growth of the resident-set peak during the steps on CPU,
 ``torch.cuda.max_memory_allocated`` on GPU).
 
@@ -84,7 +86,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=MODELS)
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[128])
-    parser.add_argument("--ggn", nargs="+", default=["mc1", "exact"])
+    parser.add_argument(
+        "--ggn", nargs="+", default=["mc1", "exact"], choices=["mc1", "exact"]
+    )
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("--skip-materialized", action="store_true")
     parser.add_argument("--memory", action="store_true", help="peak memory per variant")

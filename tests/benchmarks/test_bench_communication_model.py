@@ -165,3 +165,10 @@ def test_model_bytes_equal_the_measured_bytes_of_two_ranks(model, input_shape):
         assert found[variant].ddp_buckets == 1
         assert found[variant].seconds > 0
     assert found["sgd"].communication_bytes is None
+
+
+def test_extrapolation_needs_no_fashion_mnist_files():
+    """The cost model takes Fashion-MNIST's input shape without reading the data."""
+    lines = extrapolation_table("fmnist_2c2d", 128, 1, [2])
+    assert "fmnist_2c2d (3.27 M parameters)" in lines[0]
+    assert len(lines) == 4

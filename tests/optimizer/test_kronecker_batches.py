@@ -15,6 +15,7 @@ import torch
 from backpack import extend
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.micro.step_profile import computes
 from dampednewton import (
     CurvatureAveraging,
     DampedNewton,
@@ -217,20 +218,14 @@ def test_switching_the_noise_filter_on_between_refreshes():
 
 
 class ComputingOperators(TorchDispatchMode):
-    """Counts the ATen operators that compute (views excluded)."""
-
-    VIEWS = frozenset(
-        {"alias", "as_strided", "detach", "expand", "permute", "reshape", "select"}
-        | {"slice", "squeeze", "t", "transpose", "unbind", "unsqueeze", "view"}
-        | {"_reshape_alias", "_unsafe_view", "lift_fresh"}
-    )
+    """Counts the ATen operators that compute (the launch-budget benchmark's rule)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.__name__.split(".")[0] not in self.VIEWS:
+        if computes(func):
             self.count += 1
         return func(*args, **(kwargs or {}))
 
