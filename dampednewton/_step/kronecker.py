@@ -187,6 +187,8 @@ class KroneckerSteps:
                     monitor is None,
                     deferred,
                 )
+                if collector is not None:
+                    collector.check_every_pass_reached_every_layer()
             if communicator is not None:  # refuses unequal local batches everywhere
                 loss = communicator.mean_loss_of_pass(
                     loss, deferred.local_samples or None

@@ -52,6 +52,7 @@ class LayerFactors:
         outputs: ``Σ_m w_m S_m`` ``[d_out, d_out]`` (one micro-batch: ``S``).
         total: ``Σ_m w_m`` (0-dim; ``None`` after one micro-batch).
         first_weight: The first micro-batch's loss weight ``w_1`` (``None``: 1).
+        passes: The micro-batches (backward passes) that reached the layer.
     """
 
     weight: Tensor | None
@@ -60,6 +61,7 @@ class LayerFactors:
     outputs: Tensor
     total: Tensor | None = None
     first_weight: Tensor | None = None
+    passes: int = 1
 
     def weigh(self) -> Tensor:
         """Turn one micro-batch's factors into weighted sums; return ``Σ_m w_m``."""
@@ -76,6 +78,7 @@ class LayerFactors:
         self.inputs += inputs * scale
         self.outputs += outputs * scale
         self.total = total + scale
+        self.passes += 1
 
     def mean(self) -> tuple[Tensor, Tensor]:
         """``(A, S)`` of the pass: the micro-batches' weighted means."""
@@ -119,6 +122,30 @@ class FactorCollector:
         self._loss_weight: Tensor | None = None
         self._batch_size = 0
         self._passes = 0
+
+    def check_every_pass_reached_every_layer(self) -> None:
+        """Refuse micro-batches that reached different layers (after the closure).
+
+        The batch's factors weigh each micro-batch's by its loss weight over all of
+        them: a layer some micro-batch did not reach (a head of another loss on
+        the same samples) would get its own micro-batches' curvature undiluted.
+
+        Raises:
+            RuntimeError: Naming what to do, as the Gram basis does.
+        """
+        missed = [
+            layer for layer in self.layers.values() if layer.passes < self._passes
+        ]
+        if missed:
+            raise RuntimeError(
+                f"DampedNewton refused the step: of the closure's {self._passes} "
+                f"backward passes, {missed[0].passes} reached a layer of shape "
+                f"{tuple(first_of(missed[0]).shape)} (several losses of one batch, "
+                "such as heads of a multi-task model back-propagated one by one?), "
+                "so the batch's curvature cannot be assembled: every micro-batch "
+                "must run through the same layers; parameters and optimizer state "
+                "unchanged."
+            )
 
     def hook(self, module: Module) -> None:
         """Collect the factors of ``module`` (BackPACK's ``extension_hook``).
@@ -165,6 +192,13 @@ class FactorCollector:
             )
         else:
             layer.add(inputs, outputs, self._loss_weight)
+
+
+def first_of(layer: LayerFactors) -> Tensor:
+    """The layer's first collected parameter (its weight, else its bias)."""
+    first = layer.weight if layer.weight is not None else layer.bias
+    assert first is not None
+    return first
 
 
 def _collected(param: object, params: set[int]) -> Tensor | None:

@@ -19,6 +19,7 @@ from unittest import mock
 
 import pytest
 import torch
+from backpack import extend
 from torch import Tensor
 
 from dampednewton import CurvatureAveraging, DampedNewton, GramBasis, LevenbergMarquardt
@@ -240,3 +241,45 @@ def test_each_micro_batch_frees_the_activations_the_step_does_not_keep():
     optimizer.step(closure)
 
     assert alive == [(True, False), (True, False)]
+
+
+@pytest.mark.parametrize(
+    ("basis", "match"),
+    [
+        (None, r"of the closure's 2 backward passes, 1 reached a layer of shape"),
+        (GramBasis(), r"Micro-batch 2 of the closure reached other parameters"),
+    ],
+    ids=["kronecker", "gram"],
+)
+def test_losses_of_heads_back_propagated_one_by_one_are_refused(basis, match):
+    """Two heads of a trunk, each with its loss, one backward pass each: refused.
+
+    On the same samples a head's curvature would be its own loss's undiluted (half
+    its step, measured), so both bases refuse; parameters and state unchanged.
+    """
+    torch.manual_seed(0)
+    trunk = extend(torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh()))
+    heads = [extend(torch.nn.Linear(5, 3)), extend(torch.nn.Linear(5, 2))]
+    losses = [extend(torch.nn.CrossEntropyLoss()), extend(torch.nn.MSELoss())]
+    generator = torch.Generator().manual_seed(0)
+    X = torch.randn(8, 4, generator=generator)
+    targets = [torch.randint(0, 3, (8,), generator=generator), torch.randn(8, 2)]
+    modules = [trunk, *heads]
+    params = [p for module in modules for p in module.parameters()]
+    options = {} if basis is None else {"basis": basis}
+    optimizer = DampedNewton(params, seed=0, **options)
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        total = torch.zeros(())
+        for head, loss_fn, y in zip(heads, losses, targets, strict=True):
+            loss = loss_fn(head(trunk(X)), y) / 2
+            loss.backward()
+            total = total + loss.detach()
+        return total
+
+    values = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match=match):
+        optimizer.step(closure)
+    assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))
+    assert all(not entry for entry in optimizer.state.values())
