@@ -95,7 +95,8 @@ def _run_translating_errors(
             f"The sample indices select sample {max(subsampling)}, but this batch "
             f"has {samples.shape[0]} samples. Pass indices below the smallest batch "
             f"size (subsampling_{option}=range(min(32, batch_size)) of DampedNewton, "
-            "or the computations' subsampling), or None for all."
+            "or the computations' subsampling), or None for all, or drop an "
+            "epoch's last, smaller batch (DataLoader(..., drop_last=True))."
         ) from error
     except AssertionError as error:
         if "expects a backpropagation quantity" in str(error):
@@ -108,7 +109,9 @@ def _run_translating_errors(
                 "forward pass applies a function or tensor operation after this "
                 "module (torch.relu, x.mean(...), indexing the outputs), which "
                 "BackPACK cannot back-propagate through: use modules (nn.ReLU, "
-                "nn.Flatten, nn.AvgPool2d, ...) in an nn.Sequential."
+                "nn.Flatten, nn.AvgPool2d, ...) in an nn.Sequential. Or the closure "
+                "ran another forward pass of the model after the one the loss took "
+                "(an auxiliary or metric pass): run it under torch.no_grad()."
             ) from error
         raise
     except RuntimeError as error:
@@ -137,9 +140,10 @@ def _run_translating_errors(
 def reshape_message(module: Module) -> str:
     """The error for a module output reshaped in ``forward`` before the next module."""
     return (
-        f"BackPACK cannot back-propagate through a reshape after {module} "
-        "(`x.view(...)` or `x.reshape(...)` in forward): flatten with "
-        "nn.Flatten() or torch.flatten(x, 1) instead."
+        f"BackPACK cannot back-propagate through a reshape, transpose or permute "
+        f"after {module} (`x.view(...)`, `x.reshape(...)`, `x.transpose(...)` in "
+        "forward): flatten with nn.Flatten() or torch.flatten(x, 1) instead, and "
+        "give a loss per position the layout the model's last layer produces."
     )
 
 

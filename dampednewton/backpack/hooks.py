@@ -28,7 +28,9 @@ from torch.nn.modules.loss import _Loss
 
 from dampednewton.backpack.unsupported import (
     LOSS_INPUT_NOT_MODEL_OUTPUT,
+    LOSS_INPUT_OF_EARLIER_FORWARD,
     LOSS_INPUT_PART_OF_OUTPUT,
+    LOSS_INPUT_REARRANGED_OUTPUT,
 )
 
 EXTENDED_FLAG = "_backpack_extend"
@@ -196,15 +198,19 @@ class ModuleOutputs:
         """Start with no output."""
         self.modules: dict[int, Module] = {}
         """The last module (a container after its last layer) of each address."""
-        self.shapes: dict[int, torch.Size] = {}
-        """The shape of that module's output."""
+        self.layouts: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}
+        """The shape and strides of that module's output."""
+        self.latest: dict[int, int] = {}
+        """Each module's (by ``id``) latest output with gradients, by address."""
         self._nodes: dict[int, Any] = {}
 
     def add(self, module: Module, inputs: tuple, output: Any) -> None:
         """Note a module's output (a forward hook's signature)."""
         if isinstance(output, Tensor):
             self.modules[output.data_ptr()] = module
-            self.shapes[output.data_ptr()] = output.shape
+            self.layouts[output.data_ptr()] = (output.shape, output.stride())
+            if output.requires_grad:
+                self.latest[id(module)] = output.data_ptr()
             if output.grad_fn is not None:
                 self._nodes[id(output.grad_fn)] = output.grad_fn
 
@@ -231,8 +237,9 @@ def check_loss_input(
     BackPACK keys what it back-propagates by the memory of the loss's input and of
     each module's output: the output itself and its views pass, ``model(x) / 2`` or
     ``model(x)[keep]`` reach no module (BackPACK's error, or a wrong shape where a
-    freed address was reused), and a slice that starts at the output's memory
-    (``model(x)[:16]``, ``model(x)[:, :3]``) reaches it with the wrong shape.
+    freed address was reused), and a slice or a rearranged view that starts at the
+    output's memory (``model(x)[:16]``, ``model(x).transpose(1, 2)``) reaches it in
+    another layout.
 
     Args:
         loss: The loss module after its forward pass.
@@ -243,8 +250,9 @@ def check_loss_input(
         The module whose output the loss took, if it is among ``outputs``.
 
     Raises:
-        RuntimeError: For an input computed from one of ``outputs``, or a part of
-            one.
+        RuntimeError: For an input computed from one of ``outputs``, a part or
+            rearrangement of one, or the output of a forward pass after which the
+            module ran another with gradients (BackPACK keeps the last one's).
     """
     if not inputs or not isinstance(inputs[0], Tensor):
         return None
@@ -252,12 +260,25 @@ def check_loss_input(
     source = outputs.modules.get(address)
     if source is None and outputs.computed_from(inputs[0]):
         raise RuntimeError(LOSS_INPUT_NOT_MODEL_OUTPUT.format(loss=type(loss).__name__))
-    if source is not None and inputs[0].numel() != outputs.shapes[address].numel():
+    if source is None:
+        return None
+    if outputs.latest.get(id(source), address) != address:
         raise RuntimeError(
-            LOSS_INPUT_PART_OF_OUTPUT.format(
+            LOSS_INPUT_OF_EARLIER_FORWARD.format(loss=type(loss).__name__)
+        )
+    shape, strides = outputs.layouts[address]
+    taken = inputs[0]
+    if taken.shape != shape or taken.stride() != strides:
+        message = (
+            LOSS_INPUT_PART_OF_OUTPUT
+            if taken.numel() != shape.numel()
+            else LOSS_INPUT_REARRANGED_OUTPUT
+        )
+        raise RuntimeError(
+            message.format(
                 loss=type(loss).__name__,
-                taken=tuple(inputs[0].shape),
-                output=tuple(outputs.shapes[address]),
+                taken=tuple(taken.shape),
+                output=tuple(shape),
             )
         )
     return source

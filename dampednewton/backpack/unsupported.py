@@ -44,6 +44,24 @@ LOSS_INPUT_PART_OF_OUTPUT = (
     "the model's last layer as many outputs as the loss takes."
 )
 
+LOSS_INPUT_REARRANGED_OUTPUT = (
+    "DampedNewton refused the step: {loss} took the model's output {output} "
+    "reshaped, transposed or permuted to {taken}, but BackPACK's curvature keeps the "
+    "output's layout; parameters and optimizer state unchanged. Give the loss the "
+    "output as the model's last layer produces it: for a loss per position "
+    "(CrossEntropyLoss on (N, C, T)), end the model with a layer that outputs that "
+    "layout, e.g. an nn.Conv1d(channels, C, 1) head on (N, channels, T) features."
+)
+
+LOSS_INPUT_OF_EARLIER_FORWARD = (
+    "DampedNewton refused the step: {loss} took the output of a forward pass of the "
+    "model after which the closure ran another one with gradients (an auxiliary or "
+    "metric pass, or the forward passes of several micro-batches before their "
+    "losses), and BackPACK keeps only the last forward pass's inputs; parameters "
+    "and optimizer state unchanged. Run such passes under torch.no_grad(), and one "
+    "forward and one backward pass per micro-batch, in turn (docs/accumulation.md)."
+)
+
 
 def batch_norm_training_message(module: Module) -> str:
     """Why a BatchNorm layer in training mode is refused, and what to do."""

@@ -391,3 +391,73 @@ def test_heads_that_take_turns_pass_between_refreshes(basis: str):
             make_closure(optimizer, lambda X, head=head: head(trunk(X)), loss_fn, X, y)
         )
         assert not all(map(torch.equal, values, trunk.parameters()))
+
+
+@pytest.mark.parametrize("when", list(GOOD_STEPS))
+@pytest.mark.parametrize("basis", list(BASES))
+def test_a_transposed_sequence_output_is_refused_with_a_layout_that_works(basis, when):
+    """``CrossEntropyLoss(out.transpose(1, 2), y)`` on ``(N, T, C)`` outputs.
+
+    The view starts at the output's memory, so BackPACK would take it for the output
+    (its error named a reshape); refused at the loss, naming a head that works.
+    """
+    generator = torch.Generator().manual_seed(0)
+    X = torch.randn(4, 5, 6, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (4, 5), generator=generator)
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(6, 3)).double())
+    loss_fn = extend(nn.CrossEntropyLoss())
+    choice = KroneckerBasis() if basis == "kronecker" else GramBasis()
+    optimizer = DampedNewton(model.parameters(), seed=0, basis=choice)
+    good = make_closure(optimizer, model, loss_fn, X[:, 0], y[:, 0])  # one position
+    for _ in range(GOOD_STEPS[when]):
+        optimizer.step(good)
+    case = build_case(MLP_CE)
+    case.model = model
+    transposed = make_closure(
+        optimizer, lambda X: model(X).transpose(1, 2), loss_fn, X, y
+    )
+    _assert_refused_without_trace(
+        case,
+        optimizer,
+        transposed,
+        r"took the model's output \(4, 5, 3\) reshaped, transposed or permuted to "
+        r"\(4, 3, 5\).*nn\.Conv1d",
+        RuntimeError,
+    )
+
+
+@pytest.mark.parametrize("when", list(GOOD_STEPS))
+@pytest.mark.parametrize("basis", list(BASES))
+def test_a_later_forward_pass_with_gradients_is_refused_at_the_loss(basis, when):
+    """An auxiliary forward pass with gradients before the loss is refused.
+
+    BackPACK keeps its inputs, not the loss's; refused on every step. Under
+    ``no_grad`` it passes.
+    """
+    case, optimizer = _defaults(basis)
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    for _ in range(GOOD_STEPS[when]):
+        optimizer.step(closure)
+
+    def auxiliary(grad: bool) -> Callable[[], Tensor]:
+        def closure() -> Tensor:
+            optimizer.zero_grad()
+            output = case.model(case.X)
+            with torch.set_grad_enabled(grad):
+                case.model(case.X[:2])  # e.g. a metric on other inputs
+            loss = case.loss_fn(output, case.y)
+            loss.backward()
+            return loss
+
+        return closure
+
+    _assert_refused_without_trace(
+        case,
+        optimizer,
+        auxiliary(True),
+        r"took the output of a forward pass of the model after which the closure "
+        r"ran another one with gradients.*torch\.no_grad\(\)",
+        RuntimeError,
+    )
+    optimizer.step(auxiliary(False))
