@@ -121,3 +121,14 @@ def distinguish_protocols(results: Sequence[RunResult]) -> list[RunResult]:
             )
         named.append(result)
     return named
+
+
+def latest_sweep(root: Path = Path("multirun")) -> Path:
+    """The newest sweep directory (by modification time) holding results."""
+    candidates = {p.parent.parent for p in root.rglob(RESULT_FILE)}
+    if not candidates:
+        raise FileNotFoundError(
+            f"No sweep with results under {root.resolve()}: run `python -m "
+            "benchmarks.run --multirun +sweep=default` first."
+        )
+    return max(candidates, key=lambda p: p.stat().st_mtime)

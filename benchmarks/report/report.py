@@ -23,7 +23,7 @@ from benchmarks.report.aggregate import (
     step_time_ratio,
     tune,
 )
-from benchmarks.report.loading import load_results
+from benchmarks.report.loading import latest_sweep, load_results
 from benchmarks.report.plots import (
     numeric_grid,
     plot_curves,
@@ -358,17 +358,6 @@ def print_locations(paths: dict[str, Path]) -> None:
         print(
             f"\nTrade-off, from this sweep's results:\n{paths['trade_off'].read_text()}"
         )
-
-
-def latest_sweep(root: Path = Path("multirun")) -> Path:
-    """The newest sweep directory (by modification time) holding results."""
-    candidates = {p.parent.parent for p in root.rglob("result.json")}
-    if not candidates:
-        raise FileNotFoundError(
-            f"No sweep with results under {root.resolve()}: run `python -m "
-            "benchmarks.run --multirun +sweep=default` first."
-        )
-    return max(candidates, key=lambda p: p.stat().st_mtime)
 
 
 def main(argv: list[str] | None = None) -> None:
