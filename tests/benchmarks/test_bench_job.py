@@ -163,10 +163,29 @@ def test_non_finite_loss_is_diverged(compose_config, tmp_path):
     assert result["steps_taken"] < 30
 
 
-def test_a_non_finite_step_refused_by_dampednewton_is_diverged(
-    compose_config, tmp_path
+NON_FINITE_RUNS = {
+    "dampednewton-refuses": [
+        "optimizer=dampednewton",
+        "optimizer.lr=1e4",
+        "optimizer.kl_clip=null",
+        "optimizer.damping=1e-8",
+        "optimizer.momentum=0.9",
+    ],
+    "shampoo-raises": ["optimizer=shampoo", "optimizer.lr=1e38"],
+}
+
+
+@pytest.mark.parametrize(
+    "optimizer", NON_FINITE_RUNS.values(), ids=list(NON_FINITE_RUNS)
+)
+def test_a_non_finite_step_an_optimizer_raises_on_is_diverged(
+    compose_config, tmp_path, optimizer
 ):
-    """DampedNewton raises on a non-finite loss or step: a result, not a failure."""
+    """A result, not a failure.
+
+    DampedNewton refuses a non-finite loss or step; torch-optimizer's Shampoo raises
+    decomposing a NaN matrix.
+    """
     summary, result = _job(
         compose_config,
         tmp_path,
@@ -174,35 +193,12 @@ def test_a_non_finite_step_refused_by_dampednewton_is_diverged(
             "problem=digits_mlp",
             "problem.steps=60",
             "problem.eval_every=1000",
-            "optimizer=dampednewton",
-            "optimizer.lr=1e4",
-            "optimizer.kl_clip=null",
-            "optimizer.damping=1e-8",
-            "optimizer.momentum=0.9",
+            *optimizer,
         ],
     )
     assert result["status"] == "diverged" and summary.status == "diverged"
     assert result["divergence"].startswith("non-finite mini-batch loss or step")
     assert result["curves"]["step"][0] == 0 and result["steps_taken"] < 60
-
-
-def test_an_optimizer_that_raises_on_a_non_finite_gradient_diverged(
-    compose_config, tmp_path
-):
-    """torch-optimizer's Shampoo decomposes a NaN matrix and raises: a divergence."""
-    summary, result = _job(
-        compose_config,
-        tmp_path,
-        [
-            "problem=digits_mlp",
-            "problem.steps=20",
-            "problem.eval_every=20",
-            "optimizer=shampoo",
-            "optimizer.lr=1e38",
-        ],
-    )
-    assert result["status"] == "diverged" and summary.status == "diverged"
-    assert result["divergence"].startswith("non-finite mini-batch loss or step")
 
 
 def test_chance_threshold_is_a_fraction_of_the_gap_to_one():
