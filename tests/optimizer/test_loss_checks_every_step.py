@@ -461,3 +461,30 @@ def test_a_later_forward_pass_with_gradients_is_refused_at_the_loss(basis, when)
         RuntimeError,
     )
     optimizer.step(auxiliary(False))
+
+
+@pytest.mark.parametrize("when", list(GOOD_STEPS))
+@pytest.mark.parametrize("loss", [nn.BCEWithLogitsLoss, nn.MSELoss], ids=repr)
+def test_a_squeezed_single_output_gets_the_loss_checks_advice(loss, when):
+    """``loss_fn(model(X).squeeze(1), y)`` gets the advice to keep ``(N, 1)``.
+
+    Common for one output per sample: the loss checks' refusal, which names the
+    shape to use, on every step (not the layout refusal of other views).
+    """
+    generator = torch.Generator().manual_seed(0)
+    X = torch.randn(8, 4, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 2, (8, 1), generator=generator).double()
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1)).double())
+    loss_fn = extend(loss())
+    optimizer = DampedNewton(model.parameters(), seed=0)
+    for _ in range(GOOD_STEPS[when]):
+        optimizer.step(make_closure(optimizer, model, loss_fn, X, y))
+    case = build_case(MLP_CE)
+    case.model = model
+    squeezed = make_closure(
+        optimizer, lambda X: model(X).squeeze(1), loss_fn, X, y.squeeze(1)
+    )
+    _assert_refused_without_trace(
+        case, optimizer, squeezed, r"outputs of shape \(8,\).*use \(N, 1\)"
+    )
