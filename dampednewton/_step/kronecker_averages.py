@@ -22,8 +22,8 @@ from dampednewton._step.kronecker_state import (
     LAYERS,
     OUTPUT_FACTOR,
     UPDATES,
+    holder_index,
 )
-from dampednewton.backpack.kronecker_hook import LayerFactors
 
 
 def layer_refreshes(group: dict[str, Any], stats: Mapping[str, Any]) -> dict[int, int]:
@@ -42,16 +42,9 @@ def layer_refreshes(group: dict[str, Any], stats: Mapping[str, Any]) -> dict[int
     counts = stats.get(LAYER_REFRESHES, (stats.get(UPDATES, 0),) * len(pairs))
     params = group["params"]
     return {
-        id(params[weight if weight is not None else bias]): count
-        for (weight, bias), count in zip(pairs, counts, strict=True)
+        id(params[holder_index(pair)]): count
+        for pair, count in zip(pairs, counts, strict=True)
     }
-
-
-def first_parameter(layer: LayerFactors) -> Tensor:
-    """The parameter that holds a layer's state: its weight, else its bias."""
-    first = layer.weight if layer.weight is not None else layer.bias
-    assert first is not None
-    return first
 
 
 def stored_average(

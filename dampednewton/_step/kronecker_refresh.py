@@ -25,7 +25,6 @@ from dampednewton._step.kronecker_averages import (
     averaged,
     bias_corrected,
     corrections,
-    first_parameter,
     layer_refreshes,
     stored_average,
 )
@@ -40,6 +39,7 @@ from dampednewton._step.kronecker_state import (
     UPDATES,
     LayerBasis,
     eigen_entries,
+    holder_index,
     stored_eigen,
 )
 from dampednewton._step.options import GroupOptions
@@ -173,9 +173,9 @@ def _refreshed_batch(
     this refresh's factors (:func:`~._step.kronecker_averages.stored_average`).
     """
     means = [layer.mean() for layer in members]
-    firsts = [id(first_parameter(layer)) for layer in members]
+    firsts = [id(layer.first) for layer in members]
     stored = [
-        stored_average(state[first_parameter(layer)], mean, first in counts)
+        stored_average(state[layer.first], mean, first in counts)
         for layer, mean, first in zip(members, means, firsts, strict=True)
     ]
     held = [
@@ -335,9 +335,11 @@ def commit_layers(
         and all(params[i].requires_grad for i in pair if i is not None)
     ]
     pairs += kept
-    held += [counts[id(params[i if i is not None else j])] for i, j in kept]
+    held += [counts[id(params[holder_index(pair)])] for pair in kept]
     # In the group's order of the parameters that hold each layer's state.
-    ordered = sorted(zip(pairs, held, strict=True), key=lambda item: _holder(item[0]))
+    ordered = sorted(
+        zip(pairs, held, strict=True), key=lambda item: holder_index(item[0])
+    )
     stats[LAYERS] = tuple(pair for pair, _ in ordered)
     stats[LAYER_REFRESHES] = tuple(count for _, count in ordered)
     stats[UPDATES] = stats.get(UPDATES, 0) + 1
@@ -347,14 +349,6 @@ def commit_layers(
         for basis in entry.batch.layers
     )
     return None if kept else [entry.batch for entry in refreshed]
-
-
-def _holder(pair: tuple[int | None, int | None]) -> int:
-    """The index of the parameter that holds a layer's state (weight, else bias)."""
-    weight, bias = pair
-    index = bias if weight is None else weight
-    assert index is not None
-    return index
 
 
 def mean_over_ranks(

@@ -20,6 +20,16 @@ from dampednewton.math.kronecker_factors import EIGEN_FIELDS, FactorEigen
 
 LAYERS = "kronecker_layers"
 """Group statistics: each layer as ``(weight index, bias index)`` (``None``: absent)."""
+
+
+def holder_index(pair: tuple[int | None, int | None]) -> int:
+    """The index of the parameter that holds a layer's state (weight, else bias)."""
+    weight, bias = pair
+    index = bias if weight is None else weight
+    assert index is not None
+    return index
+
+
 INPUT_FACTOR = "kronecker_input_factor"
 OUTPUT_FACTOR = "kronecker_output_factor"
 INPUT_EIGEN = "kronecker_input"

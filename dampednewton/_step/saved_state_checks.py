@@ -21,6 +21,7 @@ from dampednewton._step.kronecker_state import (
     LAYERS,
     OUTPUT_FACTOR,
     UPDATES,
+    holder_index,
 )
 from dampednewton._step.kronecker_state import STATE_KEYS as KRONECKER_STATE_KEYS
 from dampednewton._step.records import BASIS, GROUPS
@@ -123,8 +124,7 @@ def missing_state_problem(
     ):
         params = group["params"]
         needed = [
-            (params[weight if weight is not None else bias], LAYER_KEYS)
-            for weight, bias in stats.get(LAYERS, ())
+            (params[holder_index(pair)], LAYER_KEYS) for pair in stats.get(LAYERS, ())
         ]
         if stats.get(UPDATES, 0) > 0 and "curvature_weights" in stats:
             needed += [(key, frozenset({BASIS})) for key in params]

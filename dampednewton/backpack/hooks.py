@@ -207,10 +207,11 @@ class ModuleOutputs:
     def add(self, module: Module, inputs: tuple, output: Any) -> None:
         """Note a module's output (a forward hook's signature)."""
         if isinstance(output, Tensor):
-            self.modules[output.data_ptr()] = module
-            self.layouts[output.data_ptr()] = (output.shape, output.stride())
+            address = output.data_ptr()
+            self.modules[address] = module
+            self.layouts[address] = (output.shape, output.stride())
             if output.requires_grad:
-                self.latest[id(module)] = output.data_ptr()
+                self.latest[id(module)] = address
             if output.grad_fn is not None:
                 self._nodes[id(output.grad_fn)] = output.grad_fn
 

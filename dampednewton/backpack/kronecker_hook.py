@@ -63,6 +63,13 @@ class LayerFactors:
     first_weight: Tensor | None = None
     passes: int = 1
 
+    @property
+    def first(self) -> Tensor:
+        """The parameter that holds the layer's state: its weight, else its bias."""
+        first = self.weight if self.weight is not None else self.bias
+        assert first is not None
+        return first
+
     def weigh(self) -> Tensor:
         """Turn one micro-batch's factors into weighted sums; return ``Σ_m w_m``."""
         if self.total is None:
@@ -140,7 +147,7 @@ class FactorCollector:
             raise RuntimeError(
                 f"DampedNewton refused the step: of the closure's {self._passes} "
                 f"backward passes, {missed[0].passes} reached a layer of shape "
-                f"{tuple(first_of(missed[0]).shape)} (several losses of one batch, "
+                f"{tuple(missed[0].first.shape)} (several losses of one batch, "
                 "such as heads of a multi-task model back-propagated one by one?), "
                 "so the batch's curvature cannot be assembled: every micro-batch "
                 "must run through the same layers; parameters and optimizer state "
@@ -192,13 +199,6 @@ class FactorCollector:
             )
         else:
             layer.add(inputs, outputs, self._loss_weight)
-
-
-def first_of(layer: LayerFactors) -> Tensor:
-    """The layer's first collected parameter (its weight, else its bias)."""
-    first = layer.weight if layer.weight is not None else layer.bias
-    assert first is not None
-    return first
 
 
 def _collected(param: object, params: set[int]) -> Tensor | None:
