@@ -9,14 +9,16 @@
 # or name the parts to run, in order: bash benchmarks/gpu_session.sh PART [PART ...]
 # PART:
 #   checks: the suite's cuda tests beside the critical batches of 3c3d under 11 GiB
-#     of the defaults and SGD (neither is timed);
-#   profile: kernels, host reads, syncs and step times of the MLP and 3c3d;
+#     of the defaults and SGD (neither is timed); tests: the cuda tests alone;
+#   profile: kernels, host reads, syncs and step times of the MLP and 3c3d (on the
+#     H100 150 s with the peers);
 #   compile: the in-between step's math eager, compiled and as CUDA graphs;
 #   step_cost: step cost with peak memory;
 #   fmnist_2c2d: time to target, DampedNewton's default against Adam over 3e-4,
 #     1e-3, 3e-3, 4000 steps, 3 seeds, the grid's fastest run per seed (measured on an
 #     H200 on 2026-11-26, so late);
-#   fmnist_2c2d_peers: SOAP at 1e-3 and 3e-3, PSGD-Kron at 1e-3, 3 seeds;
+#   fmnist_2c2d_peers: SOAP at 1e-3 and 3e-3, PSGD-Kron at 1e-3, 3 seeds (the two
+#     alone: fmnist_2c2d_soap, fmnist_2c2d_kron);
 #   fmnist_2c2d_sgd: SGD-momentum at 0.01, 0.03, 0.1 and SGD at 0.1, 0.3, 1, 3 seeds
 #     (the CPU tables' other baselines; not part of `all`);
 #   fmnist_2c2d_packed: the defaults with KroneckerBasis(packed=True), 3 seeds (not
@@ -25,6 +27,7 @@
 # The parts share BUDGET seconds (default 540): each part stops at its own cap or when
 # the budget runs out, and writes its results to $OUT as it goes, so a part cut short
 # still returns what it finished; the Hydra runs of fmnist_2c2d go to $OUT/sweeps.
+# STEPS (default 4000, the preset's) sets the fmnist_2c2d runs' budget of steps.
 # $OUT of the device tool returns at most 8 files, 2 folders down: point OUT at a
 # scratch folder and tar it into the real one.
 set -uo pipefail
@@ -49,7 +52,7 @@ run() {
 
 # The fmnist_2c2d runs: the GPU preset, 3 seeds, one job per grid point.
 common=(+sweep=gpu_fmnist_2c2d problem.eval_every=100 grid=null grid_point=null
-  seed=0,1,2 checkpoint_every=null)
+  seed=0,1,2 checkpoint_every=null problem.steps="${STEPS:-4000}")
 
 part() {
   case "$1" in
@@ -65,12 +68,16 @@ part() {
       wait
       tail -n 5 "$out/cuda-tests.txt"
       cat "$out/critical.md" ;;
+    tests)
+      run 240 "$out/cuda-tests.txt" python3 -m pytest -q -m cuda -p no:cacheprovider tests
+      tail -n 5 "$out/cuda-tests.txt" ;;
     profile)
       local peers=()
       python3 -c "import pytorch_optimizer" 2>/dev/null && peers=(--peers soap kron)
-      # Past the refresh ramp, counts averaged over 40 steps (amortized refreshes).
+      # Past the refresh ramp, counts averaged over 45 steps: the defaults' pattern of
+      # refreshes, one of which rotates (an eigh per factor shape, a sync each).
       run 150 "$out/profile.md" python3 -m benchmarks.micro.step_profile \
-        --models mlp 3c3d --ggn mc1 exact --warmup 60 --steps 40 "${peers[@]}"
+        --models mlp 3c3d --ggn mc1 exact --warmup 60 --steps 45 "${peers[@]}"
       cat "$out/profile.md" ;;
     fmnist_2c2d)
       run 200 "$out/dampednewton.txt" python3 -m benchmarks.run --multirun \
@@ -81,11 +88,16 @@ part() {
     fmnist_2c2d_peers)
       # SOAP and PSGD-Kron at the learning rates that were fastest on the CPU
       # (fmnist_2c2d: SOAP 3e-3, Kron 1e-3) and SOAP's neighbour 1e-3.
+      part fmnist_2c2d_soap
+      part fmnist_2c2d_kron ;;
+    fmnist_2c2d_soap)
       run 200 "$out/soap.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
         optimizer=soap optimizer.lr=0.001,0.003 hydra.sweep.dir="$out/sweeps/soap"
+      tail -n 4 "$out/soap.txt" ;;
+    fmnist_2c2d_kron)
       run 200 "$out/kron.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
         optimizer=kron optimizer.lr=0.001 hydra.sweep.dir="$out/sweeps/kron"
-      tail -n 4 "$out/soap.txt" "$out/kron.txt" ;;
+      tail -n 4 "$out/kron.txt" ;;
     fmnist_2c2d_sgd)
       run 200 "$out/momentum.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
         optimizer=momentum optimizer.lr=0.01,0.03,0.1 \
@@ -108,8 +120,8 @@ part() {
       cat "$out/step_cost.txt" ;;
     *)
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
-        "(PART: checks profile compile step_cost fmnist_2c2d fmnist_2c2d_peers" \
-        "fmnist_2c2d_sgd fmnist_2c2d_packed)" >&2
+        "(PART: checks tests profile compile step_cost fmnist_2c2d fmnist_2c2d_peers" \
+        "fmnist_2c2d_soap fmnist_2c2d_kron fmnist_2c2d_sgd fmnist_2c2d_packed)" >&2
       exit 2 ;;
   esac
 }

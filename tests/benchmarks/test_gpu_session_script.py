@@ -40,9 +40,16 @@ def test_the_parts_outside_all_run_on_their_own(tmp_path):
     assert result.returncode == 0, result.stderr
     for name in ("momentum.txt", "sgd.txt"):
         assert (tmp_path / name).read_text() == "skipped: budget spent\n", name
-    result = run_script("fmnist_2c2d_packed", budget=10, out=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "packed.txt").read_text() == "skipped: budget spent\n"
+    for part, name in [
+        ("fmnist_2c2d_packed", "packed.txt"),
+        ("fmnist_2c2d_soap", "soap.txt"),
+        ("fmnist_2c2d_kron", "kron.txt"),
+        ("tests", "cuda-tests.txt"),
+    ]:
+        result = run_script(part, budget=10, out=tmp_path / part)
+        assert result.returncode == 0, result.stderr
+        assert (tmp_path / part / name).read_text() == "skipped: budget spent\n"
+        assert not (tmp_path / part / "critical.md").exists()
 
 
 def test_an_unknown_part_prints_the_usage(tmp_path):

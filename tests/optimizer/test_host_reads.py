@@ -15,6 +15,7 @@ import pytest
 import torch
 from backpack import extend
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.micro.host_reads import HostReads
 from dampednewton import (
@@ -158,13 +159,35 @@ def test_the_counter_sees_the_reads_it_should():
     assert reads.counts["elsewhere"] == 3
 
 
+class _EigensolverCalls(TorchDispatchMode):
+    """Counts the symmetric eigensolver's calls (``eigh``, ``eigvalsh``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket is torch.ops.aten._linalg_eigh
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_eigensolver_counter_sees_each_call():
+    matrix = torch.eye(3, dtype=torch.float64)
+    with _EigensolverCalls() as calls:
+        torch.linalg.eigh(matrix)
+        torch.linalg.eigvalsh(torch.stack([matrix, matrix]))
+        torch.linalg.qr(matrix)
+    assert calls.count == 2
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("steps_before", [6, 7], ids=["between-refreshes", "refresh"])
 @pytest.mark.parametrize("options", CONFIGURATIONS.values(), ids=CONFIGURATIONS)
-def test_a_cuda_step_synchronizes_as_counted(options):
+def test_a_cuda_step_synchronizes_as_counted(options, steps_before):
     optimizer, closure = _training("cuda", options)
-    _quiet_steps(optimizer, closure, 6)
+    _quiet_steps(optimizer, closure, steps_before)
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, _EigensolverCalls() as solves:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -173,9 +196,10 @@ def test_a_cuda_step_synchronizes_as_counted(options):
             torch.cuda.set_sync_debug_mode("default")
     # Not the notice that the debug mode is a prototype (a process's first warning).
     syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
-    # The step's one read and the eigensolver's own check of its result
-    # (cuSOLVER's info, one Gram matrix per step here).
-    assert len(syncs) <= 2, [str(w.message) for w in syncs]
+    # The step's one read, and cuSOLVER's check of each eigendecomposition's result
+    # (its info: one per call, a call per Gram matrix or per shape of Kronecker
+    # factor on the refreshes that rotate the eigenbases; none between refreshes).
+    assert len(syncs) <= 1 + solves.count, (len(syncs), solves.count)
 
 
 def test_the_kronecker_checks_read_mixed_dtypes_in_one_stack():
