@@ -12,18 +12,20 @@
 #     of the defaults and SGD (neither is timed); tests: the cuda tests alone;
 #   profile: kernels, host reads, syncs and step times of the MLP and 3c3d (on the
 #     H100 150 s with the peers);
+#   phases: the defaults' step between refreshes, refresh and rotating refresh apart
+#     (time, kernels, syncs, busy time of each);
 #   compile: the in-between step's math eager, compiled and as CUDA graphs;
 #   step_cost: step cost with peak memory;
 #   fmnist_2c2d: time to target, DampedNewton's default against Adam over 3e-4,
-#     1e-3, 3e-3, 4000 steps, 3 seeds, the grid's fastest run per seed (measured on an
-#     H200 on 2026-11-26, so late);
+#     1e-3, 3e-3, 3 seeds, the grid's fastest run per seed (measured on an H200 and
+#     an H100, so late);
 #   fmnist_2c2d_peers: SOAP at 1e-3 and 3e-3, PSGD-Kron at 1e-3, 3 seeds (the two
 #     alone: fmnist_2c2d_soap, fmnist_2c2d_kron);
 #   fmnist_2c2d_sgd: SGD-momentum at 0.01, 0.03, 0.1 and SGD at 0.1, 0.3, 1, 3 seeds
 #     (the CPU tables' other baselines; not part of `all`);
 #   fmnist_2c2d_packed: the defaults with KroneckerBasis(packed=True), 3 seeds (not
 #     part of `all`; `profile` counts its step as default:packed).
-# `all` runs the first six in that order (most wanted first).
+# `all` runs the first seven in that order (most wanted first).
 # The parts share BUDGET seconds (default 540): each part stops at its own cap or when
 # the budget runs out, and writes its results to $OUT as it goes, so a part cut short
 # still returns what it finished; the Hydra runs of fmnist_2c2d go to $OUT/sweeps.
@@ -109,6 +111,10 @@ part() {
       run 200 "$out/packed.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
         optimizer=dampednewton_packed hydra.sweep.dir="$out/sweeps/packed"
       tail -n 4 "$out/packed.txt" ;;
+    phases)
+      run 90 "$out/phases.md" python3 -m benchmarks.micro.step_phases --models mlp 3c3d \
+        --variants default default:packed default:exact --periods 2
+      cat "$out/phases.md" ;;
     compile)
       run 120 "$out/compile.md" python3 -m benchmarks.micro.between_compile
       run 120 "$out/compile-3c3d.md" python3 -m benchmarks.micro.between_compile \
@@ -120,15 +126,17 @@ part() {
       cat "$out/step_cost.txt" ;;
     *)
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
-        "(PART: checks tests profile compile step_cost fmnist_2c2d fmnist_2c2d_peers" \
-        "fmnist_2c2d_soap fmnist_2c2d_kron fmnist_2c2d_sgd fmnist_2c2d_packed)" >&2
+        "(PART: checks tests profile phases compile step_cost fmnist_2c2d" \
+        "fmnist_2c2d_peers fmnist_2c2d_soap fmnist_2c2d_kron fmnist_2c2d_sgd" \
+        "fmnist_2c2d_packed)" >&2
       exit 2 ;;
   esac
 }
 
 (($#)) || part usage
 parts=("$@")
-[[ "$1" == all ]] && parts=(checks profile compile step_cost fmnist_2c2d fmnist_2c2d_peers)
+[[ "$1" == all ]] &&
+  parts=(checks profile phases compile step_cost fmnist_2c2d fmnist_2c2d_peers)
 for name in "${parts[@]}"; do
   part "$name"
 done

@@ -1,0 +1,200 @@
+"""The default step by phase: between refreshes, a refresh, a refresh that rotates.
+
+The defaults refresh the averaged Kronecker factors on their
+:class:`~dampednewton.CurvatureAveraging`'s schedule (steps 0, 1, 3, 7, 15, then every
+15) and recompute the eigenvectors on the refreshes that
+:meth:`~dampednewton.KroneckerBasis.rotates` names (the first five, then every
+third): past the ramp a period of 45 steps holds 42 steps between refreshes, two
+refreshes of the eigenvalues along the kept eigenvectors and one rotating refresh.
+:func:`step_kinds` names each step's phase from those policies. Each step of
+``--periods`` periods is timed alone (the device synchronized before and after it),
+and each of the period after them counted alone; per phase the table gives the median
+time and the median counts of its steps:
+
+* ``kernels``: CUDA kernels launched (``torch.profiler``); on the CPU, ATen operators
+  that compute (views excluded), the proxy of launches;
+* ``reads``: host reads of device values
+  (:class:`~benchmarks.micro.host_reads.HostReads`);
+* ``syncs``: CUDA synchronizations that torch reports, cuSOLVER's checks included;
+* ``busy``: the kernels' summed time on the GPU.
+
+The amortized row is the mean of all timed steps: ``(42 between + 2 refreshes + 1
+rotating) / 45`` per period.
+Not a test: run it where the numbers are wanted::
+
+    python -m benchmarks.micro.step_phases --models mlp 3c3d
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.measure import synchronize
+from benchmarks.micro.harness import MODELS, make_step
+from benchmarks.micro.host_reads import HostReads
+from benchmarks.micro.step_profile import SYNCHRONIZING, _ComputingOperators
+from dampednewton import DampedNewton
+
+PHASES = ("between", "refresh", "rotating")
+"""A default step's phases, in the order of the table."""
+
+PERIOD = 45
+"""Steps after which the defaults' pattern of refreshes repeats past the ramp."""
+
+
+def step_kinds(count: int) -> list[str]:
+    """The phase of each of the defaults' first ``count`` steps (:data:`PHASES`).
+
+    Args:
+        count: Steps from the first.
+
+    Returns:
+        ``between``, ``refresh`` (eigenvalues along the kept eigenvectors) or
+        ``rotating`` (the eigenvectors recomputed), step by step.
+    """
+    # The defaults as the optimizer fills them in (its param group's policies).
+    group = DampedNewton([torch.zeros(1, requires_grad=True)]).param_groups[0]
+    averaging, basis = group["averaging"], group["basis"]
+    kinds, refreshes = [], 0
+    for step in range(count):
+        if averaging.refreshes(step, refreshes):
+            kinds.append("rotating" if basis.rotates(refreshes) else "refresh")
+            refreshes += 1
+        else:
+            kinds.append("between")
+    return kinds
+
+
+def counted_step(step: Callable[[], object], device: torch.device) -> dict[str, float]:
+    """Time one step alone and count its kernels (operators), reads and syncs."""
+    synchronize(device)
+    with warnings.catch_warnings(record=True) as caught, HostReads() as reads:
+        warnings.simplefilter("always")
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+                    start = time.perf_counter()
+                    step()
+                    synchronize(device)
+                    seconds = time.perf_counter() - start
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            kernels = [
+                event
+                for event in profiler.events()
+                if event.device_type == torch.autograd.DeviceType.CUDA
+            ]
+            launched = len(kernels)
+            busy = sum(event.device_time for event in kernels) / 1e3
+        else:
+            with _ComputingOperators() as operators:
+                start = time.perf_counter()
+                step()
+                seconds = time.perf_counter() - start
+            launched, busy = operators.count, 0.0
+    syncs = sum(SYNCHRONIZING in str(w.message) for w in caught)
+    reads_count = sum(reads.counts.values())
+    return {
+        "ms": 1e3 * seconds,
+        "kernels": launched,
+        "reads": reads_count,
+        "syncs": syncs,
+        "busy": busy,
+    }
+
+
+def timed_step(step: Callable[[], object], device: torch.device) -> float:
+    """One step's milliseconds, alone, without counting (no counters' overhead)."""
+    synchronize(device)
+    start = time.perf_counter()
+    step()
+    synchronize(device)
+    return 1e3 * (time.perf_counter() - start)
+
+
+def phase_rows(
+    model: str, variant: str, batch_size: int, device: torch.device, periods: int
+) -> list[str]:
+    """Table rows of one default variant: per phase, its median step and counts.
+
+    The first ``periods`` periods past the ramp's end (step 90) are timed, the one
+    after them counted.
+    """
+    step = make_step(variant, model, batch_size, device)
+    start = 2 * PERIOD  # past the ramp: the pattern of every later period
+    kinds = step_kinds(start + (periods + 1) * PERIOD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(start):
+            step()
+        times: dict[str, list[float]] = {phase: [] for phase in PHASES}
+        for kind in kinds[start : start + periods * PERIOD]:
+            times[kind].append(timed_step(step, device))
+        counts: dict[str, list[dict[str, float]]] = {phase: [] for phase in PHASES}
+        for kind in kinds[start + periods * PERIOD :]:
+            counts[kind].append(counted_step(step, device))
+    rows = []
+    for phase in PHASES:
+        medians = {
+            key: statistics.median(count[key] for count in counts[phase])
+            for key in ("kernels", "reads", "syncs", "busy")
+        }
+        busy = f"{medians['busy']:.2f}" if device.type == "cuda" else "—"
+        rows.append(
+            f"| {model} | {variant} | {phase} | {len(times[phase])} "
+            f"| {statistics.median(times[phase]):.2f} | {medians['kernels']:.0f} "
+            f"| {medians['reads']:.0f} | {medians['syncs']:.0f} | {busy} |"
+        )
+    amortized = sum(
+        statistics.fmean(times[phase]) * len(times[phase]) for phase in PHASES
+    )
+    rows.append(
+        f"| {model} | {variant} | amortized | {periods * PERIOD} "
+        f"| {amortized / (periods * PERIOD):.2f} | | | | |"
+    )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Print the phase table (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["mlp"], choices=MODELS)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=["default", "default:packed"],
+        choices=["default", "default:exact", "default:packed"],
+    )
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--periods", type=int, default=2, help="timed periods")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"device {name}, N={args.batch_size}, {torch.get_num_threads()} threads")
+    kernels = "kernels" if device.type == "cuda" else "ATen ops"
+    print(
+        f"| model | variant | phase | steps timed | median ms | {kernels} | host reads "
+        "| syncs | busy ms |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for model in args.models:
+        for variant in args.variants:
+            for row in phase_rows(
+                model, variant, args.batch_size, device, args.periods
+            ):
+                print(row)
+
+
+if __name__ == "__main__":
+    main()

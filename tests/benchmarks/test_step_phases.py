@@ -1,0 +1,69 @@
+"""The default step by phase: the schedule it names, and its table on the CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from backpack import extend
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.micro.step_phases import PERIOD, PHASES, main, step_kinds
+from dampednewton import DampedNewton
+
+
+class _EigensolverCalls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket is torch.ops.aten._linalg_eigh
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_phases_are_those_the_default_optimizer_takes():
+    generator = torch.Generator().manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 3)))
+    loss_fn = extend(nn.CrossEntropyLoss())
+    inputs = torch.randn(16, 6, generator=generator)
+    targets = torch.randint(0, 3, (16,), generator=generator)
+    optimizer = DampedNewton(model.parameters(), seed=0)
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        return loss
+
+    # What the optimizer did: a refresh counts an update, a rotation solves eigh
+    # (the input factor of 41 rows is larger than the kept rank 32: never between).
+    taken, updates = [], 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3 * PERIOD + 1):
+            with _EigensolverCalls() as solves:
+                optimizer.step(closure)
+            now = optimizer.records["groups"][0]["curvature_updates"]
+            refreshed, updates = now > updates, now
+            taken.append(
+                ("rotating" if solves.count else "refresh") if refreshed else "between"
+            )
+    assert taken == step_kinds(3 * PERIOD + 1)
+    period = taken[2 * PERIOD : 3 * PERIOD]
+    assert [period.count(phase) for phase in PHASES] == [42, 2, 1]
+
+
+@pytest.mark.slow
+def test_the_phase_table_on_the_cpu(capsys):
+    main(["--models", "mlp", "--variants", "default", "--periods", "1"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()]
+    phases = {row[3].strip(): row for row in rows if len(row) > 3 and "mlp" in row[1]}
+    assert list(phases) == [*PHASES, "amortized"]
+    assert [int(phases[phase][4]) for phase in PHASES] == [42, 2, 1]
+    operators = {phase: int(phases[phase][6]) for phase in PHASES}
+    # A refresh adds BackPACK's pass and the factors; a rotation the eigensolver.
+    assert operators["between"] < operators["refresh"] < operators["rotating"]
+    assert all(int(phases[phase][7]) == 1 for phase in PHASES)  # one host read
