@@ -14,6 +14,7 @@
 #     H100 150 s with the peers);
 #   phases: the defaults' step between refreshes, refresh and rotating refresh apart
 #     (time, kernels, syncs, busy time of each);
+#   solvers: eigh and QR of the refreshes' shapes on the device and on the host;
 #   compile: the in-between step's math eager, compiled and as CUDA graphs;
 #   step_cost: step cost with peak memory;
 #   fmnist_2c2d: time to target, DampedNewton's default against Adam over 3e-4,
@@ -25,7 +26,7 @@
 #     (the CPU tables' other baselines; not part of `all`);
 #   fmnist_2c2d_packed: the defaults with KroneckerBasis(packed=True), 3 seeds (not
 #     part of `all`; `profile` counts its step as default:packed).
-# `all` runs the first seven in that order (most wanted first).
+# `all` runs the first eight in that order (most wanted first).
 # The parts share BUDGET seconds (default 540): each part stops at its own cap or when
 # the budget runs out, and writes its results to $OUT as it goes, so a part cut short
 # still returns what it finished; the Hydra runs of fmnist_2c2d go to $OUT/sweeps.
@@ -115,6 +116,9 @@ part() {
       run 90 "$out/phases.md" python3 -m benchmarks.micro.step_phases --models mlp 3c3d \
         --variants default default:packed default:exact --periods 2
       cat "$out/phases.md" ;;
+    solvers)
+      run 60 "$out/solvers.md" python3 -m benchmarks.micro.eigensolvers
+      cat "$out/solvers.md" ;;
     compile)
       run 120 "$out/compile.md" python3 -m benchmarks.micro.between_compile
       run 120 "$out/compile-3c3d.md" python3 -m benchmarks.micro.between_compile \
@@ -126,7 +130,7 @@ part() {
       cat "$out/step_cost.txt" ;;
     *)
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
-        "(PART: checks tests profile phases compile step_cost fmnist_2c2d" \
+        "(PART: checks tests profile phases solvers compile step_cost fmnist_2c2d" \
         "fmnist_2c2d_peers fmnist_2c2d_soap fmnist_2c2d_kron fmnist_2c2d_sgd" \
         "fmnist_2c2d_packed)" >&2
       exit 2 ;;
@@ -136,7 +140,7 @@ part() {
 (($#)) || part usage
 parts=("$@")
 [[ "$1" == all ]] &&
-  parts=(checks profile phases compile step_cost fmnist_2c2d fmnist_2c2d_peers)
+  parts=(checks profile phases solvers compile step_cost fmnist_2c2d fmnist_2c2d_peers)
 for name in "${parts[@]}"; do
   part "$name"
 done
