@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from benchmarks.micro.harness import round_robin_medians
+from benchmarks.micro.harness import round_robin_medians, script_device
 
 EIGH_SHAPES = ((10,), (32,), (64,), (128,), (6, 32), (512,))
 """``eigh`` problems: a matrix of that size, or a batch ``(L, n)`` of ``L``."""
@@ -84,10 +84,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    device, name = script_device(args.threads)
     print(f"device {name}, float32, host threads {torch.get_num_threads()}")
     print("| problem | device ms | host ms (copies included) | host / device |")
     print("| --- | --- | --- | --- |")

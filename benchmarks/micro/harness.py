@@ -82,6 +82,22 @@ def input_shape(model_name: str) -> tuple[int, ...]:
     return INPUT_SHAPES.get(model_name, (1, 28, 28))
 
 
+def script_device(threads: int | None) -> tuple[torch.device, str]:
+    """A script's device (CUDA when present) and its name, torch's threads set first.
+
+    Args:
+        threads: Intra-op threads (``None``: torch's default).
+
+    Returns:
+        The device and its name (``CPU`` for the CPU).
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return device, name
+
+
 def time_blocks(
     steps: Mapping[str, Callable[[], object]],
     device: torch.device,

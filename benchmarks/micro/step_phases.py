@@ -37,9 +37,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.measure import synchronize
-from benchmarks.micro.harness import MODELS, make_step
+from benchmarks.micro.harness import MODELS, make_step, script_device
 from benchmarks.micro.host_reads import HostReads
-from benchmarks.micro.step_profile import SYNCHRONIZING, _ComputingOperators
+from benchmarks.micro.step_profile import SYNCHRONIZING, ComputingOperators
 from dampednewton import DampedNewton
 
 PHASES = ("between", "refresh", "rotating")
@@ -95,7 +95,7 @@ def counted_step(step: Callable[[], object], device: torch.device) -> dict[str, 
             launched = len(kernels)
             busy = sum(event.device_time for event in kernels) / 1e3
         else:
-            with _ComputingOperators() as operators:
+            with ComputingOperators() as operators:
                 start = time.perf_counter()
                 step()
                 seconds = time.perf_counter() - start
@@ -177,10 +177,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--periods", type=int, default=2, help="timed periods")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    device, name = script_device(args.threads)
     print(f"device {name}, N={args.batch_size}, {torch.get_num_threads()} threads")
     kernels = "kernels" if device.type == "cuda" else "ATen ops"
     print(

@@ -47,6 +47,7 @@ from benchmarks.micro.harness import (
     PEERS,
     make_step,
     round_robin_medians,
+    script_device,
     time_blocks,
 )
 from benchmarks.micro.host_reads import HostReads
@@ -111,16 +112,35 @@ def computes(func: Any) -> bool:
     return not getattr(func, "is_view", False)
 
 
-class _ComputingOperators(TorchDispatchMode):
+class ComputingOperators(TorchDispatchMode):
     """Counts the ATen operators that compute (:func:`computes`)."""
 
     def __init__(self) -> None:
+        """Start at zero."""
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Count ``func`` if it computes, then run it."""
         if computes(func):
             self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class EigensolverCalls(TorchDispatchMode):
+    """Counts the symmetric eigensolver's calls (``eigh``, ``eigvalsh``).
+
+    On CUDA each call synchronizes once, to check its result.
+    """
+
+    def __init__(self) -> None:
+        """Start at zero."""
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        """Count ``func`` if it is the eigensolver, then run it."""
+        self.count += func.overloadpacket is torch.ops.aten._linalg_eigh
         return func(*args, **(kwargs or {}))
 
 
@@ -142,7 +162,7 @@ def profile_step(
     """
     synchronize(device)
     if device.type != "cuda":  # reads and operators of the same steps
-        with HostReads() as reads, _ComputingOperators() as operators:
+        with HostReads() as reads, ComputingOperators() as operators:
             for _ in range(steps):
                 step()
         return StepProfile(
@@ -291,10 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="curvature peers to add (pytorch-optimizer, the bench extra)",
     )
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    device, name = script_device(args.threads)
     print(f"device {name}, N={args.batch_size}, {torch.get_num_threads()} threads")
     lines = table(
         args.models,

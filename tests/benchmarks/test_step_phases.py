@@ -8,20 +8,10 @@ import pytest
 import torch
 from backpack import extend
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.micro.step_phases import PERIOD, PHASES, main, step_kinds
+from benchmarks.micro.step_profile import EigensolverCalls
 from dampednewton import DampedNewton
-
-
-class _EigensolverCalls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket is torch.ops.aten._linalg_eigh
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_phases_are_those_the_default_optimizer_takes():
@@ -44,7 +34,7 @@ def test_the_phases_are_those_the_default_optimizer_takes():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(3 * PERIOD + 1):
-            with _EigensolverCalls() as solves:
+            with EigensolverCalls() as solves:
                 optimizer.step(closure)
             now = optimizer.records["groups"][0]["curvature_updates"]
             refreshed, updates = now > updates, now

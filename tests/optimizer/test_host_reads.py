@@ -15,9 +15,9 @@ import pytest
 import torch
 from backpack import extend
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.micro.host_reads import HostReads
+from benchmarks.micro.step_profile import EigensolverCalls
 from dampednewton import (
     CurvatureAveraging,
     DampedNewton,
@@ -159,21 +159,9 @@ def test_the_counter_sees_the_reads_it_should():
     assert reads.counts["elsewhere"] == 3
 
 
-class _EigensolverCalls(TorchDispatchMode):
-    """Counts the symmetric eigensolver's calls (``eigh``, ``eigvalsh``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket is torch.ops.aten._linalg_eigh
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_eigensolver_counter_sees_each_call():
     matrix = torch.eye(3, dtype=torch.float64)
-    with _EigensolverCalls() as calls:
+    with EigensolverCalls() as calls:
         torch.linalg.eigh(matrix)
         torch.linalg.eigvalsh(torch.stack([matrix, matrix]))
         torch.linalg.qr(matrix)
@@ -187,7 +175,7 @@ def test_a_cuda_step_synchronizes_as_counted(options, steps_before):
     optimizer, closure = _training("cuda", options)
     _quiet_steps(optimizer, closure, steps_before)
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught, _EigensolverCalls() as solves:
+    with warnings.catch_warnings(record=True) as caught, EigensolverCalls() as solves:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
