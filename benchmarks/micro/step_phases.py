@@ -8,7 +8,9 @@ third): past the ramp a period of 45 steps holds 42 steps between refreshes, two
 refreshes of the eigenvalues along the kept eigenvectors and one rotating refresh.
 :func:`step_kinds` names each step's phase from those policies. Each step of
 ``--periods`` periods is timed alone (the device synchronized before and after it),
-and each of the period after them counted alone; per phase the table gives the median
+and each step of the next two periods counted alone: reads and synchronizations in
+the first (no profiler and no synchronization of the script's own inside the counted
+window), kernels and busy time in the second. Per phase the table gives the median
 time and the median counts of its steps:
 
 * ``kernels``: CUDA kernels launched (``torch.profiler``); on the CPU, ATen operators
@@ -72,43 +74,46 @@ def step_kinds(count: int) -> list[str]:
     return kinds
 
 
-def counted_step(step: Callable[[], object], device: torch.device) -> dict[str, float]:
-    """Time one step alone and count its kernels (operators), reads and syncs."""
+def reads_and_syncs(step: Callable[[], object], device: torch.device) -> dict[str, int]:
+    """One step's host reads and the CUDA synchronizations torch reports in it.
+
+    The device is synchronized before and after, outside the counted window (a
+    synchronization there would count too).
+    """
     synchronize(device)
     with warnings.catch_warnings(record=True) as caught, HostReads() as reads:
         warnings.simplefilter("always")
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-                    start = time.perf_counter()
-                    step()
-                    synchronize(device)
-                    seconds = time.perf_counter() - start
-            finally:
+        try:
+            step()
+        finally:
+            if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
-            kernels = [
-                event
-                for event in profiler.events()
-                if event.device_type == torch.autograd.DeviceType.CUDA
-            ]
-            launched = len(kernels)
-            busy = sum(event.device_time for event in kernels) / 1e3
-        else:
-            with ComputingOperators() as operators:
-                start = time.perf_counter()
-                step()
-                seconds = time.perf_counter() - start
-            launched, busy = operators.count, 0.0
+    synchronize(device)
     syncs = sum(SYNCHRONIZING in str(w.message) for w in caught)
-    reads_count = sum(reads.counts.values())
-    return {
-        "ms": 1e3 * seconds,
-        "kernels": launched,
-        "reads": reads_count,
-        "syncs": syncs,
-        "busy": busy,
-    }
+    return {"reads": sum(reads.counts.values()), "syncs": syncs}
+
+
+def kernels_and_busy(
+    step: Callable[[], object], device: torch.device
+) -> dict[str, float]:
+    """One step's CUDA kernels and their summed GPU time (on the CPU: operators)."""
+    synchronize(device)
+    if device.type != "cuda":
+        with ComputingOperators() as operators:
+            step()
+        return {"kernels": operators.count, "busy": 0.0}
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        step()
+        synchronize(device)
+    kernels = [
+        event
+        for event in profiler.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    busy = sum(event.device_time for event in kernels) / 1e3
+    return {"kernels": len(kernels), "busy": busy}
 
 
 def timed_step(step: Callable[[], object], device: torch.device) -> float:
@@ -125,27 +130,35 @@ def phase_rows(
 ) -> list[str]:
     """Table rows of one default variant: per phase, its median step and counts.
 
-    The first ``periods`` periods past the ramp's end (step 90) are timed, the one
-    after them counted.
+    The first ``periods`` periods past the ramp's end (step 90) are timed; in the
+    next period each step's reads and synchronizations are counted, in the one after
+    it its kernels (operators) and busy time.
     """
     step = make_step(variant, model, batch_size, device)
     start = 2 * PERIOD  # past the ramp: the pattern of every later period
-    kinds = step_kinds(start + (periods + 1) * PERIOD)
+    counted = start + periods * PERIOD
+    kinds = step_kinds(counted + 2 * PERIOD)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(start):
             step()
         times: dict[str, list[float]] = {phase: [] for phase in PHASES}
-        for kind in kinds[start : start + periods * PERIOD]:
+        for kind in kinds[start:counted]:
             times[kind].append(timed_step(step, device))
         counts: dict[str, list[dict[str, float]]] = {phase: [] for phase in PHASES}
-        for kind in kinds[start + periods * PERIOD :]:
-            counts[kind].append(counted_step(step, device))
+        for kind in kinds[counted : counted + PERIOD]:
+            counts[kind].append(dict(reads_and_syncs(step, device)))
+        launches: dict[str, list[dict[str, float]]] = {phase: [] for phase in PHASES}
+        for kind in kinds[counted + PERIOD :]:
+            launches[kind].append(kernels_and_busy(step, device))
     rows = []
     for phase in PHASES:
         medians = {
             key: statistics.median(count[key] for count in counts[phase])
-            for key in ("kernels", "reads", "syncs", "busy")
+            for key in ("reads", "syncs")
+        } | {
+            key: statistics.median(count[key] for count in launches[phase])
+            for key in ("kernels", "busy")
         }
         busy = f"{medians['busy']:.2f}" if device.type == "cuda" else "—"
         rows.append(

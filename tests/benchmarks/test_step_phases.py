@@ -57,3 +57,17 @@ def test_the_phase_table_on_the_cpu(capsys):
     # A refresh adds BackPACK's pass and the factors; a rotation the eigensolver.
     assert operators["between"] < operators["refresh"] < operators["rotating"]
     assert all(int(phases[phase][7]) == 1 for phase in PHASES)  # one host read
+
+
+@pytest.mark.cuda
+def test_the_phase_table_on_the_device(capsys):
+    main(["--models", "mlp", "--variants", "default", "--periods", "1"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()]
+    phases = {row[3].strip(): row for row in rows if len(row) > 3 and "mlp" in row[1]}
+    syncs = {phase: int(phases[phase][8]) for phase in PHASES}
+    # The one read; a rotation adds cuSOLVER's check of each eigh (a call per shape
+    # of the MLP's six factors).
+    assert syncs["between"] == syncs["refresh"] == 1
+    assert syncs["rotating"] > 1
+    kernels = {phase: int(phases[phase][6]) for phase in PHASES}
+    assert kernels["between"] < kernels["refresh"] < kernels["rotating"]
