@@ -145,9 +145,9 @@ def phase_rows(
         times: dict[str, list[float]] = {phase: [] for phase in PHASES}
         for kind in kinds[start:counted]:
             times[kind].append(timed_step(step, device))
-        counts: dict[str, list[dict[str, float]]] = {phase: [] for phase in PHASES}
+        counts: dict[str, list[dict[str, int]]] = {phase: [] for phase in PHASES}
         for kind in kinds[counted : counted + PERIOD]:
-            counts[kind].append(dict(reads_and_syncs(step, device)))
+            counts[kind].append(reads_and_syncs(step, device))
         launches: dict[str, list[dict[str, float]]] = {phase: [] for phase in PHASES}
         for kind in kinds[counted + PERIOD :]:
             launches[kind].append(kernels_and_busy(step, device))
