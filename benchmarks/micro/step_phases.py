@@ -36,12 +36,15 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.measure import synchronize
 from benchmarks.micro.harness import MODELS, make_step, script_device
 from benchmarks.micro.host_reads import HostReads
-from benchmarks.micro.step_profile import SYNCHRONIZING, ComputingOperators
+from benchmarks.micro.step_profile import (
+    SYNCHRONIZING,
+    ComputingOperators,
+    cuda_kernels,
+)
 from dampednewton import DampedNewton
 
 PHASES = ("between", "refresh", "rotating")
@@ -104,16 +107,8 @@ def kernels_and_busy(
         with ComputingOperators() as operators:
             step()
         return {"kernels": operators.count, "busy": 0.0}
-    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-        step()
-        synchronize(device)
-    kernels = [
-        event
-        for event in profiler.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA
-    ]
-    busy = sum(event.device_time for event in kernels) / 1e3
-    return {"kernels": len(kernels), "busy": busy}
+    launched, busy = cuda_kernels(step, device)
+    return {"kernels": launched, "busy": busy}
 
 
 def timed_step(step: Callable[[], object], device: torch.device) -> float:

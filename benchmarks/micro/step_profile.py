@@ -144,6 +144,27 @@ class EigensolverCalls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def cuda_kernels(run: Callable[[], object], device: torch.device) -> tuple[int, float]:
+    """The CUDA kernels ``run()`` launches and their summed GPU time in ms.
+
+    Args:
+        run: The work to profile (it ends with the device synchronized).
+        device: A CUDA device.
+
+    Returns:
+        ``(kernels, busy ms)``.
+    """
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        run()
+        synchronize(device)
+    kernels = [
+        event
+        for event in profiler.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return len(kernels), sum(event.device_time for event in kernels) / 1e3
+
+
 def profile_step(
     step: Callable[[], object], device: torch.device, steps: int = 1
 ) -> StepProfile:
@@ -190,18 +211,10 @@ def profile_step(
         finally:
             torch.cuda.set_sync_debug_mode("default")
     synchronize(device)
-    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
-        for _ in range(steps):
-            step()
-        synchronize(device)
-    kernels = [
-        event
-        for event in profiler.events()
-        if event.device_type == torch.autograd.DeviceType.CUDA
-    ]
-    busy = sum(event.device_time for event in kernels) / 1e3 / steps
+    launched, busy_ms = cuda_kernels(lambda: [step() for _ in range(steps)], device)
+    busy = busy_ms / steps
     return StepProfile(
-        round(len(kernels) / steps),
+        round(launched / steps),
         round(sum(reads.counts.values()) / steps),
         (sum(per_step) / steps, max(per_step)),
         busy,
