@@ -22,6 +22,7 @@ time and the median counts of its steps:
 
 The amortized row is the mean of all timed steps: ``(42 between + 2 refreshes + 1
 rotating) / 45`` per period.
+
 Not a test: run it where the numbers are wanted::
 
     python -m benchmarks.micro.step_phases --models mlp 3c3d
