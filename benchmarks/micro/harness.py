@@ -45,6 +45,12 @@ def flat_mlp(hidden: tuple[int, ...]) -> Callable[[], nn.Module]:
     return build
 
 
+def tiny_mlp() -> nn.Module:
+    """The outside 6-class task's kind of model: tanh MLP 20-64-64-10."""
+    generator = torch.Generator().manual_seed(0)
+    return mlp(20, (64, 64), NUM_CLASSES, "tanh", generator=generator)
+
+
 def cnn() -> nn.Module:
     """conv(16,5)-pool-conv(32,5)-pool-fc128-fc10 on 1×28×28 inputs."""
     return nn.Sequential(
@@ -67,13 +73,14 @@ def deepobs_3c3d() -> nn.Module:
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
+    "mlp-tiny": tiny_mlp,
     "mlp": flat_mlp((128, 128)),
     "mlp-large": flat_mlp((512, 512)),
     "mlp-deep": flat_mlp((128,) * 16),
     "cnn": cnn,
     "3c3d": deepobs_3c3d,
 }
-INPUT_SHAPES: dict[str, tuple[int, ...]] = {"3c3d": (3, 32, 32)}
+INPUT_SHAPES: dict[str, tuple[int, ...]] = {"3c3d": (3, 32, 32), "mlp-tiny": (20,)}
 """A model's input shape, where it is not 1×28×28."""
 
 
@@ -197,7 +204,7 @@ def peer(name: str, model: nn.Module) -> Optimizer:
 VARIANT_KINDS = ("sgd", "adam", *PEERS, "fast", "dense", "default")
 """The kinds of step :func:`make_step` builds (``kind:ggn``)."""
 GGN_KINDS = {"fast": ("mc1", "exact"), "dense": ("mc1", "exact")}
-DEFAULT_KINDS = ("", "mc1", "exact", "packed")
+DEFAULT_KINDS = ("", "mc1", "exact", "packed", "backpack")
 
 
 def check_variant(kind: str, ggn: str) -> None:
@@ -211,7 +218,7 @@ def check_variant(kind: str, ggn: str) -> None:
         raise ValueError(
             f"Unknown step variant {kind}:{ggn}. Variants: sgd, adam, "
             f"{', '.join(PEERS)}, fast:mc1, fast:exact, dense:mc1, dense:exact, "
-            "default, default:exact, default:packed."
+            "default, default:exact, default:packed, default:backpack."
         )
 
 
@@ -249,13 +256,16 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
             "kl_clip": None,
         }
         # The defaults draw one Monte-Carlo sample; ``default:exact`` the exact GGN;
-        # ``default:packed`` steps every layer in one padded batch.
+        # ``default:packed`` steps every layer in one padded batch;
+        # ``default:backpack`` refreshes through BackPACK's pass every time (the
+        # optimizer's private switch: the defaults' later refreshes take autograd's).
         changed: dict[str, dict[str, Any]] = {
             "exact": {"mc_samples": 0},
             "packed": {"basis": KroneckerBasis(packed=True)},
         }
         settings = {"seed": 0, **changed.get(ggn, {})} if kind == "default" else vivit
         optimizer = DampedNewton(model.parameters(), lr=1e-3, **settings)
+        optimizer._pipeline.kronecker._passes.autograd = ggn != "backpack"
         return closure_step(optimizer, model, loss_fn, X, y)
     params = list(model.parameters())
     group = {"params": params, "criterion": DIRECTIONS, "damping": 1e-2}

@@ -2,9 +2,11 @@ r"""The Kronecker basis' step: refreshes of the layers' factors and every step.
 
 A step of groups with :class:`~dampednewton.policies.basis.KroneckerBasis` runs the
 closure once. On a refresh (the averaging's schedule, a loss that rose above its
-tolerance, or the first step) it runs inside a BackPACK pass whose hook
-(:class:`~dampednewton.backpack.kronecker_hook.FactorCollector`) turns each layer's
-square-root buffers into its factors ``A`` and ``S``; the averages
+tolerance, or the first step) a pass (:mod:`._step.factor_pass`) gives each layer's
+factors ``A`` and ``S``: BackPACK's, whose hook
+(:class:`~dampednewton.backpack.kronecker_hook.FactorCollector`) turns the layers'
+square-root buffers into them, or, for later Monte-Carlo refreshes, one
+``torch.autograd.grad`` of the sampled square root; the averages
 ``F ← βF + (1 − β)F_batch`` are decomposed or, between rotations, given new
 eigenvalues along their eigenvectors (:mod:`._step.kronecker_refresh`). Every other
 step runs the closure with BackPACK's hooks suspended and reuses the layers'
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +41,7 @@ from dampednewton._step.active_monitor import (
     with_monitor,
 )
 from dampednewton._step.closure import failure_shared, run_closure
+from dampednewton._step.factor_pass import FactorPasses
 from dampednewton._step.guard import (
     STACKLEVEL_OF_CALLER,
     GeneratorSnapshot,
@@ -81,16 +85,9 @@ from dampednewton._step.records import (
     refreshes_at,
 )
 from dampednewton._step.update import update_parameters
-from dampednewton.backpack.extensions import (
-    ExactSqrtGGN,
-    MonteCarloSqrtGGN,
-    modified_loss_warning,
-)
+from dampednewton.backpack.extensions import modified_loss_warning
 from dampednewton.backpack.hooks import ExtendedModules
-from dampednewton.backpack.kronecker_hook import FactorCollector
-from dampednewton.backpack.layers import use_structured_sqrt_ggn
 from dampednewton.backpack.loss_checks import DeferredChecks
-from dampednewton.backpack.savefields import sqrt_ggn_savefield
 from dampednewton.distributed import Communicator
 from dampednewton.policies.basis import KroneckerBasis
 
@@ -108,9 +105,7 @@ class KroneckerSteps:
         self._batches: dict[int, list[LayerBatch]] = {}
         self._versions: dict[int, list[tuple[int, ...]]] = {}
         self._packs: dict[int, PackedGroup] = {}
-        self._cached_extension: (
-            tuple[tuple, ExactSqrtGGN | MonteCarloSqrtGGN] | None
-        ) = None
+        self._passes = FactorPasses()
 
     def clear(self) -> None:
         """Forget the cached bases (after loading a state)."""
@@ -153,31 +148,41 @@ class KroneckerSteps:
         # An adaptive damping adapts on refreshes only: its model's curvature then.
         with_curvature = with_curvature and any(refreshing)
         params = [p for group in groups for p in group["params"]]
+        deferred = DeferredChecks()
+        factor_pass = None
         extensions: list = []
         hooks: list = []
-        collector = None
-        deferred = DeferredChecks()
         if any(refreshing):
-            sqrt_ggn = self._extension(shared, generator)
-            sqrt_ggn.deferred_checks = deferred
-            collected = [
-                p
-                for group, refresh in zip(groups, refreshing, strict=True)
-                if refresh
-                for p in group["params"]
-                if p.requires_grad
-            ]
-            collector = FactorCollector(
-                sqrt_ggn_savefield(shared.mc_samples),
-                collected,
-                sqrt_ggn,
-                subsampled=shared.subsampling_ggn is not None,
+            factor_pass = self._passes.start(
+                shared,
+                generator,
+                [
+                    p
+                    for group, refresh in zip(groups, refreshing, strict=True)
+                    if refresh
+                    for p in group["params"]
+                    if p.requires_grad
+                ],
+                deferred,
+                modules,
+                bases_stored=all(
+                    LAYERS in group
+                    for group, refresh in zip(stats, refreshing, strict=True)
+                    if refresh
+                ),
+                distributed=communicator is not None,
+                monitored=monitor is not None,
             )
-            extensions, hooks = [sqrt_ggn], [collector.hook]
+            extensions, hooks = factor_pass.extensions, factor_pass.hooks
         if monitor is not None:
             extensions, hooks = with_monitor(extensions, hooks, monitor, None)
-        with GeneratorSnapshot(generator if collector is not None else None) as saved:
-            with failure_shared(communicator), checked_sampling(extensions, deferred):
+        layers = None
+        with GeneratorSnapshot(generator if factor_pass else None) as saved:
+            with (
+                failure_shared(communicator),
+                checked_sampling(extensions, deferred),
+                factor_pass.collecting() if factor_pass else nullcontext(),
+            ):
                 loss = run_closure(
                     closure,
                     params,
@@ -186,9 +191,14 @@ class KroneckerSteps:
                     modules,
                     monitor is None,
                     deferred,
+                    factor_pass.on_loss if factor_pass else None,
                 )
-                if collector is not None:
-                    collector.check_every_pass_reached_every_layer()
+                if factor_pass is not None and loss is not None:
+                    layers = factor_pass.layers()
+            # None: a skipped batch (check_loss_type raises), else the autograd pass
+            fell_short = factor_pass is not None and loss is not None and layers is None
+            if fell_short:  # the autograd pass: keep the bases, then use BackPACK
+                self._passes.autograd = with_curvature = False
             if communicator is not None:  # refuses unequal local batches everywhere
                 loss = communicator.mean_loss_of_pass(
                     loss, deferred.local_samples or None
@@ -196,9 +206,9 @@ class KroneckerSteps:
             check_loss_type(loss)
             fresh: dict[int, list[RefreshedBatch]] = {}
             finite = None
-            if collector is not None:
+            if layers is not None:
                 if communicator is not None:
-                    mean_over_ranks(collector.layers, communicator)
+                    mean_over_ranks(layers, communicator)
                 try:
                     for index, refresh in enumerate(refreshing):
                         if refresh:
@@ -207,7 +217,7 @@ class KroneckerSteps:
                                 options[index],
                                 stats[index],
                                 state,
-                                collector.layers,
+                                layers,
                             )
                     finite = factors_finite(
                         [batch for batches in fresh.values() for batch in batches]
@@ -263,7 +273,7 @@ class KroneckerSteps:
                 self._cache(index, batches)
         if fresh:
             global_state.update({REFRESH_DUE: False, REFRESH_LOSS: values["loss"]})
-        elif loss_rose(options, global_state, values["loss"]):
+        elif fell_short or loss_rose(options, global_state, values["loss"]):
             global_state[REFRESH_DUE] = True
         scales = []
         for option, result, slope, group_stats in zip(
@@ -325,21 +335,6 @@ class KroneckerSteps:
             for layer in batch.layers
         ]
         return torch.stack(values).cpu().numpy() if values else torch.zeros(0).numpy()
-
-    def _extension(
-        self, shared: SharedOptions, generator: Generator | None
-    ) -> ExactSqrtGGN | MonteCarloSqrtGGN:
-        """The structured square-root extension, kept while its settings hold."""
-        key = (shared.mc_samples, tuple(shared.subsampling_ggn or ()), id(generator))
-        if self._cached_extension is None or self._cached_extension[0] != key:
-            extension = (
-                MonteCarloSqrtGGN(shared.mc_samples, shared.subsampling_ggn, generator)
-                if shared.mc_samples > 0
-                else ExactSqrtGGN(subsampling=shared.subsampling_ggn)
-            )
-            use_structured_sqrt_ggn(extension)
-            self._cached_extension = (key, extension)
-        return self._cached_extension[1]
 
     def _batches_of(
         self, index: int, group: dict[str, Any], stats: dict[str, Any], state: Any

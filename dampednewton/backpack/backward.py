@@ -218,6 +218,13 @@ class BackwardCheck:
                 "backward pass. Step without the monitor, or with one backward pass "
                 "per closure at the monitor's steps"
             )
+        if passes > 1 and self._loss_backwards > self.micro_batches:
+            return (  # without BackPACK's hooks, which refuse it at the modules
+                "a backward pass reached a loss whose forward pass was already "
+                "back-propagated (the same graph twice, e.g. "
+                "loss.backward(retain_graph=True) and loss.backward()). Run one "
+                "forward and one backward pass per micro-batch, in turn"
+            )
         if passes > 1 and self.micro_batches != passes:
             return (
                 f"the closure ran {passes} backward passes into the parameters' "

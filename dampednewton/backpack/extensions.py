@@ -92,11 +92,7 @@ def _run_translating_errors(
         option = "grad" if isinstance(extension, BatchGrad) else "ggn"
         samples = module_input(module) if isinstance(module, _Loss) else g_out[0]
         raise IndexError(
-            f"The sample indices select sample {max(subsampling)}, but this batch "
-            f"has {samples.shape[0]} samples. Pass indices below the smallest batch "
-            f"size (subsampling_{option}=range(min(32, batch_size)) of DampedNewton, "
-            "or the computations' subsampling), or None for all, or drop an "
-            "epoch's last, smaller batch (DataLoader(..., drop_last=True))."
+            subsample_beyond_batch_message(max(subsampling), samples.shape[0], option)
         ) from error
     except AssertionError as error:
         if "expects a backpropagation quantity" in str(error):
@@ -135,6 +131,26 @@ def _run_translating_errors(
                 "float32."
             ) from error
         raise
+
+
+def subsample_beyond_batch_message(largest: int, batch_size: int, option: str) -> str:
+    """The error for sample indices beyond the batch.
+
+    Args:
+        largest: The largest index.
+        batch_size: The batch's samples.
+        option: ``"ggn"`` or ``"grad"``: which of DampedNewton's options selects them.
+
+    Returns:
+        The error's text.
+    """
+    return (
+        f"The sample indices select sample {largest}, but this batch has "
+        f"{batch_size} samples. Pass indices below the smallest batch size "
+        f"(subsampling_{option}=range(min(32, batch_size)) of DampedNewton, or the "
+        "computations' subsampling), or None for all, or drop an epoch's last, "
+        "smaller batch (DataLoader(..., drop_last=True))."
+    )
 
 
 def reshape_message(module: Module) -> str:

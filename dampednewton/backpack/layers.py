@@ -122,7 +122,7 @@ class StructuredSqrtGGNConv(SqrtGGNBaseModule):
 
     def weight(self, ext, module, g_inp, g_out, backproped):
         """Return shared-weight buffers, or BackPACK's square root (groups, strings)."""
-        if not _unfoldable(module):
+        if not unfoldable(module):
             return default_param_function(self, "weight")(
                 ext, module, g_inp, g_out, backproped
             )
@@ -133,7 +133,8 @@ class StructuredSqrtGGNConv(SqrtGGNBaseModule):
         return _summed_over_positions(backproped, g_out, layout=_channels_last)
 
 
-def _unfoldable(module: Conv1d | Conv2d | Conv3d) -> bool:
+def unfoldable(module: Conv1d | Conv2d | Conv3d) -> bool:
+    """Whether the structured route unfolds the convolution: one group, zero padding."""
     return (
         module.groups == 1
         and module.padding_mode == "zeros"

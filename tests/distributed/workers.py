@@ -163,15 +163,18 @@ def reference(job: Job, world_size: int) -> list[Tensor]:
             if binary
             else ("sampled_cross_entropy_gradients")
         )
-        with mock.patch(
-            f"dampednewton.backpack.loss_derivatives.{sampling}",
-            per_rank_draws(
-                job.options.get("seed", SEED),
-                world_size,
-                step,
-                job.micro_batches,
-                getattr(sampling_functions, sampling),
-            ),
+        draws = per_rank_draws(
+            job.options.get("seed", SEED),
+            world_size,
+            step,
+            job.micro_batches,
+            getattr(sampling_functions, sampling),
+        )
+        # BackPACK's pass draws in loss_derivatives, the autograd pass (a refresh
+        # after the first, in one process) in autograd_factors
+        with (
+            mock.patch(f"dampednewton.backpack.loss_derivatives.{sampling}", draws),
+            mock.patch(f"dampednewton.backpack.autograd_factors.{sampling}", draws),
         ):
             optimizer.step(closure)
         history.append(_flat(model))

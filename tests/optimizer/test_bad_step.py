@@ -8,6 +8,7 @@ optimizer's random generator (a refused step must not consume draws).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -376,29 +377,36 @@ def test_nonfinite_step_is_skipped_with_a_warning(bad: BadStep):
     assert_same_state(snapshot(optimizer), expected)
 
 
+WITHOUT_BACKPACK = {
+    "between-refreshes": CurvatureAveraging(interval=2, ramp=False),
+    "autograd-refresh": CurvatureAveraging(interval=2),
+}
+"""The second step without BackPACK's hooks: between refreshes (at 0, 2, 4, …), or a
+refresh through ``torch.autograd.grad`` (the ramp's, at 0, 1, 3, …)."""
+
+
+@pytest.mark.parametrize("averaging", WITHOUT_BACKPACK.values(), ids=WITHOUT_BACKPACK)
 @pytest.mark.parametrize(
     ("prepare", "match"),
     [
         (_same_graph_twice, DOUBLE_BACKWARD),
-        (_forwards_before_backwards, DOUBLE_BACKWARD),
         (_forwards_then_one_backward, SEVERAL_LOSSES),
         (_separate_regularizer, NOT_THROUGH_LOSS),
         (_stale_gradients, STALE_GRADIENTS),
     ],
     ids=[
         "same-graph-twice",
-        "forwards-before-backwards",
         "forwards-then-one-backward",
         "separate-regularizer",
         "stale-gradients",
     ],
 )
-def test_bad_backward_is_refused_on_steps_without_backpack(prepare, match: str):
-    """Between refreshes of the averaged curvature, the step reads only ``.grad``."""
+def test_bad_backward_is_refused_on_steps_without_backpack(
+    prepare, match: str, averaging: CurvatureAveraging
+):
+    """Without BackPACK's hooks the step reads ``.grad`` and the losses' forwards."""
     case = build_case(MLP_CE)
-    optimizer = DampedNewton(
-        case.model.parameters(), averaging=CurvatureAveraging(interval=2), seed=0
-    )
+    optimizer = DampedNewton(case.model.parameters(), averaging=averaging, seed=0)
     optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
     call = prepare(case, optimizer)
     params = list(case.model.parameters())
@@ -413,6 +421,39 @@ def test_bad_backward_is_refused_on_steps_without_backpack(prepare, match: str):
     good = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     optimizer.step(good)  # the refusal left no hook behind
     assert optimizer.records["global"]["step"] == 2
+
+
+@pytest.mark.parametrize("averaging", WITHOUT_BACKPACK.values(), ids=WITHOUT_BACKPACK)
+def test_forwards_before_backwards_are_refused_at_the_next_backpack_refresh(
+    averaging: CurvatureAveraging,
+):
+    """Their mean gradient is right: only BackPACK's curvature would not be.
+
+    Between refreshes the step takes it; the autograd refresh sees a layer run twice,
+    keeps the stored bases and leaves the refresh to BackPACK's pass, which refuses
+    it, as the first step's does.
+    """
+    case = build_case(MLP_CE)
+    optimizer = DampedNewton(case.model.parameters(), averaging=averaging, seed=0)
+    call = _forwards_before_backwards(case, optimizer)
+    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
+    # between: step 1 between refreshes, step 2 the autograd refresh (falls short);
+    # ramp: step 1 the autograd refresh; then BackPACK's refresh refuses
+    for _ in range(2 if averaging.ramp else 3):
+        params = list(case.model.parameters())
+        values = [p.detach().clone() for p in params]
+        before = snapshot(optimizer)
+        taken = optimizer.records["global"]["step"]
+        try:
+            call()
+        except RuntimeError as error:
+            assert re.search(DOUBLE_BACKWARD, str(error)), error
+            break
+    else:
+        pytest.fail("BackPACK's refresh did not refuse the forward passes")
+    assert taken == (2 if averaging.ramp else 3)
+    assert_parameters_equal(params, values)
+    assert_same_state(snapshot(optimizer), before)
 
 
 def test_the_kronecker_basis_refuses_a_subsample_beyond_the_batch():

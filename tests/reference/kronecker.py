@@ -62,6 +62,7 @@ def kronecker_factors(
     y: Tensor,
     bias: bool = True,
     samples: list[int] | None = None,
+    hessians: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(A, S)`` of ``layer`` in ``model`` for the exact GGN on ``(X, y)``.
 
@@ -73,6 +74,8 @@ def kronecker_factors(
         y: Targets.
         bias: Append the bias's 1 to the inputs.
         samples: The samples the means are over (``None``: all).
+        hessians: ``[N, C, C]`` in place of the loss Hessians (a Monte-Carlo
+            estimate's outer products; ``None``: the exact ones).
 
     Returns:
         The input factor ``A`` and the output factor ``S``.
@@ -98,7 +101,8 @@ def kronecker_factors(
         dim=1,
     )  # [N, C, *z]: samples do not mix, so each row is ∂f_n,c/∂z_n
     jacobians = _positions_last(layer, jacobians)
-    hessians = loss_hessians(loss_fn, outputs.detach(), y)
+    if hessians is None:
+        hessians = loss_hessians(loss_fn, outputs.detach(), y)
     patches = _patches(layer, captured["inputs"])
     if bias:
         patches = torch.cat([patches, patches.new_ones(*patches.shape[:2], 1)], dim=2)

@@ -1,0 +1,244 @@
+"""The autograd refresh pass: factors against brute force, steps against BackPACK's.
+
+:class:`~dampednewton.backpack.autograd_factors.AutogradFactors` must give the
+factors of the Monte-Carlo GGN that BackPACK's pass gives, from the same draws: the
+brute-force reference (:func:`tests.reference.kronecker.kronecker_factors`, one
+autograd Jacobian per output) with the draws' outer products in place of the loss
+Hessians; and the optimizer must take the same steps with it as with BackPACK's pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backpack import extend
+from torch import Tensor, nn
+
+from dampednewton import CurvatureAveraging, DampedNewton, KroneckerBasis
+from dampednewton.backpack.autograd_factors import (
+    SAMPLED_LOSSES,
+    AutogradFactors,
+    layer_owners,
+    mean_normalization,
+    sampled_gradients,
+)
+from dampednewton.backpack.loss_checks import DeferredChecks
+from tests.assertions import assert_close
+from tests.cases import KRONECKER_PROBLEMS, Problem
+from tests.optimizer.kronecker_twin import layers_of
+from tests.reference.kronecker import kronecker_factors
+from tests.utils import Case, build_case, make_closure
+
+SAMPLED = [p for p in KRONECKER_PROBLEMS if isinstance(p.loss(), SAMPLED_LOSSES)]
+
+
+def _sampled_hessians(
+    loss: nn.Module,
+    outputs: Tensor,
+    mc_samples: int,
+    seed: int,
+    samples: list[int] | None,
+) -> Tensor:
+    """The pass's draws as per-sample loss Hessians (zero outside ``samples``).
+
+    ``Σ_m g_nm g_nmᵀ / M`` of the draws of the gradient of ``ℓ_n`` summed over the
+    outputs, divided by the outputs per sample where the mean is over every entry.
+    """
+    drawn = outputs if samples is None else outputs[samples]
+    generator = torch.Generator().manual_seed(seed)
+    gradients = sampled_gradients(loss, drawn, mc_samples, generator)
+    entries = mean_normalization(loss, outputs) / outputs.shape[0]
+    outer = torch.einsum("mnc,mnd->ncd", gradients, gradients) / mc_samples / entries
+    if samples is None:
+        return outer
+    full = outer.new_zeros(outputs.shape[0], *outer.shape[1:])
+    full[samples] = outer
+    return full
+
+
+def _autograd_factors(
+    case: Case, mc_samples: int, seed: int, samples: list[int] | None
+) -> AutogradFactors:
+    params = list(case.model.parameters())
+    owners = layer_owners(case.model.modules(), params)
+    assert owners is not None
+    generator = torch.Generator().manual_seed(seed)
+    factors = AutogradFactors(owners, mc_samples, samples, generator, DeferredChecks())
+    with factors.collecting():
+        outputs = case.model(case.X)
+        case.loss_fn(outputs, case.y)
+        factors.loss_ran(case.loss_fn, (outputs, case.y))
+    assert not factors.incomplete
+    return factors
+
+
+@pytest.mark.parametrize("samples", [None, [0, 2]], ids=["batch", "sub-sample"])
+@pytest.mark.parametrize("mc_samples", [1, 3], ids=["mc1", "mc3"])
+@pytest.mark.parametrize("problem", SAMPLED, ids=lambda p: p.id)
+def test_factors_equal_brute_force_with_the_same_draws(
+    problem: Problem, mc_samples: int, samples: list[int] | None
+):
+    """``A`` and ``S`` of every layer, float64, from the draws' outer products."""
+    case = build_case(problem)
+    factors = _autograd_factors(case, mc_samples, seed=5, samples=samples)
+    with torch.no_grad():
+        outputs = case.reference_model(case.X)
+    hessians = _sampled_hessians(case.loss_fn, outputs, mc_samples, 5, samples)
+    layers = layers_of(case.model)
+    assert len(factors.layers) == len(layers)
+    for layer, reference_layer in zip(
+        layers, layers_of(case.reference_model), strict=True
+    ):
+        inputs, outputs_factor = kronecker_factors(
+            case.reference_model,
+            case.reference_loss_fn,
+            reference_layer,
+            case.X,
+            case.y,
+            samples=samples,
+            hessians=hessians,
+        )
+        found = factors.layers[id(layer.weight)]
+        assert found.weight is layer.weight and found.bias is layer.bias
+        assert_close(found.inputs, inputs)
+        assert_close(found.outputs, outputs_factor)
+
+
+def test_a_layer_the_loss_does_not_reach_gets_no_factors():
+    """As BackPACK's pass: no square root reaches it, so nothing is collected."""
+    torch.manual_seed(0)
+    used, unused = nn.Linear(4, 3).double(), nn.Linear(4, 2).double()
+    loss_fn = nn.CrossEntropyLoss()
+    X = torch.randn(6, 4, dtype=torch.float64)
+    factors = AutogradFactors(
+        layer_owners([used, unused], [*used.parameters(), *unused.parameters()]),
+        1,
+        None,
+        torch.Generator().manual_seed(0),
+        DeferredChecks(),
+    )
+    with factors.collecting():
+        unused(X)
+        outputs = used(X)
+        factors.loss_ran(loss_fn, (outputs, torch.zeros(6, dtype=torch.long)))
+    assert list(factors.layers) == [id(used.weight)]
+
+
+def _layers_run_twice() -> tuple[nn.Module, Tensor]:
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3).double()
+    return layer, torch.randn(4, 3, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda layer, X, f: f.loss_ran(nn.CrossEntropyLoss(), (layer(layer(X)),)),
+        lambda layer, X, f: f.loss_ran(nn.L1Loss(), (layer(X),)),
+        lambda layer, X, f: [
+            f.loss_ran(nn.CrossEntropyLoss(), (layer(x),)) for x in X.split(2)
+        ],
+        lambda layer, X, f: layer(X),
+    ],
+    ids=["layer-run-twice", "another-loss", "two-micro-batches", "no-loss"],
+)
+def test_what_the_pass_does_not_cover_leaves_it_incomplete(run):
+    """The step then keeps its bases and leaves the refresh to BackPACK's pass."""
+    layer, X = _layers_run_twice()
+    factors = AutogradFactors(
+        layer_owners([layer], list(layer.parameters())),
+        1,
+        None,
+        None,
+        DeferredChecks(),
+    )
+    with factors.collecting():
+        run(layer, X, factors)
+    assert factors.incomplete
+
+
+def test_layer_owners_refuses_what_the_pass_cannot_serve():
+    """Other layers, convolutions it does not unfold, tied or unrecorded parameters."""
+    linear = nn.Linear(2, 2)
+    grouped = nn.Conv1d(2, 2, 1, groups=2)
+    assert layer_owners([linear], list(linear.parameters())) == {
+        linear: (linear.weight, linear.bias)
+    }
+    assert layer_owners([linear], [linear.bias]) == {linear: (None, linear.bias)}
+    assert layer_owners([grouped], list(grouped.parameters())) is None
+    norm = nn.LayerNorm(2)
+    assert layer_owners([norm], list(norm.parameters())) is None
+    assert layer_owners([], list(linear.parameters())) is None
+    tied = nn.Linear(2, 2)
+    tied.weight = linear.weight
+    assert layer_owners([linear, tied], [linear.weight, tied.bias]) is None
+
+
+def _trajectory(
+    problem: Problem, autograd: bool, frozen: bool, **options
+) -> tuple[Tensor, Tensor]:
+    """The parameters before and after nine steps, with or without autograd's pass."""
+    case = build_case(problem)
+    start = torch.cat([p.detach().flatten() for p in case.model.parameters()])
+    if frozen:  # the first layer's weight: its bias alone is collected
+        layers_of(case.model)[0].weight.requires_grad_(False)
+    optimizer = DampedNewton(
+        case.model.parameters(),
+        averaging=CurvatureAveraging(decay=0.5, interval=2),
+        seed=0,
+        **options,
+    )
+    optimizer._pipeline.kronecker._passes.autograd = autograd
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    for _ in range(9):  # refreshes at 0 (BackPACK), 1, 3, 5, 7
+        optimizer.step(closure)
+    assert optimizer._pipeline.kronecker._passes.autograd == autograd
+    return start, torch.cat([p.detach().flatten() for p in case.model.parameters()])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"mc_samples": 2, "subsampling_ggn": [0, 1, 3]},
+        {"basis": KroneckerBasis(packed=True)},
+    ],
+    ids=["defaults", "mc2-sub-sample", "packed"],
+)
+@pytest.mark.parametrize("frozen", [False, True], ids=["whole", "bias-only"])
+@pytest.mark.parametrize("problem", SAMPLED, ids=lambda p: p.id)
+def test_steps_equal_those_with_backpacks_pass(problem: Problem, frozen: bool, options):
+    """Nine steps, four of them autograd refreshes, float64: BackPACK's parameters."""
+    start, with_autograd = _trajectory(problem, True, frozen, **options)
+    _, with_backpack = _trajectory(problem, False, frozen, **options)
+    assert_close(with_autograd, with_backpack)
+    assert (with_autograd - start).abs().max() > 1e-3  # they moved
+
+
+def test_the_default_optimizer_refreshes_through_autograd_after_its_first_step(
+    monkeypatch,
+):
+    """BackPACK's pass at step 0 only, for each sampled loss; the exact GGN's always."""
+    calls: list[str] = []
+    loss_ran = AutogradFactors.loss_ran
+
+    def counted(self, loss, inputs):
+        calls.append(type(loss).__name__)
+        loss_ran(self, loss, inputs)
+
+    monkeypatch.setattr(AutogradFactors, "loss_ran", counted)
+    torch.manual_seed(0)
+    X, y = torch.randn(32, 5), torch.randint(0, 3, (32,))
+    for loss_fn, targets, options, expected in [
+        (nn.CrossEntropyLoss(), y, {}, 3),
+        (nn.CrossEntropyLoss(), y, {"mc_samples": 0}, 0),
+        (nn.MSELoss(), torch.randn(32, 3), {}, 3),
+        (nn.BCEWithLogitsLoss(), torch.rand(32, 3), {}, 3),
+    ]:
+        calls.clear()
+        model = extend(nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)))
+        optimizer = DampedNewton(model.parameters(), **options)
+        closure = make_closure(optimizer, model, extend(loss_fn), X, targets)
+        for _ in range(8):  # refreshes at 0 (BackPACK), 1, 3, 7
+            optimizer.step(closure)
+        assert len(calls) == expected, (loss_fn, options)
