@@ -66,23 +66,22 @@ def check_loss_options(loss: _Loss) -> None:
             :func:`check_targets`).
     """
     check_reduction(loss)
-    name = type(loss).__name__
-    reweight = (
-        f"Use {name}() without weights and rebalance by sampling instead (e.g. "
-        "torch.utils.data.WeightedRandomSampler with per-sample weights): BackPACK's "
-        "GGN assumes that every sample enters the mean loss with weight 1/N."
-    )
     for option in ("weight", "pos_weight"):
         if getattr(loss, option, None) is not None:
-            raise ValueError(f"{name}({option}=...) is not supported. {reweight}")
-    if not isinstance(loss, CrossEntropyLoss):
-        return
-    drop = drop_ignored_samples(loss.ignore_index)
-    if loss.ignore_index != DEFAULT_IGNORE_INDEX:
+            name = type(loss).__name__
+            raise ValueError(
+                f"{name}({option}=...) is not supported. Use {name}() without "
+                "weights and rebalance by sampling instead (e.g. "
+                "torch.utils.data.WeightedRandomSampler with per-sample weights): "
+                "BackPACK's GGN assumes that every sample enters the mean loss with "
+                "weight 1/N."
+            )
+    if isinstance(loss, CrossEntropyLoss) and loss.ignore_index != DEFAULT_IGNORE_INDEX:
         raise ValueError(
             f"CrossEntropyLoss(ignore_index={loss.ignore_index}) is not supported: "
             f"BackPACK implements only the default ignore_index={DEFAULT_IGNORE_INDEX}"
-            f" (and no target may equal it). Use CrossEntropyLoss(). {drop}"
+            " (and no target may equal it). Use CrossEntropyLoss(). "
+            + drop_ignored_samples(loss.ignore_index)
         )
 
 
