@@ -13,7 +13,8 @@
 #   profile: kernels, host reads, syncs and step times of the MLP and 3c3d (on the
 #     H100 150 s with the peers);
 #   phases: the defaults' step between refreshes, refresh and rotating refresh apart
-#     (time, kernels, syncs, busy time of each);
+#     (time, kernels, syncs, busy time of each), and their refreshes through
+#     torch.autograd.grad against BackPACK's pass;
 #   solvers: eigh and QR of the refreshes' shapes on the device and on the host;
 #   compile: the in-between step's math eager, compiled and as CUDA graphs;
 #   step_cost: step cost with peak memory;
@@ -114,8 +115,11 @@ part() {
       tail -n 4 "$out/packed.txt" ;;
     phases)
       run 90 "$out/phases.md" python3 -m benchmarks.micro.step_phases --models mlp 3c3d \
-        --variants default default:packed default:exact --periods 2
-      cat "$out/phases.md" ;;
+        --variants default default:backpack default:packed default:exact --periods 2
+      cat "$out/phases.md"
+      run 90 "$out/refresh_pass.md" python3 -m benchmarks.micro.refresh_pass \
+        --models mlp-tiny mlp 3c3d --steps 150
+      cat "$out/refresh_pass.md" ;;
     solvers)
       run 60 "$out/solvers.md" python3 -m benchmarks.micro.eigensolvers
       cat "$out/solvers.md" ;;

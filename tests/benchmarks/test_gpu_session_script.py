@@ -28,7 +28,8 @@ def test_a_spent_budget_skips_every_part_and_says_so(tmp_path):
     result = run_script("all", budget=10, out=tmp_path)
     assert result.returncode == 0, result.stderr
     checks = ("cuda-tests.txt", "critical.md")
-    timed = ("profile.md", "phases.md", "solvers.md", "compile.md", "step_cost.txt")
+    timed = ("profile.md", "phases.md", "refresh_pass.md", "solvers.md", "compile.md")
+    timed += ("step_cost.txt",)
     for name in (*checks, *timed, "adam.txt", "soap.txt", "kron.txt"):
         assert (tmp_path / name).read_text() == "skipped: budget spent\n", name
     assert "torch" in (tmp_path / "gpu.txt").read_text()  # the versions it ran with
