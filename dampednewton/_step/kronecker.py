@@ -177,11 +177,11 @@ class KroneckerSteps:
         if monitor is not None:
             extensions, hooks = with_monitor(extensions, hooks, monitor, None)
         layers = None
-        with GeneratorSnapshot(generator if factor_pass else None) as saved:
+        with GeneratorSnapshot(generator if factor_pass is not None else None) as saved:
             with (
                 failure_shared(communicator),
                 checked_sampling(extensions, deferred),
-                factor_pass.collecting() if factor_pass else nullcontext(),
+                nullcontext() if factor_pass is None else factor_pass.collecting(),
             ):
                 loss = run_closure(
                     closure,
@@ -191,7 +191,7 @@ class KroneckerSteps:
                     modules,
                     monitor is None,
                     deferred,
-                    factor_pass.on_loss if factor_pass else None,
+                    None if factor_pass is None else factor_pass.on_loss,
                 )
                 if factor_pass is not None and loss is not None:
                     layers = factor_pass.layers()

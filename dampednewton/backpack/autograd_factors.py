@@ -223,6 +223,7 @@ class AutogradFactors:
         self.layers: dict[int, LayerFactors] = {}
         self.losses = 0
         self._unsupported = False
+        self._ran: set[Module] = set()
         self._seen: dict[Module, tuple[Tensor, Tensor]] = {}
 
     @property
@@ -244,13 +245,15 @@ class AutogradFactors:
         finally:
             for handle in handles:
                 handle.remove()
+            self._ran.clear()
             self._seen.clear()
 
     def _keep(self, module: Module, inputs: tuple, output: object) -> None:
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
-        if module in self._seen:  # run twice: tied, recurrent, or two micro-batches
+        if module in self._ran:  # run twice: tied, recurrent, or two micro-batches
             self._unsupported = True
+        self._ran.add(module)
         self._seen[module] = (inputs[0].detach(), output)
 
     def loss_ran(self, loss: Module, inputs: tuple) -> None:
@@ -288,6 +291,7 @@ class AutogradFactors:
                 1, torch.tensor(rows, device=roots.device), roots
             )
         layers = list(self._seen.items())
+        self._seen.clear()  # the activations are the graph's again, freed by backward
         outputs = [output for _, (_, output) in layers]
         samples = [
             torch.autograd.grad(
