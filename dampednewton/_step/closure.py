@@ -37,7 +37,7 @@ def run_closure(
     modules: ExtendedModules | None = None,
     accumulation: bool = True,
     deferred: DeferredChecks | None = None,
-    on_loss: Callable[[Module, tuple], None] | None = None,
+    on_loss: Callable[[Module, tuple, Any], None] | None = None,
 ) -> Any:
     """Run the closure's backward passes with the extensions (if any) and the hooks.
 
@@ -59,7 +59,7 @@ def run_closure(
             the step's host read (``None``: check at once); every pass counts the
             loss modules' samples into it (its ``local_samples``).
         on_loss: In a pass without extensions, called with each watched loss
-            module and its inputs after their checks.
+            module, its inputs and its output after their checks.
 
     Returns:
         What the closure returned.
@@ -84,7 +84,7 @@ def run_closure(
                 check_batch_norms_in_eval(modules.batch_norms)
                 check_loss_input(module, inputs)
                 if on_loss is not None:
-                    on_loss(module, inputs)
+                    on_loss(module, inputs, output)
 
             with (
                 modules.suspended(),

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Generator, Tensor
 from torch.nn import Module
@@ -56,7 +57,7 @@ class FactorPass:
         return nullcontext() if self.autograd is None else self.autograd.collecting()
 
     @property
-    def on_loss(self) -> Callable[[Module, tuple], None] | None:
+    def on_loss(self) -> Callable[[Module, tuple, Any], None] | None:
         """Called after each loss module's forward pass (the autograd pass's)."""
         return None if self.autograd is None else self.autograd.loss_ran
 
@@ -71,7 +72,7 @@ class FactorPass:
             self.collector.check_every_pass_reached_every_layer()
             return self.collector.layers
         assert self.autograd is not None
-        return None if self.autograd.incomplete else self.autograd.layers
+        return self.autograd.layers()
 
 
 class FactorPasses:

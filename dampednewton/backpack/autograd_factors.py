@@ -10,12 +10,14 @@ turns them and the layers' inputs into the factors ``A`` and ``S`` that the Back
 pass's :class:`~dampednewton.backpack.kronecker_hook.FactorCollector` produces.
 
 It covers the refreshes after the first (which runs through BackPACK and checks the
-model): one micro-batch through a cross-entropy, a binary cross-entropy or a squared
+model): micro-batches through a cross-entropy, a binary cross-entropy or a squared
 error on ``[N, C]`` outputs, the collected parameters in ``nn.Linear`` and unfoldable
-convolutions that each run once. Anything else (a second micro-batch, a layer run
-twice, another loss) leaves the pass :attr:`~AutogradFactors.incomplete`: the step
-keeps the stored bases and the next refresh runs through BackPACK, which handles (or
-refuses with its message) every case. Hooks the user registered on the tensors
+convolutions that each run once per loss. Anything else (a layer run twice before a
+loss, another loss, micro-batches that reach different layers, a sub-sample of
+several micro-batches) leaves the pass without factors
+(:meth:`~AutogradFactors.layers` is ``None``): the step keeps the stored bases and the
+next refresh runs through BackPACK, which handles (or refuses with its message) every
+case. Hooks the user registered on the tensors
 between the model's output and the layers' outputs run once more, in this pass.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from backpack.core.derivatives.mseloss import MSELossDerivatives
@@ -191,19 +194,37 @@ def mean_normalization(loss: Module, logits: Tensor) -> int:
     return logits.shape[0] if isinstance(loss, CrossEntropyLoss) else logits.numel()
 
 
+@dataclass
+class MicroBatch:
+    """One loss's factors, and the gradient that reached that loss (its weight).
+
+    Attributes:
+        factors: Each reached layer's ``(weight, bias, A, S)``, by its first
+            parameter's ``id``.
+        weights: The gradients that reached the loss output in backward passes.
+    """
+
+    factors: dict[int, tuple[Tensor | None, Tensor | None, Tensor, Tensor]]
+    weights: list[Tensor] = field(default_factory=list)
+
+
 class AutogradFactors:
     """A pass's factors through ``torch.autograd.grad``; see the module docstring.
+
+    Each loss's forward pass is one micro-batch (a closure that accumulates
+    gradients runs a forward pass and a loss per micro-batch): its factors are taken
+    at once, and it enters the batch's factors with the gradient that reached its
+    loss in the closure's backward pass, ``N_m/N`` or ``1/M`` (as in BackPACK's pass:
+    :class:`~dampednewton.backpack.kronecker_hook.LayerFactors`), recorded in the
+    step's deferred checks, which warn when the weights do not sum to 1.
 
     Args:
         owners: The layers and their collected parameters (:func:`layer_owners`).
         mc_samples: Monte-Carlo samples of the loss Hessian's square root (≥ 1).
         subsampling: The samples the factors are from (``None``: all).
         generator: The draws' source (``None``: the global random state).
-        deferred: Where the model output's finiteness is left for the step's read.
-
-    Attributes:
-        layers: Each reached layer's factors, by its first parameter's ``id``.
-        losses: The loss modules' forward passes seen.
+        deferred: Where the model output's finiteness and the losses' weights are
+            left for the step's read.
     """
 
     def __init__(
@@ -214,22 +235,16 @@ class AutogradFactors:
         generator: Generator | None,
         deferred: DeferredChecks,
     ):
-        """Start with no layer."""
+        """Start with no micro-batch."""
         self.owners = owners
         self.mc_samples = mc_samples
         self.subsampling = None if subsampling is None else list(subsampling)
         self.generator = generator
         self.deferred = deferred
-        self.layers: dict[int, LayerFactors] = {}
-        self.losses = 0
+        self.micro_batches: list[MicroBatch] = []
         self._unsupported = False
         self._ran: set[Module] = set()
         self._seen: dict[Module, tuple[Tensor, Tensor]] = {}
-
-    @property
-    def incomplete(self) -> bool:
-        """Whether the pass met something it does not cover, or no loss (after it)."""
-        return self._unsupported or self.losses != 1
 
     @contextmanager
     def collecting(self) -> Iterator[None]:
@@ -251,30 +266,71 @@ class AutogradFactors:
     def _keep(self, module: Module, inputs: tuple, output: object) -> None:
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
-        if module in self._ran:  # run twice: tied, recurrent, or two micro-batches
+        if module in self._ran:  # twice before a loss: tied, recurrent, auxiliary
             self._unsupported = True
         self._ran.add(module)
         self._seen[module] = (inputs[0].detach(), output)
 
-    def loss_ran(self, loss: Module, inputs: tuple) -> None:
+    def layers(self) -> dict[int, LayerFactors] | None:
+        """The layers' factors of the closure's micro-batches (after it).
+
+        Returns:
+            Each layer's weighted sums (one micro-batch: its own factors), by its
+            first parameter's ``id``; ``None`` where the pass fell short: something
+            it does not cover, no loss, or micro-batches that reached different
+            layers (BackPACK's pass refuses those).
+        """
+        passes = [batch for batch in self.micro_batches if batch.weights]
+        if self._unsupported or not passes:
+            return None
+        if any(batch.factors.keys() != passes[0].factors.keys() for batch in passes):
+            return None
+        layers: dict[int, LayerFactors] = {}
+        for batch in passes:
+            weight = batch.weights[0]
+            self.deferred.add_loss_weight(weight)
+            for key, (param, bias, inputs, outputs) in batch.factors.items():
+                if key in layers:
+                    layers[key].add(inputs, outputs, weight)
+                else:
+                    layers[key] = LayerFactors(
+                        param, bias, inputs, outputs, first_weight=weight
+                    )
+        return layers
+
+    def loss_ran(self, loss: Module, inputs: tuple, output: object) -> None:
         """Back-propagate the sampled square root from a loss's input to the layers.
 
         Args:
             loss: A loss module after its forward pass (already checked).
-            inputs: Its inputs (the logits first).
+            inputs: Its inputs (the model output first).
+            output: The loss (a hook on it records the micro-batch's weight).
         """
-        self.losses += 1
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return  # outside the graph (a metric under no_grad): no micro-batch
         logits = inputs[0] if inputs else None
+        seen = list(self._seen.items())
+        self._ran.clear()
+        self._seen.clear()  # the activations are the graph's again, freed by backward
         if (
-            self.losses > 1
-            or self._unsupported
+            self._unsupported
             or not isinstance(loss, SAMPLED_LOSSES)
             or not isinstance(logits, Tensor)
             or logits.dim() != 2
             or not logits.requires_grad
+            or (self.subsampling is not None and self.micro_batches)
         ):
             self._unsupported = True
             return
+        self.deferred.loss_name = str(loss)  # for the warning on the weights
+        batch = MicroBatch(self._factors(seen, logits, loss))
+        output.register_hook(lambda grad: batch.weights.append(grad.detach()))
+        self.micro_batches.append(batch)
+
+    def _factors(
+        self, seen: list[tuple[Module, tuple[Tensor, Tensor]]], logits: Tensor, loss
+    ) -> dict[int, tuple[Tensor | None, Tensor | None, Tensor, Tensor]]:
+        """One micro-batch's factors of the layers its loss reaches."""
         batch_size = logits.shape[0]
         rows = self.subsampling
         if rows is not None and max(rows) >= batch_size:
@@ -290,26 +346,35 @@ class AutogradFactors:
             roots = roots.new_zeros(self.mc_samples, *logits.shape).index_copy_(
                 1, torch.tensor(rows, device=roots.device), roots
             )
-        layers = list(self._seen.items())
-        self._seen.clear()  # the activations are the graph's again, freed by backward
-        outputs = [output for _, (_, output) in layers]
+        outputs = [output for _, (_, output) in seen]
+        if not outputs:  # no collected layer ran for this loss (drawn all the same)
+            return {}
         samples = [
             torch.autograd.grad(
                 logits, outputs, grad_outputs=root, retain_graph=True, allow_unused=True
             )
             for root in roots
         ]
-        for index, (module, (inputs_, _)) in enumerate(layers):
+        factors = {}
+        for index, (module, (inputs, _)) in enumerate(seen):
             if samples[0][index] is None:  # not reached by the loss, as in BackPACK
                 continue
             backproped = torch.stack([sample[index] for sample in samples])
-            layer_inputs, backproped = layer_rows(module, inputs_, backproped)
+            layer_inputs, backproped = layer_rows(module, inputs, backproped)
             if rows is not None:
                 layer_inputs, backproped = layer_inputs[rows], backproped[:, rows]
             weight, bias = self.owners[module]
-            factors = layer_factors(
-                layer_inputs, backproped, bias is not None, weight is None, batch_size
-            )
             first = weight if weight is not None else bias
             assert first is not None
-            self.layers[id(first)] = LayerFactors(weight, bias, *factors)
+            factors[id(first)] = (
+                weight,
+                bias,
+                *layer_factors(
+                    layer_inputs,
+                    backproped,
+                    bias is not None,
+                    weight is None,
+                    batch_size,
+                ),
+            )
+        return factors

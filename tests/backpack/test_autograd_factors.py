@@ -22,9 +22,10 @@ from dampednewton.backpack.autograd_factors import (
     mean_normalization,
     sampled_gradients,
 )
+from dampednewton.backpack.kronecker_hook import LayerFactors
 from dampednewton.backpack.loss_checks import DeferredChecks
 from tests.assertions import assert_close
-from tests.cases import KRONECKER_PROBLEMS, Problem
+from tests.cases import KRONECKER_PROBLEMS, Problem, case_by_id
 from tests.optimizer.kronecker_twin import layers_of
 from tests.reference.kronecker import kronecker_factors
 from tests.utils import Case, build_case, make_closure
@@ -56,20 +57,28 @@ def _sampled_hessians(
     return full
 
 
+def _one_pass(
+    factors: AutogradFactors, loss_fn: nn.Module, outputs: Tensor, targets: Tensor
+) -> None:
+    """A micro-batch's loss as the closure takes it: forward, then backward."""
+    loss = loss_fn(outputs, targets)
+    factors.loss_ran(loss_fn, (outputs, targets), loss)
+    loss.backward()
+
+
 def _autograd_factors(
     case: Case, mc_samples: int, seed: int, samples: list[int] | None
-) -> AutogradFactors:
+) -> dict[int, LayerFactors]:
     params = list(case.model.parameters())
     owners = layer_owners(case.model.modules(), params)
     assert owners is not None
     generator = torch.Generator().manual_seed(seed)
     factors = AutogradFactors(owners, mc_samples, samples, generator, DeferredChecks())
     with factors.collecting():
-        outputs = case.model(case.X)
-        case.loss_fn(outputs, case.y)
-        factors.loss_ran(case.loss_fn, (outputs, case.y))
-    assert not factors.incomplete
-    return factors
+        _one_pass(factors, case.loss_fn, case.model(case.X), case.y)
+    layers = factors.layers()
+    assert layers is not None
+    return layers
 
 
 @pytest.mark.parametrize("samples", [None, [0, 2]], ids=["batch", "sub-sample"])
@@ -85,7 +94,7 @@ def test_factors_equal_brute_force_with_the_same_draws(
         outputs = case.reference_model(case.X)
     hessians = _sampled_hessians(case.loss_fn, outputs, mc_samples, 5, samples)
     layers = layers_of(case.model)
-    assert len(factors.layers) == len(layers)
+    assert len(factors) == len(layers)
     for layer, reference_layer in zip(
         layers, layers_of(case.reference_model), strict=True
     ):
@@ -98,17 +107,44 @@ def test_factors_equal_brute_force_with_the_same_draws(
             samples=samples,
             hessians=hessians,
         )
-        found = factors.layers[id(layer.weight)]
+        found = factors[id(layer.weight)]
         assert found.weight is layer.weight and found.bias is layer.bias
-        assert_close(found.inputs, inputs)
-        assert_close(found.outputs, outputs_factor)
+        assert_close(found.mean()[0], inputs)
+        assert_close(found.mean()[1], outputs_factor)
+
+
+def test_micro_batches_enter_with_their_losses_weights():
+    """``Σ_m w_m F_m / Σ_m w_m`` with ``w_m`` the gradient that reached loss ``m``."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3).double()
+    loss_fn = nn.CrossEntropyLoss()
+    X = torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    parts = [slice(0, 2), slice(2, 6)]
+    deferred = DeferredChecks()
+    factors = AutogradFactors(
+        layer_owners([layer], list(layer.parameters())), 1, None, None, deferred
+    )
+    alone = []
+    with factors.collecting():
+        for part, weight in zip(parts, (1 / 3, 2 / 3), strict=True):
+            outputs = layer(X[part])
+            loss = loss_fn(outputs, y[part])
+            factors.loss_ran(loss_fn, (outputs, y[part]), loss)
+            alone.append(factors.micro_batches[-1].factors[id(layer.weight)][2:])
+            (loss * weight).backward()  # the hook on the loss records the weight
+    layers = factors.layers()
+    assert layers is not None
+    inputs, outputs_factor = layers[id(layer.weight)].mean()
+    assert_close(inputs, alone[0][0] / 3 + alone[1][0] * 2 / 3)
+    assert_close(outputs_factor, alone[0][1] / 3 + alone[1][1] * 2 / 3)
+    assert len(deferred.loss_weights) == 2 and bool(deferred.loss_unscaled)
 
 
 def test_a_layer_the_loss_does_not_reach_gets_no_factors():
     """As BackPACK's pass: no square root reaches it, so nothing is collected."""
     torch.manual_seed(0)
     used, unused = nn.Linear(4, 3).double(), nn.Linear(4, 2).double()
-    loss_fn = nn.CrossEntropyLoss()
     X = torch.randn(6, 4, dtype=torch.float64)
     factors = AutogradFactors(
         layer_owners([used, unused], [*used.parameters(), *unused.parameters()]),
@@ -119,42 +155,63 @@ def test_a_layer_the_loss_does_not_reach_gets_no_factors():
     )
     with factors.collecting():
         unused(X)
-        outputs = used(X)
-        factors.loss_ran(loss_fn, (outputs, torch.zeros(6, dtype=torch.long)))
-    assert list(factors.layers) == [id(used.weight)]
+        _one_pass(
+            factors, nn.CrossEntropyLoss(), used(X), torch.zeros(6, dtype=torch.long)
+        )
+    layers = factors.layers()
+    assert layers is not None and list(layers) == [id(used.weight)]
 
 
-def _layers_run_twice() -> tuple[nn.Module, Tensor]:
-    torch.manual_seed(0)
-    layer = nn.Linear(3, 3).double()
-    return layer, torch.randn(4, 3, dtype=torch.float64)
+def _run_twice(layer: nn.Module, X: Tensor, factors: AutogradFactors) -> None:
+    _one_pass(factors, nn.CrossEntropyLoss(), layer(layer(X)), X[:, 0].long() * 0)
+
+
+def _another_loss(layer: nn.Module, X: Tensor, factors: AutogradFactors) -> None:
+    _one_pass(factors, nn.L1Loss(), layer(X), X)
+
+
+def _no_backward(layer: nn.Module, X: Tensor, factors: AutogradFactors) -> None:
+    outputs = layer(X)
+    loss = nn.CrossEntropyLoss()(outputs, X[:, 0].long() * 0)
+    factors.loss_ran(nn.CrossEntropyLoss(), (outputs, X[:, 0]), loss)
+
+
+def _different_layers(layer: nn.Module, X: Tensor, factors: AutogradFactors) -> None:
+    _one_pass(factors, nn.CrossEntropyLoss(), layer(X), X[:, 0].long() * 0)
+    targets = X[:, 0].long() * 0
+    _one_pass(factors, nn.CrossEntropyLoss(), X.clone().requires_grad_(), targets)
 
 
 @pytest.mark.parametrize(
     "run",
-    [
-        lambda layer, X, f: f.loss_ran(nn.CrossEntropyLoss(), (layer(layer(X)),)),
-        lambda layer, X, f: f.loss_ran(nn.L1Loss(), (layer(X),)),
-        lambda layer, X, f: [
-            f.loss_ran(nn.CrossEntropyLoss(), (layer(x),)) for x in X.split(2)
-        ],
-        lambda layer, X, f: layer(X),
-    ],
-    ids=["layer-run-twice", "another-loss", "two-micro-batches", "no-loss"],
+    [_run_twice, _another_loss, _no_backward, _different_layers, lambda *a: a[0](a[1])],
+    ids=["layer-run-twice", "another-loss", "no-backward", "layers-differ", "no-loss"],
 )
-def test_what_the_pass_does_not_cover_leaves_it_incomplete(run):
+def test_what_the_pass_does_not_cover_leaves_it_without_factors(run):
     """The step then keeps its bases and leaves the refresh to BackPACK's pass."""
-    layer, X = _layers_run_twice()
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3).double()
+    X = torch.randn(4, 3, dtype=torch.float64)
     factors = AutogradFactors(
-        layer_owners([layer], list(layer.parameters())),
-        1,
-        None,
-        None,
-        DeferredChecks(),
+        layer_owners([layer], list(layer.parameters())), 1, None, None, DeferredChecks()
     )
     with factors.collecting():
         run(layer, X, factors)
-    assert factors.incomplete
+    assert factors.layers() is None
+
+
+def test_a_sub_sample_of_several_micro_batches_leaves_it_without_factors():
+    """As BackPACK's pass refuses it: the indices select samples of one pass."""
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 3).double()
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
+    factors = AutogradFactors(
+        layer_owners([layer], list(layer.parameters())), 1, [0], None, DeferredChecks()
+    )
+    with factors.collecting():
+        for part in (slice(0, 2), slice(2, 4)):
+            _one_pass(factors, nn.CrossEntropyLoss(), layer(X[part]), y[part])
+    assert factors.layers() is None
 
 
 def test_layer_owners_refuses_what_the_pass_cannot_serve():
@@ -222,9 +279,9 @@ def test_the_default_optimizer_refreshes_through_autograd_after_its_first_step(
     calls: list[str] = []
     loss_ran = AutogradFactors.loss_ran
 
-    def counted(self, loss, inputs):
+    def counted(self, loss, inputs, output):
         calls.append(type(loss).__name__)
-        loss_ran(self, loss, inputs)
+        loss_ran(self, loss, inputs, output)
 
     monkeypatch.setattr(AutogradFactors, "loss_ran", counted)
     torch.manual_seed(0)
@@ -242,3 +299,57 @@ def test_the_default_optimizer_refreshes_through_autograd_after_its_first_step(
         for _ in range(8):  # refreshes at 0 (BackPACK), 1, 3, 7
             optimizer.step(closure)
         assert len(calls) == expected, (loss_fn, options)
+
+
+def _accumulating(
+    case: Case, optimizer: DampedNewton, sizes: tuple[int, ...], total: float = 1.0
+):
+    """Per micro-batch forward, then backward of its mean loss times ``N_m/N``."""
+    parts = torch.arange(sum(sizes)).split(list(sizes))
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        summed = torch.zeros((), dtype=case.X.dtype)
+        for rows in parts:
+            weight = total * len(rows) / len(case.X)
+            loss = case.loss_fn(case.model(case.X[rows]), case.y[rows]) * weight
+            loss.backward()
+            summed = summed + loss.detach()
+        return summed
+
+    return closure
+
+
+@pytest.mark.parametrize(
+    "first", [(2,), (1,), (1, 1)], ids=["2-rest", "1-rest", "1-1-rest"]
+)
+@pytest.mark.parametrize("problem_id", ["mlp-ce", "cnn-ce", "mlp-mse"])
+def test_micro_batches_step_as_with_backpacks_pass(problem_id: str, first):
+    """Gradient accumulation: each micro-batch's factors weighted by its loss's."""
+    runs = []
+    for autograd in (True, False):
+        case = build_case(case_by_id(problem_id))
+        sizes = (*first, len(case.X) - sum(first))
+        optimizer = DampedNewton(
+            case.model.parameters(),
+            averaging=CurvatureAveraging(decay=0.5, interval=2),
+            seed=0,
+        )
+        optimizer._pipeline.kronecker._passes.autograd = autograd
+        closure = _accumulating(case, optimizer, sizes)
+        for _ in range(6):  # refreshes at 0 (BackPACK), 1, 3, 5
+            optimizer.step(closure)
+        assert optimizer._pipeline.kronecker._passes.autograd == autograd
+        runs.append(torch.cat([p.detach().flatten() for p in case.model.parameters()]))
+    assert_close(runs[0], runs[1])
+
+
+def test_micro_batch_weights_that_do_not_sum_to_one_warn_as_in_backpacks_pass():
+    case = build_case(case_by_id("mlp-ce"))
+    optimizer = DampedNewton(case.model.parameters(), seed=0)
+    closure = _accumulating(case, optimizer, (2, 2), total=2.0)
+    with pytest.warns(UserWarning, match="micro-batches .* do not sum to 1"):
+        optimizer.step(closure)  # BackPACK's pass
+    with pytest.warns(UserWarning, match="micro-batches .* do not sum to 1"):
+        optimizer.step(closure)  # the autograd pass
+    assert optimizer._pipeline.kronecker._passes.autograd

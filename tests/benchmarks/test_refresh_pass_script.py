@@ -15,9 +15,9 @@ def test_the_backpack_variant_keeps_backpacks_pass_for_every_refresh(monkeypatch
     passes: list[str] = []
     loss_ran = AutogradFactors.loss_ran
 
-    def counted(self, loss, inputs):
+    def counted(self, loss, inputs, output):
         passes.append(variant)
-        loss_ran(self, loss, inputs)
+        loss_ran(self, loss, inputs, output)
 
     monkeypatch.setattr(AutogradFactors, "loss_ran", counted)
     for variant in ("default", "default:backpack"):

@@ -8,7 +8,6 @@ optimizer's random generator (a refused step must not consume draws).
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 from backpack import extend
-from torch import nn
+from torch import Tensor, nn
 from torch.func import functional_call
 
 from dampednewton import CurvatureAveraging, DampedNewton, GramBasis, KroneckerBasis
+from tests.assertions import assert_close
 from tests.cases import LINEAR_MSE, PROBLEMS, Problem
 from tests.utils import (
     VIVIT_STEP,
@@ -423,37 +423,59 @@ def test_bad_backward_is_refused_on_steps_without_backpack(
     assert optimizer.records["global"]["step"] == 2
 
 
-@pytest.mark.parametrize("averaging", WITHOUT_BACKPACK.values(), ids=WITHOUT_BACKPACK)
-def test_forwards_before_backwards_are_refused_at_the_next_backpack_refresh(
-    averaging: CurvatureAveraging,
-):
-    """Their mean gradient is right: only BackPACK's curvature would not be.
-
-    Between refreshes the step takes it; the autograd refresh sees a layer run twice,
-    keeps the stored bases and leaves the refresh to BackPACK's pass, which refuses
-    it, as the first step's does.
-    """
+def test_forwards_before_backwards_are_refused_by_backpacks_pass():
+    """BackPACK holds the second forward pass's inputs only: its pass refuses them."""
     case = build_case(MLP_CE)
-    optimizer = DampedNewton(case.model.parameters(), averaging=averaging, seed=0)
-    call = _forwards_before_backwards(case, optimizer)
-    optimizer.step(make_closure(optimizer, case.model, case.loss_fn, case.X, case.y))
-    # between: step 1 between refreshes, step 2 the autograd refresh (falls short);
-    # ramp: step 1 the autograd refresh; then BackPACK's refresh refuses
-    for _ in range(2 if averaging.ramp else 3):
-        params = list(case.model.parameters())
-        values = [p.detach().clone() for p in params]
-        before = snapshot(optimizer)
-        taken = optimizer.records["global"]["step"]
-        try:
-            call()
-        except RuntimeError as error:
-            assert re.search(DOUBLE_BACKWARD, str(error)), error
-            break
-    else:
-        pytest.fail("BackPACK's refresh did not refuse the forward passes")
-    assert taken == (2 if averaging.ramp else 3)
+    optimizer = DampedNewton(case.model.parameters(), seed=0)
+    params = list(case.model.parameters())
+    values = [p.detach().clone() for p in params]
+    before = snapshot(optimizer)
+
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        _forwards_before_backwards(case, optimizer)()
+
     assert_parameters_equal(params, values)
     assert_same_state(snapshot(optimizer), before)
+
+
+@pytest.mark.parametrize("averaging", WITHOUT_BACKPACK.values(), ids=WITHOUT_BACKPACK)
+def test_forwards_before_backwards_step_as_micro_batches_without_backpack(
+    averaging: CurvatureAveraging,
+):
+    """Their mean gradient is right, and so are the autograd pass's factors.
+
+    Between refreshes the step reads the gradient only; the autograd refresh takes
+    each micro-batch's factors at its loss's forward pass. Both take the steps of
+    the same micro-batches run forward, then backward, in turn.
+    """
+    runs = [build_case(MLP_CE) for _ in range(2)]
+    optimizers = [
+        DampedNewton(run.model.parameters(), averaging=averaging, seed=0)
+        for run in runs
+    ]
+    half = len(runs[0].X) // 2
+    parts = (slice(None, half), slice(half, None))
+
+    def in_turn() -> Tensor:
+        optimizers[1].zero_grad()
+        total = torch.zeros(())
+        for part in parts:
+            loss = runs[1].loss_fn(runs[1].model(runs[1].X[part]), runs[1].y[part])
+            (loss / 2).backward()
+            total = total + loss.detach() / 2
+        return total
+
+    for run, optimizer in zip(runs, optimizers, strict=True):
+        optimizer.step(make_closure(optimizer, run.model, run.loss_fn, run.X, run.y))
+    forwards_first = _forwards_before_backwards(runs[0], optimizers[0])
+    for _ in range(4):  # between refreshes and refreshes (autograd's)
+        forwards_first()
+        optimizers[1].step(in_turn)
+    for actual, expected in zip(
+        runs[0].model.parameters(), runs[1].model.parameters(), strict=True
+    ):
+        assert_close(actual, expected)
+    assert optimizers[0]._pipeline.kronecker._passes.autograd
 
 
 def test_the_kronecker_basis_refuses_a_subsample_beyond_the_batch():

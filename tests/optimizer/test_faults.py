@@ -27,7 +27,7 @@ from tests.utils import (
 
 MLP_CE = PROBLEMS[0]
 STEPS = 6
-FAULT_AT = 3
+FAULT_AT = 3  # a refresh of the ramp (0, 1, 3, 7): the autograd pass's
 
 
 class DataLoaderError(RuntimeError):
