@@ -35,63 +35,8 @@ from torch import Tensor
 PASS_OK = 0.0
 PASS_FAILED = 1.0
 PASS_RETURNED_NONE = 2.0  # the closure returned None: a skipped batch
+PASS_WITHOUT_FACTORS = 3.0  # its refresh's factors fell short: no rank refreshes
 UNKNOWN_BATCH_SIZE = -1
-
-
-def world_initialized() -> bool:
-    """Whether ``torch.distributed`` is available and initialized."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def check_created_after_init(before_init: bool) -> None:
-    """Refuse to step alone an optimizer made before ``init_process_group``.
-
-    Its default process group (``None``: the world group when initialized) was
-    resolved when it was created, to a single process; stepping each rank on its
-    own batch would let the replicas drift apart silently.
-
-    Args:
-        before_init: Whether it was created with the default group before
-            ``torch.distributed`` was initialized.
-
-    Raises:
-        RuntimeError: If ``torch.distributed`` now runs several processes.
-    """
-    if before_init and world_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError(
-            "DampedNewton was created before torch.distributed.init_process_group, "
-            "so it would step each rank on its own batch (the replicas drift apart). "
-            "Create it after init_process_group: it then takes the global batch's "
-            "step on every rank."
-        )
-
-
-def resolve_process_group(process_group: Any) -> Communicator | None:
-    """The communicator of ``process_group``, or ``None`` for a single process.
-
-    Args:
-        process_group: A ``torch.distributed`` process group, or ``None`` for the
-            world group when ``torch.distributed`` is initialized.
-
-    Returns:
-        The communicator; ``None`` when not distributed or with one process.
-
-    Raises:
-        TypeError: For anything but ``None`` or a process group.
-    """
-    if process_group is None:
-        if not world_initialized():
-            return None
-        process_group = dist.group.WORLD
-    elif not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
-        raise TypeError(
-            "process_group must be None (the torch.distributed world group when "
-            "initialized) or a torch.distributed ProcessGroup, got "
-            f"{type(process_group).__name__}."
-        )
-    if dist.get_world_size(process_group) == 1:
-        return None
-    return Communicator(process_group)
 
 
 @dataclass(frozen=True)
@@ -103,12 +48,14 @@ class PassAgreement:
         failed_ranks: Ranks whose backward pass raised.
         none_ranks: Ranks whose closure returned ``None`` (a skipped batch).
         world_size: Number of ranks.
+        without_factors: Whether a rank's refresh pass fell short of its factors.
     """
 
     mean_loss: float
     failed_ranks: tuple[int, ...]
     none_ranks: tuple[int, ...]
     world_size: int
+    without_factors: bool = False
 
 
 class Communicator:
@@ -141,6 +88,9 @@ class Communicator:
         self.bytes_received = 0.0
         # Ranks whose local loss of the last pass was not finite (for refusals).
         self._nonfinite_loss_ranks: tuple[int, ...] = ()
+        self.without_factors = False
+        """Whether a rank's refresh pass in the last agreement fell short of its
+        factors (then no rank refreshes: :meth:`mean_loss_of_pass`)."""
 
     @contextmanager
     def _timed(self, tensor: Tensor, traffic: float) -> Iterator[None]:
@@ -187,6 +137,7 @@ class Communicator:
         *,
         check_sizes: bool,
         returned_none: bool = False,
+        without_factors: bool = False,
     ) -> PassAgreement:
         """All-gather the ranks' losses, batch sizes and failures of one pass.
 
@@ -198,6 +149,7 @@ class Communicator:
             check_sizes: Refuse unequal local batch sizes (when buffers will be
                 gathered).
             returned_none: Whether its closure returned ``None`` (a skipped batch).
+            without_factors: Whether its refresh pass fell short of its factors.
 
         Returns:
             The agreement.
@@ -206,7 +158,13 @@ class Communicator:
             ValueError: For unequal local batch sizes with ``check_sizes``.
         """
         status = (
-            PASS_FAILED if failed else PASS_RETURNED_NONE if returned_none else PASS_OK
+            PASS_FAILED
+            if failed
+            else PASS_RETURNED_NONE
+            if returned_none
+            else PASS_WITHOUT_FACTORS
+            if without_factors
+            else PASS_OK
         )
         local = torch.tensor([loss, float(batch_size), status], dtype=torch.float64)
         table = self.gather_samples(local.unsqueeze(0), dim=0)
@@ -240,9 +198,12 @@ class Communicator:
             failed_ranks=failed_ranks,
             none_ranks=none_ranks,
             world_size=self.world_size,
+            without_factors=PASS_WITHOUT_FACTORS in statuses,
         )
 
-    def mean_loss_of_pass(self, loss: Any, batch_size: int | None) -> Tensor | None:
+    def mean_loss_of_pass(
+        self, loss: Any, batch_size: int | None, without_factors: bool = False
+    ) -> Tensor | None:
         """The ranks' mean loss, once every rank's backward pass ended.
 
         Args:
@@ -250,6 +211,8 @@ class Communicator:
                 not finite).
             batch_size: This rank's local batch size, ``None`` if no BackPACK
                 pass ran (then buffers are not gathered and sizes not checked).
+            without_factors: Whether this rank's refresh pass fell short of its
+                factors (:attr:`without_factors` says whether any rank's did).
 
         Returns:
             The mean loss (NaN if one rank's loss is not finite); ``None`` when the
@@ -267,7 +230,9 @@ class Communicator:
             failed=not is_tensor and loss is not None,
             check_sizes=batch_size is not None,
             returned_none=loss is None,
+            without_factors=without_factors,
         )
+        self.without_factors = agreement.without_factors
         if agreement.none_ranks and not agreement.failed_ranks:
             if len(agreement.none_ranks) == self.world_size:
                 return None

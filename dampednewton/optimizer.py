@@ -34,12 +34,12 @@ from dampednewton._step.unpicklable import mark_unpicklable
 from dampednewton.averaging import CurvatureAveraging
 from dampednewton.backpack.seeding import SeededGenerator
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.distributed import world_initialized
 from dampednewton.policies.basis import Basis, KroneckerBasis
 from dampednewton.policies.checks import check_subsampling
 from dampednewton.policies.complement import ComplementPolicy
 from dampednewton.policies.criteria import Criterion
 from dampednewton.policies.damping import Damping
+from dampednewton.process_groups import world_initialized
 
 
 class DampedNewton(Optimizer):

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).parents[1] / "dampednewton"
 FLOORS: list[set[str]] = [
     {"math"},
     {"threads", "distributed", "policies"},
-    {"backpack", "averaging"},
+    {"backpack", "averaging", "process_groups"},
     {"computations"},
     {"diagnostics"},
     {"_step"},

@@ -37,7 +37,6 @@ def run_closure(
     modules: ExtendedModules | None = None,
     accumulation: bool = True,
     deferred: DeferredChecks | None = None,
-    on_loss: Callable[[Module, tuple, Any], None] | None = None,
 ) -> Any:
     """Run the closure's backward passes with the extensions (if any) and the hooks.
 
@@ -58,8 +57,6 @@ def run_closure(
         deferred: Where a pass without extensions leaves the targets' check for
             the step's host read (``None``: check at once); every pass counts the
             loss modules' samples into it (its ``local_samples``).
-        on_loss: In a pass without extensions, called with each watched loss
-            module, its inputs and its output after their checks.
 
     Returns:
         What the closure returned.
@@ -83,8 +80,6 @@ def run_closure(
                 check_plain_loss_call(module, inputs, deferred)
                 check_batch_norms_in_eval(modules.batch_norms)
                 check_loss_input(module, inputs)
-                if on_loss is not None:
-                    on_loss(module, inputs, output)
 
             with (
                 modules.suspended(),

@@ -1,34 +1,28 @@
 """How a Kronecker refresh collects its layers' factors: BackPACK's pass or autograd's.
 
-The first refresh, and every refresh with the exact GGN, a monitor, data parallelism,
-or a model the autograd pass does not cover, runs the closure inside a BackPACK pass
+The first refresh, and every refresh with the exact GGN, a monitor, or a model the
+autograd pass does not cover, runs the closure inside a BackPACK pass
 (:class:`~dampednewton.backpack.kronecker_hook.FactorCollector`). Later Monte-Carlo
-refreshes of a model whose collected parameters all sit in layers that pass already
-ran through back-propagate the sampled square root with one ``torch.autograd.grad``
+refreshes back-propagate the sampled square root with one ``torch.autograd.grad``
 instead (:mod:`~dampednewton.backpack.autograd_factors`), with BackPACK's hooks
-suspended as between refreshes. Where that pass meets something it does not cover, the
+suspended as between refreshes. Where that pass meets something it does not cover (on
+any rank, under data parallelism: the ranks agree on it with their mean loss), the
 step keeps the stored bases and every later refresh runs through BackPACK.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import Generator, Tensor
-from torch.nn import Module
-from torch.nn.modules.loss import _Loss
 
 from dampednewton._step.options import SharedOptions
 from dampednewton.backpack.autograd_factors import (
-    SAMPLED_LOSSES,
     AutogradFactors,
-    layer_owners,
 )
 from dampednewton.backpack.extensions import ExactSqrtGGN, MonteCarloSqrtGGN
-from dampednewton.backpack.hooks import ExtendedModules
 from dampednewton.backpack.kronecker_hook import FactorCollector, LayerFactors
 from dampednewton.backpack.layers import use_structured_sqrt_ggn
 from dampednewton.backpack.loss_checks import DeferredChecks
@@ -55,11 +49,6 @@ class FactorPass:
     def collecting(self) -> AbstractContextManager:
         """The context to run the closure in (the autograd pass's forward hooks)."""
         return nullcontext() if self.autograd is None else self.autograd.collecting()
-
-    @property
-    def on_loss(self) -> Callable[[Module, tuple, Any], None] | None:
-        """Called after each loss module's forward pass (the autograd pass's)."""
-        return None if self.autograd is None else self.autograd.loss_ran
 
     def layers(self) -> dict[int, LayerFactors] | None:
         """The layers' factors after the closure (``None``: the pass fell short).
@@ -94,10 +83,8 @@ class FactorPasses:
         generator: Generator | None,
         collected: Sequence[Tensor],
         deferred: DeferredChecks,
-        modules: ExtendedModules,
         *,
         bases_stored: bool,
-        distributed: bool,
         monitored: bool,
     ) -> FactorPass:
         """The pass of a refresh of the ``collected`` parameters.
@@ -107,33 +94,20 @@ class FactorPasses:
             generator: The Monte-Carlo draws' source.
             collected: The parameters whose factors the refresh needs.
             deferred: The step's deferred checks.
-            modules: The extended modules that BackPACK's passes ran through.
             bases_stored: Whether every refreshing group has stored bases to keep
                 if the autograd pass falls short.
-            distributed: Whether the ranks share the step (they take BackPACK's
-                pass, to agree on it without another collective).
             monitored: Whether a monitor's extensions run in the pass (BackPACK's).
 
         Returns:
             The autograd pass where it applies, else BackPACK's.
         """
-        owners = None
-        if (
-            self.autograd
-            and shared.mc_samples > 0
-            and bases_stored
-            and not distributed
-            and not monitored
-            and all(
-                isinstance(module, SAMPLED_LOSSES)
-                for module in modules
-                if isinstance(module, _Loss)
-            )
-        ):
-            owners = layer_owners(modules, collected)
-        if owners is not None:
+        if self.autograd and shared.mc_samples > 0 and bases_stored and not monitored:
             autograd = AutogradFactors(
-                owners, shared.mc_samples, shared.subsampling_ggn, generator, deferred
+                collected,
+                shared.mc_samples,
+                shared.subsampling_ggn,
+                generator,
+                deferred,
             )
             return FactorPass(autograd=autograd)
         sqrt_ggn = self._extension(shared, generator)

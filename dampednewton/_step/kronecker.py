@@ -164,13 +164,11 @@ class KroneckerSteps:
                     if p.requires_grad
                 ],
                 deferred,
-                modules,
                 bases_stored=all(
                     LAYERS in group
                     for group, refresh in zip(stats, refreshing, strict=True)
                     if refresh
                 ),
-                distributed=communicator is not None,
                 monitored=monitor is not None,
             )
             extensions, hooks = factor_pass.extensions, factor_pass.hooks
@@ -191,18 +189,19 @@ class KroneckerSteps:
                     modules,
                     monitor is None,
                     deferred,
-                    None if factor_pass is None else factor_pass.on_loss,
                 )
                 if factor_pass is not None and loss is not None:
                     layers = factor_pass.layers()
             # None: a skipped batch (check_loss_type raises), else the autograd pass
             fell_short = factor_pass is not None and loss is not None and layers is None
-            if fell_short:  # the autograd pass: keep the bases, then use BackPACK
-                self._passes.autograd = with_curvature = False
             if communicator is not None:  # refuses unequal local batches everywhere
                 loss = communicator.mean_loss_of_pass(
-                    loss, deferred.local_samples or None
+                    loss, deferred.local_samples or None, fell_short
                 )
+                if communicator.without_factors:  # on a rank: none refreshes
+                    fell_short, layers = True, None
+            if fell_short:  # the autograd pass: keep the bases, then use BackPACK
+                self._passes.autograd = with_curvature = False
             check_loss_type(loss)
             fresh: dict[int, list[RefreshedBatch]] = {}
             finite = None

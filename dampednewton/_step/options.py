@@ -19,7 +19,7 @@ from typing import Any
 from torch import Tensor
 
 from dampednewton.averaging import CurvatureAveraging
-from dampednewton.distributed import Communicator, resolve_process_group
+from dampednewton.distributed import Communicator
 from dampednewton.policies.basis import (
     Basis,
     KroneckerBasis,
@@ -42,6 +42,7 @@ from dampednewton.policies.damping import (
     as_damping,
     needs_sample_statistics,
 )
+from dampednewton.process_groups import resolve_process_group
 
 NONFINITE_MODES = ("raise", "skip")
 SHARED_SETTINGS = ("mc_samples", "subsampling_ggn", "subsampling_grad")

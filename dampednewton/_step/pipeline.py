@@ -62,8 +62,9 @@ from dampednewton.backpack.extensions import modified_loss_warning
 from dampednewton.backpack.loss_checks import DeferredChecks, targets_error
 from dampednewton.backpack.seeding import SeededGenerator
 from dampednewton.diagnostics import DiagnosticsMonitor
-from dampednewton.distributed import Communicator, check_created_after_init
+from dampednewton.distributed import Communicator
 from dampednewton.math.frozen_basis import frozen_basis_step, trust_scale_on_host
+from dampednewton.process_groups import check_created_after_init
 
 State = dict[Any, Any]
 Records = dict[str, Any]

@@ -24,7 +24,7 @@ between the model's output and the layers' outputs run once more, in this pass.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -41,11 +41,14 @@ from torch.nn import (
     Module,
     MSELoss,
 )
+from torch.nn.modules.loss import _Loss
 
 from dampednewton.backpack.extensions import subsample_beyond_batch_message
+from dampednewton.backpack.hooks import EXTENDED_FLAG
 from dampednewton.backpack.kronecker_hook import LayerFactors
 from dampednewton.backpack.layers import unfoldable
 from dampednewton.backpack.loss_checks import DeferredChecks
+from dampednewton.backpack.private import keeping_stored_io
 from dampednewton.backpack.seeding import drawing_from
 from dampednewton.math.kronecker_factors import input_factor, output_factor
 from dampednewton.math.patches import conv_patches
@@ -55,46 +58,40 @@ from dampednewton.math.sampling import (
     sampled_cross_entropy_gradients,
 )
 
-Owners = dict[Module, tuple[Tensor | None, Tensor | None]]
-"""Each layer's collected ``(weight, bias)`` (``None``: not collected)."""
+Owned = tuple[Tensor | None, Tensor | None]
+"""A layer's collected ``(weight, bias)`` (``None``: not collected)."""
+
+NOT_COVERED = (None, None)
+"""What :func:`layer_owned` returns for a module that holds collected parameters the
+pass cannot serve."""
 
 
-def layer_owners(modules: Iterable[Module], params: Sequence[Tensor]) -> Owners | None:
-    """The layers that hold ``params``, or ``None`` where this pass cannot serve them.
+def layer_owned(module: Module, wanted: set[int]) -> Owned | None:
+    """The collected parameters a module holds, if any.
 
     Args:
-        modules: The extended modules that BackPACK's passes ran through.
-        params: The parameters whose factors the refresh needs.
+        module: A module whose forward pass ran.
+        wanted: The ``id`` of every parameter whose factors the refresh needs.
 
     Returns:
-        Each layer's collected weight and bias; ``None`` if a parameter is in a
-        module that is no ``nn.Linear`` or unfoldable convolution, in two modules,
-        or in none of ``modules``.
+        ``None`` for a module without such parameters; its ``(weight, bias)`` for an
+        ``nn.Linear`` or unfoldable convolution that holds nothing else of them;
+        :data:`NOT_COVERED` for any other module that holds some.
     """
-    wanted = {id(param) for param in params}
-    owners: Owners = {}
-    found: set[int] = set()
-    for module in modules:
-        own = [p for p in module.parameters(recurse=False) if id(p) in wanted]
-        if not own:
-            continue
-        if not isinstance(module, Linear | Conv1d | Conv2d | Conv3d) or (
-            not isinstance(module, Linear) and not unfoldable(module)
-        ):
-            return None
-        weight = module.weight if id(module.weight) in wanted else None
-        bias = (
-            module.bias
-            if module.bias is not None and id(module.bias) in wanted
-            else None
-        )
-        if len(own) != (weight is not None) + (bias is not None):
-            return None
-        if any(id(param) in found for param in own):
-            return None
-        found.update(id(param) for param in own)
-        owners[module] = (weight, bias)
-    return owners if found == wanted else None
+    own = [p for p in module.parameters(recurse=False) if id(p) in wanted]
+    if not own:
+        return None
+    if not isinstance(module, Linear | Conv1d | Conv2d | Conv3d) or (
+        not isinstance(module, Linear) and not unfoldable(module)
+    ):
+        return NOT_COVERED
+    weight = module.weight if id(module.weight) in wanted else None
+    bias = (
+        module.bias if module.bias is not None and id(module.bias) in wanted else None
+    )
+    if len(own) != (weight is not None) + (bias is not None):
+        return NOT_COVERED
+    return weight, bias
 
 
 def layer_rows(
@@ -218,8 +215,13 @@ class AutogradFactors:
     :class:`~dampednewton.backpack.kronecker_hook.LayerFactors`), recorded in the
     step's deferred checks, which warn when the weights do not sum to 1.
 
+    One global forward hook finds the layers that hold collected parameters
+    (:func:`layer_owned`) and the BackPACK-extended loss modules as the closure runs
+    them, whichever modules earlier passes saw (a resumed optimizer's first refresh
+    takes this pass as the one it was saved from would).
+
     Args:
-        owners: The layers and their collected parameters (:func:`layer_owners`).
+        params: The parameters whose factors the refresh needs.
         mc_samples: Monte-Carlo samples of the loss Hessian's square root (≥ 1).
         subsampling: The samples the factors are from (``None``: all).
         generator: The draws' source (``None``: the global random state).
@@ -229,20 +231,22 @@ class AutogradFactors:
 
     def __init__(
         self,
-        owners: Owners,
+        params: Sequence[Tensor],
         mc_samples: int,
         subsampling: Sequence[int] | None,
         generator: Generator | None,
         deferred: DeferredChecks,
     ):
         """Start with no micro-batch."""
-        self.owners = owners
+        self.wanted = {id(param) for param in params}
         self.mc_samples = mc_samples
         self.subsampling = None if subsampling is None else list(subsampling)
         self.generator = generator
         self.deferred = deferred
         self.micro_batches: list[MicroBatch] = []
         self._unsupported = False
+        self._owned: dict[Module, Owned | None] = {}
+        self._owners: dict[int, Module] = {}  # each collected parameter's module
         self._ran: set[Module] = set()
         self._seen: dict[Module, tuple[Tensor, Tensor]] = {}
 
@@ -251,19 +255,33 @@ class AutogradFactors:
         """Keep the layers' inputs and outputs of the forward passes inside.
 
         Yields:
-            Nothing; run the closure inside (with :meth:`loss_ran` called after
-            each loss module's forward pass).
+            Nothing; run the closure inside (:meth:`loss_ran` runs after each
+            BackPACK-extended loss module's forward pass).
         """
-        handles = [module.register_forward_hook(self._keep) for module in self.owners]
+        hook = torch.nn.modules.module.register_module_forward_hook(self._forward)
         try:
             yield
         finally:
-            for handle in handles:
-                handle.remove()
+            hook.remove()
             self._ran.clear()
             self._seen.clear()
 
-    def _keep(self, module: Module, inputs: tuple, output: object) -> None:
+    def _forward(self, module: Module, inputs: tuple, output: object) -> None:
+        if isinstance(module, _Loss):
+            if getattr(module, EXTENDED_FLAG, False):
+                self.loss_ran(module, inputs, output)
+            return
+        if module not in self._owned:
+            self._owned[module] = owned = layer_owned(module, self.wanted)
+            for param in () if owned is None else module.parameters(recurse=False):
+                if self._owners.setdefault(id(param), module) is not module:
+                    self._unsupported = True  # tied: one parameter in two modules
+        owned = self._owned[module]
+        if owned is None:
+            return
+        if owned is NOT_COVERED:
+            self._unsupported = True
+            return
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
         if module in self._ran:  # twice before a loss: tied, recurrent, auxiliary
@@ -349,12 +367,17 @@ class AutogradFactors:
         outputs = [output for _, (_, output) in seen]
         if not outputs:  # no collected layer ran for this loss (drawn all the same)
             return {}
-        samples = [
-            torch.autograd.grad(
-                logits, outputs, grad_outputs=root, retain_graph=True, allow_unused=True
-            )
-            for root in roots
-        ]
+        with keeping_stored_io():  # for BackPACK's hooks, where they are not suspended
+            samples = [
+                torch.autograd.grad(
+                    logits,
+                    outputs,
+                    grad_outputs=root,
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+                for root in roots
+            ]
         factors = {}
         for index, (module, (inputs, _)) in enumerate(seen):
             if samples[0][index] is None:  # not reached by the loss, as in BackPACK
@@ -363,7 +386,9 @@ class AutogradFactors:
             layer_inputs, backproped = layer_rows(module, inputs, backproped)
             if rows is not None:
                 layer_inputs, backproped = layer_inputs[rows], backproped[:, rows]
-            weight, bias = self.owners[module]
+            owned = self._owned[module]
+            assert owned is not None
+            weight, bias = owned
             first = weight if weight is not None else bias
             assert first is not None
             factors[id(first)] = (

@@ -65,7 +65,7 @@ from dampednewton.diagnostics.reducer import (
     to_host,
 )
 from dampednewton.diagnostics.specs.histogram_reducer import HistogramReducer
-from dampednewton.distributed import resolve_process_group
+from dampednewton.process_groups import resolve_process_group
 
 _USAGE = (
     "Run loss.backward() inside `with monitor.backward_context(step):`, or pass "

@@ -9,6 +9,8 @@ Hessians; and the optimizer must take the same steps with it as with BackPACK's 
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from backpack import extend
@@ -16,9 +18,10 @@ from torch import Tensor, nn
 
 from dampednewton import CurvatureAveraging, DampedNewton, KroneckerBasis
 from dampednewton.backpack.autograd_factors import (
+    NOT_COVERED,
     SAMPLED_LOSSES,
     AutogradFactors,
-    layer_owners,
+    layer_owned,
     mean_normalization,
     sampled_gradients,
 )
@@ -60,20 +63,19 @@ def _sampled_hessians(
 def _one_pass(
     factors: AutogradFactors, loss_fn: nn.Module, outputs: Tensor, targets: Tensor
 ) -> None:
-    """A micro-batch's loss as the closure takes it: forward, then backward."""
-    loss = loss_fn(outputs, targets)
-    factors.loss_ran(loss_fn, (outputs, targets), loss)
-    loss.backward()
+    """A micro-batch's loss as the closure takes it: forward, then backward.
+
+    The pass's hook sees the forward pass of the extended loss module.
+    """
+    extend(loss_fn)(outputs, targets).backward()
 
 
 def _autograd_factors(
     case: Case, mc_samples: int, seed: int, samples: list[int] | None
 ) -> dict[int, LayerFactors]:
     params = list(case.model.parameters())
-    owners = layer_owners(case.model.modules(), params)
-    assert owners is not None
     generator = torch.Generator().manual_seed(seed)
-    factors = AutogradFactors(owners, mc_samples, samples, generator, DeferredChecks())
+    factors = AutogradFactors(params, mc_samples, samples, generator, DeferredChecks())
     with factors.collecting():
         _one_pass(factors, case.loss_fn, case.model(case.X), case.y)
     layers = factors.layers()
@@ -117,20 +119,17 @@ def test_micro_batches_enter_with_their_losses_weights():
     """``Σ_m w_m F_m / Σ_m w_m`` with ``w_m`` the gradient that reached loss ``m``."""
     torch.manual_seed(0)
     layer = nn.Linear(4, 3).double()
-    loss_fn = nn.CrossEntropyLoss()
+    loss_fn = extend(nn.CrossEntropyLoss())
     X = torch.randn(6, 4, dtype=torch.float64)
     y = torch.randint(0, 3, (6,))
     parts = [slice(0, 2), slice(2, 6)]
     deferred = DeferredChecks()
-    factors = AutogradFactors(
-        layer_owners([layer], list(layer.parameters())), 1, None, None, deferred
-    )
+    factors = AutogradFactors(list(layer.parameters()), 1, None, None, deferred)
     alone = []
     with factors.collecting():
         for part, weight in zip(parts, (1 / 3, 2 / 3), strict=True):
             outputs = layer(X[part])
-            loss = loss_fn(outputs, y[part])
-            factors.loss_ran(loss_fn, (outputs, y[part]), loss)
+            loss = loss_fn(outputs, y[part])  # the pass's hook takes its factors
             alone.append(factors.micro_batches[-1].factors[id(layer.weight)][2:])
             (loss * weight).backward()  # the hook on the loss records the weight
     layers = factors.layers()
@@ -147,7 +146,7 @@ def test_a_layer_the_loss_does_not_reach_gets_no_factors():
     used, unused = nn.Linear(4, 3).double(), nn.Linear(4, 2).double()
     X = torch.randn(6, 4, dtype=torch.float64)
     factors = AutogradFactors(
-        layer_owners([used, unused], [*used.parameters(), *unused.parameters()]),
+        [*used.parameters(), *unused.parameters()],
         1,
         None,
         torch.Generator().manual_seed(0),
@@ -171,9 +170,7 @@ def _another_loss(layer: nn.Module, X: Tensor, factors: AutogradFactors) -> None
 
 
 def _no_backward(layer: nn.Module, X: Tensor, factors: AutogradFactors) -> None:
-    outputs = layer(X)
-    loss = nn.CrossEntropyLoss()(outputs, X[:, 0].long() * 0)
-    factors.loss_ran(nn.CrossEntropyLoss(), (outputs, X[:, 0]), loss)
+    extend(nn.CrossEntropyLoss())(layer(X), X[:, 0].long() * 0)
 
 
 def _different_layers(layer: nn.Module, X: Tensor, factors: AutogradFactors) -> None:
@@ -192,9 +189,7 @@ def test_what_the_pass_does_not_cover_leaves_it_without_factors(run):
     torch.manual_seed(0)
     layer = nn.Linear(3, 3).double()
     X = torch.randn(4, 3, dtype=torch.float64)
-    factors = AutogradFactors(
-        layer_owners([layer], list(layer.parameters())), 1, None, None, DeferredChecks()
-    )
+    factors = AutogradFactors(list(layer.parameters()), 1, None, None, DeferredChecks())
     with factors.collecting():
         run(layer, X, factors)
     assert factors.layers() is None
@@ -205,30 +200,42 @@ def test_a_sub_sample_of_several_micro_batches_leaves_it_without_factors():
     torch.manual_seed(0)
     layer = nn.Linear(3, 3).double()
     X, y = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
-    factors = AutogradFactors(
-        layer_owners([layer], list(layer.parameters())), 1, [0], None, DeferredChecks()
-    )
+    factors = AutogradFactors(list(layer.parameters()), 1, [0], None, DeferredChecks())
     with factors.collecting():
         for part in (slice(0, 2), slice(2, 4)):
             _one_pass(factors, nn.CrossEntropyLoss(), layer(X[part]), y[part])
     assert factors.layers() is None
 
 
-def test_layer_owners_refuses_what_the_pass_cannot_serve():
-    """Other layers, convolutions it does not unfold, tied or unrecorded parameters."""
+def test_layer_owned_names_what_the_pass_cannot_serve():
+    """Other layers and convolutions it does not unfold hold parameters it needs."""
     linear = nn.Linear(2, 2)
     grouped = nn.Conv1d(2, 2, 1, groups=2)
-    assert layer_owners([linear], list(linear.parameters())) == {
-        linear: (linear.weight, linear.bias)
-    }
-    assert layer_owners([linear], [linear.bias]) == {linear: (None, linear.bias)}
-    assert layer_owners([grouped], list(grouped.parameters())) is None
     norm = nn.LayerNorm(2)
-    assert layer_owners([norm], list(norm.parameters())) is None
-    assert layer_owners([], list(linear.parameters())) is None
-    tied = nn.Linear(2, 2)
-    tied.weight = linear.weight
-    assert layer_owners([linear, tied], [linear.weight, tied.bias]) is None
+    wanted = {id(p) for m in (linear, grouped, norm) for p in m.parameters()}
+    assert layer_owned(linear, wanted) == (linear.weight, linear.bias)
+    assert layer_owned(linear, {id(linear.bias)}) == (None, linear.bias)
+    assert layer_owned(linear, set()) is None
+    assert layer_owned(grouped, wanted) is NOT_COVERED
+    assert layer_owned(norm, wanted) is NOT_COVERED
+
+
+@pytest.mark.parametrize("kind", ["layer-norm", "tied"])
+def test_a_collected_parameter_outside_a_covered_layer_leaves_it_without_factors(kind):
+    """A LayerNorm's, or one weight in two layers: BackPACK's pass says what to do."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(3, 3).double(), nn.Linear(3, 3).double()
+    middle: nn.Module = nn.LayerNorm(3).double()
+    if kind == "tied":
+        second.weight = first.weight
+        middle = nn.Tanh()
+    params = {id(p): p for m in (first, middle, second) for p in m.parameters()}
+    factors = AutogradFactors(list(params.values()), 1, None, None, DeferredChecks())
+    X = torch.randn(4, 3, dtype=torch.float64)
+    with factors.collecting():
+        targets = torch.zeros(4, dtype=torch.long)
+        _one_pass(factors, nn.CrossEntropyLoss(), second(middle(first(X))), targets)
+    assert factors.layers() is None
 
 
 def _trajectory(
@@ -353,3 +360,36 @@ def test_micro_batch_weights_that_do_not_sum_to_one_warn_as_in_backpacks_pass():
     with pytest.warns(UserWarning, match="micro-batches .* do not sum to 1"):
         optimizer.step(closure)  # the autograd pass
     assert optimizer._pipeline.kronecker._passes.autograd
+
+
+def test_a_resumed_optimizer_refreshes_as_the_one_it_was_saved_from():
+    """Its first step after loading is an autograd refresh too: bitwise the same.
+
+    The pass finds its layers as the closure runs them, not from the modules the
+    optimizer's earlier BackPACK passes saw (a loaded optimizer saw none).
+    """
+    runs = [build_case(case_by_id("cnn-ce")) for _ in range(2)]
+    optimizers = [DampedNewton(run.model.parameters(), seed=0) for run in runs]
+    closures = [
+        make_closure(optimizer, run.model, run.loss_fn, run.X, run.y)
+        for run, optimizer in zip(runs, optimizers, strict=True)
+    ]
+    for _ in range(3):  # steps 0, 1, 2: the next, 3, refreshes
+        optimizers[0].step(closures[0])
+    buffer = io.BytesIO()
+    torch.save(optimizers[0].state_dict(), buffer)
+    buffer.seek(0)
+    with torch.no_grad():
+        for target, source in zip(
+            runs[1].model.parameters(), runs[0].model.parameters(), strict=True
+        ):
+            target.copy_(source)
+    optimizers[1].load_state_dict(torch.load(buffer, weights_only=True))
+    for _ in range(5):  # the refreshes at 3 and 7
+        for optimizer, closure in zip(optimizers, closures, strict=True):
+            optimizer.step(closure)
+        for continued, resumed in zip(
+            runs[0].model.parameters(), runs[1].model.parameters(), strict=True
+        ):
+            assert torch.equal(continued, resumed)
+    assert all(o._pipeline.kronecker._passes.autograd for o in optimizers)

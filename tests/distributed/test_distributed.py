@@ -186,6 +186,25 @@ def test_a_batch_every_rank_skips_is_skipped_on_every_rank(options, step, tmp_pa
     assert torch.equal(ranks[0]["history"][-1], ranks[1]["history"][-1])
 
 
+@pytest.mark.parametrize("fault", [None, "twice"], ids=["every-rank", "one-rank-not"])
+def test_the_ranks_agree_on_the_autograd_refresh(fault, tmp_path):
+    """Where one rank's autograd pass falls short, no rank refreshes on it.
+
+    Rank 1 runs an extra forward pass at the refresh of step 2 (the Kronecker
+    refreshes after the first take the autograd pass): every rank keeps its bases
+    there and refreshes through BackPACK's pass from then on, in lock step.
+    """
+    options = {**KRONECKER, "mc_samples": 1}
+    job = Job(steps=4, options=options, fault_rank=1, fault_step=2)
+    job = dataclasses.replace(job, fault=fault or "raise", fault_rank=fault and 1)
+    ranks = spawn(job, 2, tmp_path)
+    for rank in ranks:
+        assert rank["errors"] == [None] * 4
+        assert rank["autograd_refreshes"] == (fault is None)
+    for step in range(4):
+        assert torch.equal(ranks[0]["history"][step], ranks[1]["history"][step])
+
+
 @pytest.mark.parametrize("options", [{}, KRONECKER], ids=["gram", "kronecker"])
 def test_an_optimizer_created_before_init_process_group_refuses_to_step(
     options, tmp_path

@@ -62,9 +62,10 @@ class Job:
             empty: one backward pass.
         fault_rank: Rank whose closure goes wrong at step ``fault_step`` (``None``:
             none; :data:`EVERY_RANK`: all): ``fault`` is ``'raise'`` (after its
-            backward pass), ``'short'`` (a local batch one sample short) or
+            backward pass), ``'short'`` (a local batch one sample short),
             ``'skip'`` (the closure returns ``None`` without a backward pass, as
-            Lightning's skipped batch).
+            Lightning's skipped batch) or ``'twice'`` (an extra forward pass of the
+            model with gradients before the closure's own, whose output it drops).
         fault_step: See ``fault_rank``.
         fault: See ``fault_rank``.
         apart: Rank 1's model starts from other parameters (each rank seeded
@@ -289,6 +290,8 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
             closure = _raising_after(closure)
         if faulty and job.fault == "skip":
             closure = _skipping(optimizer)
+        if faulty and job.fault == "twice":
+            closure = _forward_first(stepped, inputs, closure)
         try:
             losses.append(optimizer.step(closure))
             errors.append(None)
@@ -312,7 +315,20 @@ def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
         "communication_bytes": sent,
         "errors": errors,
         "initial": initial,
+        "autograd_refreshes": optimizer._pipeline.kronecker._passes.autograd,
     }
+
+
+def _forward_first(
+    model: nn.Module, inputs: Tensor, closure: Callable[[], Tensor]
+) -> Callable[[], Tensor]:
+    """The closure after a forward pass of the model whose output is dropped."""
+
+    def twice() -> Tensor:
+        model(inputs)
+        return closure()
+
+    return twice
 
 
 def _skipping(optimizer: DampedNewton) -> Callable[[], None]:
