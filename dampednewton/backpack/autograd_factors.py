@@ -29,17 +29,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from backpack.core.derivatives.mseloss import MSELossDerivatives
 from torch import Generator, Tensor
 from torch.nn import (
-    BCEWithLogitsLoss,
     Conv1d,
     Conv2d,
     Conv3d,
-    CrossEntropyLoss,
     Linear,
     Module,
-    MSELoss,
 )
 from torch.nn.modules.loss import _Loss
 
@@ -49,14 +45,14 @@ from dampednewton.backpack.kronecker_hook import LayerFactors
 from dampednewton.backpack.layers import unfoldable
 from dampednewton.backpack.loss_checks import DeferredChecks
 from dampednewton.backpack.private import keeping_stored_io
-from dampednewton.backpack.seeding import drawing_from
+from dampednewton.backpack.sampled_roots import (
+    SAMPLED_LOSSES,
+    mean_normalization,
+    sampled_gradients,
+)
 from dampednewton.math.kronecker_factors import input_factor, output_factor
 from dampednewton.math.patches import conv_patches
 from dampednewton.math.precision import upcast
-from dampednewton.math.sampling import (
-    sampled_binary_cross_entropy_gradients,
-    sampled_cross_entropy_gradients,
-)
 
 Owned = tuple[Tensor | None, Tensor | None]
 """A layer's collected ``(weight, bias)`` (``None``: not collected)."""
@@ -150,45 +146,6 @@ def layer_factors(
         input_factor(upcast(inputs), bias, num_samples),
         output_factor(backproped, scale),
     )
-
-
-SAMPLED_LOSSES = (CrossEntropyLoss, BCEWithLogitsLoss, MSELoss)
-"""The losses whose Monte-Carlo square root the autograd pass draws (BackPACK's)."""
-
-
-def sampled_gradients(
-    loss: Module, logits: Tensor, mc_samples: int, generator: Generator | None
-) -> Tensor:
-    """BackPACK's draws of the loss's gradients at sampled targets, ``[M, N, C]``.
-
-    The same draws as the square-root extension's loss derivatives
-    (:mod:`~dampednewton.backpack.loss_derivatives`): the cross-entropies' from the
-    generator, the squared error's from BackPACK's Gaussian, drawn from the generator
-    through the global random state.
-
-    Args:
-        loss: One of :data:`SAMPLED_LOSSES`.
-        logits: The (sub-sampled) model outputs ``[N, C]``, detached.
-        mc_samples: Draws per sample.
-        generator: Their source (``None``: the global random state).
-
-    Returns:
-        The gradients, not yet divided by ``√M`` or the mean's normalization.
-    """
-    if isinstance(loss, CrossEntropyLoss):
-        return sampled_cross_entropy_gradients(logits, mc_samples, generator)
-    if isinstance(loss, BCEWithLogitsLoss):
-        return sampled_binary_cross_entropy_gradients(logits, mc_samples, generator)
-    draw = MSELossDerivatives().compute_sampled_grads
-    if generator is None:
-        return draw(logits.clone(), mc_samples)
-    with drawing_from(generator):
-        return draw(logits.clone(), mc_samples)
-
-
-def mean_normalization(loss: Module, logits: Tensor) -> int:
-    """What the mean loss divides by: ``N`` for the cross-entropy, else every entry."""
-    return logits.shape[0] if isinstance(loss, CrossEntropyLoss) else logits.numel()
 
 
 @dataclass

@@ -19,14 +19,16 @@ from torch import Tensor, nn
 from dampednewton import CurvatureAveraging, DampedNewton, KroneckerBasis
 from dampednewton.backpack.autograd_factors import (
     NOT_COVERED,
-    SAMPLED_LOSSES,
     AutogradFactors,
     layer_owned,
-    mean_normalization,
-    sampled_gradients,
 )
 from dampednewton.backpack.kronecker_hook import LayerFactors
 from dampednewton.backpack.loss_checks import DeferredChecks
+from dampednewton.backpack.sampled_roots import (
+    SAMPLED_LOSSES,
+    mean_normalization,
+    sampled_gradients,
+)
 from tests.assertions import assert_close
 from tests.cases import KRONECKER_PROBLEMS, Problem, case_by_id
 from tests.optimizer.kronecker_twin import layers_of

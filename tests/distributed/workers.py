@@ -172,10 +172,10 @@ def reference(job: Job, world_size: int) -> list[Tensor]:
             getattr(sampling_functions, sampling),
         )
         # BackPACK's pass draws in loss_derivatives, the autograd pass (a refresh
-        # after the first, in one process) in autograd_factors
+        # after the first) in sampled_roots
         with (
             mock.patch(f"dampednewton.backpack.loss_derivatives.{sampling}", draws),
-            mock.patch(f"dampednewton.backpack.autograd_factors.{sampling}", draws),
+            mock.patch(f"dampednewton.backpack.sampled_roots.{sampling}", draws),
         ):
             optimizer.step(closure)
         history.append(_flat(model))
