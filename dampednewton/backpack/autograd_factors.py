@@ -3,13 +3,14 @@
 BackPACK back-propagates the loss Hessian's Monte-Carlo square root module by module,
 in Python, through hooks on every module; the Kronecker factors need it only at the
 layers' outputs. :class:`AutogradFactors` draws the square root at the model's output
-(the same draws as BackPACK's pass, from the same generator), back-propagates it with
-one ``torch.autograd.grad`` per Monte-Carlo sample to the layers' outputs, kept by
-forward hooks, before the closure's own backward (K-FAC's usual implementation), and
+(the same draws as BackPACK's pass, from the same generator:
+:mod:`~dampednewton.backpack.sampled_roots`), back-propagates it with one
+``torch.autograd.grad`` per Monte-Carlo sample to the layers' outputs, kept by a
+forward hook, before the closure's own backward (K-FAC's usual implementation), and
 turns them and the layers' inputs into the factors ``A`` and ``S`` that the BackPACK
 pass's :class:`~dampednewton.backpack.kronecker_hook.FactorCollector` produces.
 
-It covers the refreshes after the first (which runs through BackPACK and checks the
+It serves the refreshes after the first (which runs through BackPACK and checks the
 model): micro-batches through a cross-entropy, a binary cross-entropy or a squared
 error on ``[N, C]`` outputs, the collected parameters in ``nn.Linear`` and unfoldable
 convolutions that each run once per loss. Anything else (a layer run twice before a
@@ -17,8 +18,8 @@ loss, another loss, micro-batches that reach different layers, a sub-sample of
 several micro-batches) leaves the pass without factors
 (:meth:`~AutogradFactors.layers` is ``None``): the step keeps the stored bases and the
 next refresh runs through BackPACK, which handles (or refuses with its message) every
-case. Hooks the user registered on the tensors
-between the model's output and the layers' outputs run once more, in this pass.
+case. Hooks the user registered on the tensors between the model's output and the
+layers' outputs run once more, in this pass.
 """
 
 from __future__ import annotations
@@ -30,13 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Generator, Tensor
-from torch.nn import (
-    Conv1d,
-    Conv2d,
-    Conv3d,
-    Linear,
-    Module,
-)
+from torch.nn import Conv1d, Conv2d, Conv3d, Linear, Module
 from torch.nn.modules.loss import _Loss
 
 from dampednewton.backpack.extensions import subsample_beyond_batch_message
@@ -231,6 +226,8 @@ class AutogradFactors:
         if module not in self._owned:
             self._owned[module] = owned = layer_owned(module, self.wanted)
             for param in () if owned is None else module.parameters(recurse=False):
+                if id(param) not in self.wanted:
+                    continue
                 if self._owners.setdefault(id(param), module) is not module:
                     self._unsupported = True  # tied: one parameter in two modules
         owned = self._owned[module]
