@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 from torch import Generator, Tensor
 
 from dampednewton._step.options import SharedOptions
-from dampednewton.backpack.autograd_factors import (
-    AutogradFactors,
-)
+from dampednewton.backpack.autograd_factors import AutogradFactors
 from dampednewton.backpack.extensions import ExactSqrtGGN, MonteCarloSqrtGGN
 from dampednewton.backpack.kronecker_hook import FactorCollector, LayerFactors
 from dampednewton.backpack.layers import use_structured_sqrt_ggn

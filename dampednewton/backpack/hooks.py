@@ -59,10 +59,6 @@ class ExtendedModules:
         """Number of recorded modules still alive."""
         return len(self._modules)
 
-    def __iter__(self) -> Iterator[Module]:
-        """The recorded modules still alive."""
-        return iter(list(self._modules))
-
     @contextmanager
     def recording(
         self, on_loss: Callable[[Module, tuple], None] | None = None
