@@ -51,7 +51,7 @@ def _sampled_hessians(
     outputs, divided by the outputs per sample where the mean is over every entry.
     """
     drawn = outputs if samples is None else outputs[samples]
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=outputs.device).manual_seed(seed)
     gradients = sampled_gradients(loss, drawn, mc_samples, generator)
     entries = mean_normalization(loss, outputs) / outputs.shape[0]
     outer = torch.einsum("mnc,mnd->ncd", gradients, gradients) / mc_samples / entries
@@ -76,7 +76,7 @@ def _autograd_factors(
     case: Case, mc_samples: int, seed: int, samples: list[int] | None
 ) -> dict[int, LayerFactors]:
     params = list(case.model.parameters())
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=case.X.device).manual_seed(seed)
     factors = AutogradFactors(params, mc_samples, samples, generator, DeferredChecks())
     with factors.collecting():
         _one_pass(factors, case.loss_fn, case.model(case.X), case.y)
@@ -89,10 +89,10 @@ def _autograd_factors(
 @pytest.mark.parametrize("mc_samples", [1, 3], ids=["mc1", "mc3"])
 @pytest.mark.parametrize("problem", SAMPLED, ids=lambda p: p.id)
 def test_factors_equal_brute_force_with_the_same_draws(
-    problem: Problem, mc_samples: int, samples: list[int] | None
+    problem: Problem, mc_samples: int, samples: list[int] | None, device: str
 ):
     """``A`` and ``S`` of every layer, float64, from the draws' outer products."""
-    case = build_case(problem)
+    case = build_case(problem, device=device)
     factors = _autograd_factors(case, mc_samples, seed=5, samples=samples)
     with torch.no_grad():
         outputs = case.reference_model(case.X)
@@ -241,10 +241,10 @@ def test_a_collected_parameter_outside_a_covered_layer_leaves_it_without_factors
 
 
 def _trajectory(
-    problem: Problem, autograd: bool, frozen: bool, **options
+    problem: Problem, autograd: bool, frozen: bool, device: str = "cpu", **options
 ) -> tuple[Tensor, Tensor]:
     """The parameters before and after nine steps, with or without autograd's pass."""
-    case = build_case(problem)
+    case = build_case(problem, device=device)
     start = torch.cat([p.detach().flatten() for p in case.model.parameters()])
     if frozen:  # the first layer's weight: its bias alone is collected
         layers_of(case.model)[0].weight.requires_grad_(False)
@@ -273,10 +273,12 @@ def _trajectory(
 )
 @pytest.mark.parametrize("frozen", [False, True], ids=["whole", "bias-only"])
 @pytest.mark.parametrize("problem", SAMPLED, ids=lambda p: p.id)
-def test_steps_equal_those_with_backpacks_pass(problem: Problem, frozen: bool, options):
+def test_steps_equal_those_with_backpacks_pass(
+    problem: Problem, frozen: bool, options, device: str
+):
     """Nine steps, four of them autograd refreshes, float64: BackPACK's parameters."""
-    start, with_autograd = _trajectory(problem, True, frozen, **options)
-    _, with_backpack = _trajectory(problem, False, frozen, **options)
+    start, with_autograd = _trajectory(problem, True, frozen, device, **options)
+    _, with_backpack = _trajectory(problem, False, frozen, device, **options)
     assert_close(with_autograd, with_backpack)
     assert (with_autograd - start).abs().max() > 1e-3  # they moved
 
