@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from benchmarks.micro.step_profile import EigensolverCalls
 from dampednewton.math.kronecker import (
     LayerCoefficients,
     damping_pi,
@@ -16,6 +17,7 @@ from dampednewton.math.kronecker import (
 )
 from dampednewton.math.kronecker_factors import (
     FactorEigen,
+    FactorEigenBatch,
     factor_eigen,
     input_factor,
     output_factor,
@@ -103,6 +105,34 @@ def test_the_first_subspace_iterations_already_find_a_well_separated_top():
     eigen = factor_eigen(factor, rank=3)
     exact = torch.linalg.eigvalsh(factor)[-3:]
     assert_close(eigen.values, exact, rtol=1e-4, name="first refresh")
+
+
+def test_factors_decomposed_together_equal_each_alone_with_one_eigh_per_size():
+    """Exact and truncated factors, stacked or not: one batched solve per size."""
+    stacked = torch.stack([psd(12, seed=5), psd(12, seed=6)])
+    previous = factor_eigen(stacked, rank=4).vectors
+    queued = [
+        (psd(4, seed=7), 4, None),  # exact, of the Ritz matrices' size
+        (psd(30, seed=3, decay=0.5), 4, None),  # truncated, from the fixed start
+        (stacked, 4, previous),  # stacked, one iteration from the previous basis
+        (psd(6, seed=2), 6, None),  # exact, a size of its own
+        (psd(3, seed=8), 4, None),  # exact, smaller than the rank
+    ]
+    batch = FactorEigenBatch()
+    indices = [batch.add(*problem) for problem in queued]
+    with EigensolverCalls() as calls:
+        together = batch.solve()
+    assert calls.count == 3  # sizes 4, 6 and 3
+    for index, (factor, rank, start) in zip(indices, queued, strict=True):
+        alone = factor_eigen(factor, rank, start)
+        for name in ("values", "vectors", "residual", "mean"):
+            assert_close(
+                getattr(together[index], name), getattr(alone, name), name=name
+            )
+    exact = together[indices[0]]
+    assert_close(
+        (exact.vectors * exact.values) @ exact.vectors.T, queued[0][0], atol=1e-12
+    )
 
 
 def complete(vectors: torch.Tensor) -> torch.Tensor:

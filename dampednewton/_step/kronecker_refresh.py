@@ -6,7 +6,9 @@ the stored ones and decomposes them (uncommitted, :class:`RefreshedBatch`);
 :func:`commit_layers` stores them with an accepted step. Layers of one shape (weight,
 bias, factor dimensions, dtype, device) are refreshed together: their factors are
 stacked once, and the averages, eigensolvers and Rayleigh quotients run batched, so
-the refresh's operators grow with the distinct layer shapes, not with the layers.
+the refresh's operators grow with the distinct layer shapes, not with the layers; a
+rotating refresh then solves every layer's eigenproblems of one size in one batched
+``eigh`` (:mod:`._step.kronecker_decomposition`).
 The stacked eigenpairs are the :class:`~._step.kronecker_group.LayerBatch` the steps
 until the next refresh use. Under data parallelism :func:`mean_over_ranks` averages
 the batch's factors over the ranks first.
@@ -28,6 +30,7 @@ from dampednewton._step.kronecker_averages import (
     layer_refreshes,
     stored_average,
 )
+from dampednewton._step.kronecker_decomposition import Decomposed, decomposed
 from dampednewton._step.kronecker_group import LayerBatch
 from dampednewton._step.kronecker_state import (
     INPUT_EIGEN,
@@ -40,17 +43,12 @@ from dampednewton._step.kronecker_state import (
     LayerBasis,
     eigen_entries,
     holder_index,
-    stored_eigen,
 )
 from dampednewton._step.options import GroupOptions
 from dampednewton.backpack.kronecker_hook import LayerFactors
 from dampednewton.distributed import Communicator
-from dampednewton.math.kronecker import stacked_eigen, unstacked_eigen
-from dampednewton.math.kronecker_factors import (
-    FactorEigen,
-    factor_eigen,
-    refreshed_values,
-)
+from dampednewton.math.kronecker import unstacked_eigen
+from dampednewton.math.kronecker_factors import FactorEigen, FactorEigenBatch
 from dampednewton.policies.basis import KroneckerBasis
 
 COMPILE_HINT = (
@@ -119,9 +117,19 @@ def refreshed_layers(
     counts = layer_refreshes(group, stats)
     # Without averaging the factors are this batch's: every refresh decomposes them.
     rotate = decay == 0 or basis_policy.rotates(stats.get(UPDATES, 0))
+    batches = [
+        _averaged_batch(members, state, decay, counts) for members in shapes.values()
+    ]
+    # Every layer's eigenproblems are queued first, then solved in one batched
+    # eigh per size (on a GPU one synchronization each, not one per factor).
+    eigen_batch = FactorEigenBatch()
+    decompositions = [
+        batch.decomposition(basis_policy, rotate, eigen_batch) for batch in batches
+    ]
+    solved = eigen_batch.solve()
     return [
-        _refreshed_batch(members, state, basis_policy, decay, counts, rotate)
-        for members in shapes.values()
+        _with_eigenpairs(batch, decomposition.eigenpairs(solved))
+        for batch, decomposition in zip(batches, decompositions, strict=True)
     ]
 
 
@@ -158,15 +166,41 @@ def _shape_key(layer: LayerFactors) -> tuple:
     )
 
 
-def _refreshed_batch(
+@dataclass(frozen=True)
+class _AveragedBatch:
+    """Layers of one shape with their new averaged factors (not yet decomposed)."""
+
+    members: list[LayerFactors]
+    stored: list[Mapping[str, Any]]
+    inputs: Tensor
+    outputs: Tensor
+    held: list[int]
+    correction: Tensor | float
+
+    def decomposition(
+        self, basis: KroneckerBasis, rotate: bool, eigen_batch: FactorEigenBatch
+    ) -> Decomposed:
+        """Queue the eigenpairs of the bias-corrected averages.
+
+        They are the averages' own eigenvectors (one division per factor).
+        """
+        return decomposed(
+            basis,
+            self.stored,
+            bias_corrected(self.inputs, self.correction),
+            bias_corrected(self.outputs, self.correction),
+            rotate,
+            eigen_batch,
+        )
+
+
+def _averaged_batch(
     members: list[LayerFactors],
     state: Any,
-    basis: KroneckerBasis,
     decay: float,
     counts: Mapping[int, int],
-    rotate: bool,
-) -> RefreshedBatch:
-    """Average and decompose the factors of layers of one shape together.
+) -> _AveragedBatch:
+    """Average the factors of layers of one shape together.
 
     A layer without stored factors (new to the group, frozen at a refresh since, or
     whose factors changed shape: a bias frozen or unfrozen) starts its average at
@@ -187,20 +221,19 @@ def _refreshed_batch(
     else:
         inputs = torch.stack([mean[0] for mean in means])
         outputs = torch.stack([mean[1] for mean in means])
-    # The eigenpairs are those of the bias-corrected averages (the eigenvectors of
-    # the averages themselves): one division per factor.
     correction = corrections(decay, held)
     if decay > 0:
         inputs = averaged(inputs, stored, INPUT_FACTOR, decay, correction)
         outputs = averaged(outputs, stored, OUTPUT_FACTOR, decay, correction)
-    output_eigen, input_eigen = decomposed(
-        basis,
-        stored,
-        bias_corrected(inputs, correction),
-        bias_corrected(outputs, correction),
-        rotate,
-    )
-    if len(members) == 1:
+    return _AveragedBatch(members, stored, inputs, outputs, held, correction)
+
+
+def _with_eigenpairs(
+    batch: _AveragedBatch, eigenpairs: tuple[FactorEigen, FactorEigen]
+) -> RefreshedBatch:
+    """The averaged layers with their eigenpairs ``(S, A)`` (stacked for several)."""
+    output_eigen, input_eigen = eigenpairs
+    if len(batch.members) == 1:
         each = [(output_eigen, input_eigen)]
     else:
         each = list(
@@ -210,79 +243,14 @@ def _refreshed_batch(
         )
     layers = [
         LayerBasis(layer.weight, layer.bias, output, input_side)
-        for layer, (output, input_side) in zip(members, each, strict=True)
+        for layer, (output, input_side) in zip(batch.members, each, strict=True)
     ]
     return RefreshedBatch(
         LayerBatch(layers, output_eigen, input_eigen),
-        inputs,
-        outputs,
-        tuple(count + 1 for count in held),
+        batch.inputs,
+        batch.outputs,
+        tuple(count + 1 for count in batch.held),
     )
-
-
-def decomposed(
-    basis: KroneckerBasis,
-    stored: Sequence[Mapping[str, Any]],
-    inputs: Tensor,
-    outputs: Tensor,
-    rotate: bool,
-) -> tuple[FactorEigen, FactorEigen]:
-    """Eigenpairs of layers' averaged factors ``(S, A)`` for this refresh.
-
-    Rotating refreshes (``rotate``: :meth:`KroneckerBasis.rotates`, or every refresh
-    without averaging) decompose the factors anew; the others refresh the
-    eigenvalues along the stored eigenvectors. ``stored``
-    holds each layer's state; with several layers the factors are stacked
-    ``[L, d, d]`` and decomposed together, unless the layers' stored eigenpairs
-    differ in kind (some stored, some not, or of other shapes): then each layer is
-    decomposed alone and the results stacked.
-    """
-    previous = [
-        (stored_eigen(entry, OUTPUT_EIGEN), stored_eigen(entry, INPUT_EIGEN))
-        for entry in stored
-    ]
-    if len(previous) > 1 and not _alike(previous):
-        each = [
-            decomposed(basis, [entry], input_side, output, rotate)
-            for entry, output, input_side in zip(
-                stored, outputs.unbind(0), inputs.unbind(0), strict=True
-            )
-        ]
-        return (
-            stacked_eigen([output for output, _ in each]),
-            stacked_eigen([input_side for _, input_side in each]),
-        )
-    output, input_eigen = previous[0]
-    if len(previous) > 1 and output is not None and input_eigen is not None:
-        outputs_before = [pair[0] for pair in previous if pair[0] is not None]
-        inputs_before = [pair[1] for pair in previous if pair[1] is not None]
-        output, input_eigen = (
-            stacked_eigen(outputs_before),
-            stacked_eigen(inputs_before),
-        )
-    if output is None or input_eigen is None or rotate:
-        return (
-            factor_eigen(
-                outputs,
-                basis.kept(outputs.shape[-1]),
-                None if output is None else output.vectors,
-            ),
-            factor_eigen(
-                inputs,
-                basis.kept(inputs.shape[-1]),
-                None if input_eigen is None else input_eigen.vectors,
-            ),
-        )
-    return refreshed_values(outputs, output), refreshed_values(inputs, input_eigen)
-
-
-def _alike(previous: list[tuple[FactorEigen | None, FactorEigen | None]]) -> bool:
-    """Whether every layer's stored eigenpairs are absent, or present in one shape."""
-    kinds = {
-        tuple(None if eigen is None else tuple(eigen.vectors.shape) for eigen in pair)
-        for pair in previous
-    }
-    return len(kinds) == 1
 
 
 def commit_layers(

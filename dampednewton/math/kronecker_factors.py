@@ -97,7 +97,8 @@ def factor_eigen(
     ``rank × rank``) need no check of their result (no host read): a failure raises
     and is solved again in float64; a non-finite factor must not reach them.
     Factors of one shape stacked along leading dimensions are decomposed together
-    (batched products and solvers), each as it would be alone.
+    (batched products and solvers), each as it would be alone; factors of other
+    shapes together through :class:`FactorEigenBatch`.
 
     Args:
         factor: Symmetric PSD ``[..., d, d]``.
@@ -107,25 +108,114 @@ def factor_eigen(
     Returns:
         The eigenpairs (ascending) and the residual.
     """
-    dim = factor.shape[-1]
-    mean = _trace(factor) / dim
-    if dim <= rank:
-        values, vectors = _eigh(factor)
-        residual = factor.new_zeros(factor.shape[:-2])
-        return FactorEigen(values.clamp_min(0), vectors, residual, mean)
-    if previous is None or previous.shape != (*factor.shape[:-1], rank):
-        start = _fixed_start(dim, rank, factor)
-        iterations = POWER_ITERATIONS_FROM_SCRATCH
-    else:
-        start, iterations = previous.to(factor.dtype), 1
-    subspace = start
-    for _ in range(iterations):
-        subspace = torch.linalg.qr(factor @ subspace).Q
-    # eigh reads the lower triangle only: the product's round-off asymmetry is moot.
-    values, rotation = _eigh(subspace.mT @ factor @ subspace)
+    batch = FactorEigenBatch()
+    index = batch.add(factor, rank, previous)
+    return batch.solve()[index]
+
+
+@dataclass(frozen=True)
+class _EigenProblem:
+    """A factor's symmetric eigenproblem: the factor itself, or its Ritz matrix."""
+
+    factor: Tensor
+    mean: Tensor
+    subspace: Tensor | None  # the orthonormal subspace of a truncated factor
+    matrix: Tensor  # what eigh solves: the factor, or subspaceᵀ·factor·subspace
+
+
+class FactorEigenBatch:
+    """Several factors' :func:`factor_eigen`, their eigenproblems solved together.
+
+    A refresh that rotates a network's eigenbases solves one small symmetric
+    eigenproblem per factor: the ``rank × rank`` Ritz matrices of the truncated
+    factors and the small factors themselves. :meth:`solve` stacks the problems of
+    one size (and dtype and device) and solves them in one batched ``eigh`` (on a GPU
+    one call, and one synchronization for its check, instead of one per factor);
+    each result equals the factor's own :func:`factor_eigen` up to the solver's
+    round-off (on the CPU, LAPACK solves each matrix of a batch as it would alone).
+    A batch that fails to converge is solved again in float64, whole.
+    """
+
+    def __init__(self) -> None:
+        """No factors yet."""
+        self._problems: list[_EigenProblem] = []
+
+    def add(self, factor: Tensor, rank: int, previous: Tensor | None = None) -> int:
+        """Queue a factor (its subspace iterations run now); its index in the result.
+
+        Args:
+            factor: Symmetric PSD ``[..., d, d]``.
+            rank: Eigenpairs to keep.
+            previous: Eigenvectors ``[..., d, rank]`` of the last refresh, or
+                ``None``.
+
+        Returns:
+            The position of its eigenpairs in :meth:`solve`'s list.
+        """
+        dim = factor.shape[-1]
+        mean = _trace(factor) / dim
+        if dim <= rank:
+            problem = _EigenProblem(factor, mean, None, factor)
+        else:
+            if previous is None or previous.shape != (*factor.shape[:-1], rank):
+                start = _fixed_start(dim, rank, factor)
+                iterations = POWER_ITERATIONS_FROM_SCRATCH
+            else:
+                start, iterations = previous.to(factor.dtype), 1
+            subspace = start
+            for _ in range(iterations):
+                subspace = torch.linalg.qr(factor @ subspace).Q
+            # eigh reads the lower triangle only: the product's round-off asymmetry
+            # is moot.
+            ritz = subspace.mT @ factor @ subspace
+            problem = _EigenProblem(factor, mean, subspace, ritz)
+        self._problems.append(problem)
+        return len(self._problems) - 1
+
+    def solve(self) -> list[FactorEigen]:
+        """Every queued factor's eigenpairs and residual, in the order added."""
+        solutions = _batched_eigh([problem.matrix for problem in self._problems])
+        return [
+            _factor_eigen(problem, values, rotation)
+            for problem, (values, rotation) in zip(
+                self._problems, solutions, strict=True
+            )
+        ]
+
+
+def _factor_eigen(
+    problem: _EigenProblem, values: Tensor, rotation: Tensor
+) -> FactorEigen:
+    """A factor's eigenpairs from its eigenproblem's solution."""
     values = values.clamp_min(0)
+    factor, mean = problem.factor, problem.mean
+    if problem.subspace is None:
+        return FactorEigen(values, rotation, factor.new_zeros(factor.shape[:-2]), mean)
+    dim, rank = problem.subspace.shape[-2:]
     residual = ((mean * dim - values.sum(-1)) / (dim - rank)).clamp_min(0)
-    return FactorEigen(values, subspace @ rotation, residual, mean)
+    return FactorEigen(values, problem.subspace @ rotation, residual, mean)
+
+
+def _batched_eigh(matrices: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """:func:`_eigh` of each matrix ``[..., n, n]``, one call per size and kind."""
+    sizes: dict[tuple, list[int]] = {}
+    for index, matrix in enumerate(matrices):
+        key = (matrix.shape[-1], matrix.dtype, matrix.device)
+        sizes.setdefault(key, []).append(index)
+    solved: dict[int, tuple[Tensor, Tensor]] = {}
+    for indices in sizes.values():
+        if len(indices) == 1:
+            solved[indices[0]] = _eigh(matrices[indices[0]])
+            continue
+        parts = [matrices[i].reshape(-1, *matrices[i].shape[-2:]) for i in indices]
+        values, vectors = _eigh(torch.cat(parts))
+        counts = [part.shape[0] for part in parts]
+        for i, value, vector in zip(
+            indices, values.split(counts), vectors.split(counts), strict=True
+        ):
+            shape = matrices[i].shape
+            solved[i] = value.reshape(shape[:-1]), vector.reshape(shape)
+    return [solved[index] for index in range(len(matrices))]
 
 
 def refreshed_values(factor: Tensor, eigen: FactorEigen) -> FactorEigen:

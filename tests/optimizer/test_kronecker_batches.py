@@ -15,7 +15,7 @@ import torch
 from backpack import extend
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.micro.step_profile import computes
+from benchmarks.micro.step_profile import EigensolverCalls, computes
 from dampednewton import (
     CurvatureAveraging,
     DampedNewton,
@@ -278,3 +278,19 @@ def test_operators_between_refreshes_do_not_grow_with_layers_of_one_shape():
     alone, _ = operators_between_refreshes(2, filtered)
     more, _ = operators_between_refreshes(6, filtered)
     assert more - alone == plain_deep - plain_shallow, (alone, more)
+
+
+@pytest.mark.parametrize("basis", BASES)
+def test_a_rotating_refresh_solves_one_eigenproblem_batch_per_size(basis: str):
+    """Every layer's eigenproblems of one size in one ``eigh`` (a GPU sync each)."""
+    case = deep_mlp()
+    policy = KroneckerBasis(**BASES[basis])
+    optimizer = DampedNewton(case.model.parameters(), basis=policy)
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    with EigensolverCalls() as solves:
+        optimizer.step(closure)  # the first refresh rotates
+    layers = [m for m in case.model if isinstance(m, torch.nn.Linear)]
+    dims = {layer.out_features for layer in layers} | {
+        layer.in_features + 1 for layer in layers
+    }
+    assert solves.count == len({policy.kept(dim) for dim in dims}) < 2 * len(layers)
