@@ -16,15 +16,18 @@ from dampednewton.math.kronecker import (
     stacked_eigen,
 )
 from dampednewton.math.kronecker_factors import (
+    EIGEN_FIELDS,
     FactorEigen,
     FactorEigenBatch,
     factor_eigen,
     input_factor,
     output_factor,
+    power_rotated,
     refreshed_values,
 )
 from dampednewton.math.kronecker_packed import padded_coefficients, padded_eigen
 from tests.assertions import assert_close
+from tests.reference.kronecker import power_rotation
 
 DTYPE = torch.float64
 
@@ -147,6 +150,50 @@ def test_factors_decomposed_together_equal_each_alone_with_one_eigh_per_size(
     assert_close(
         (exact.vectors * exact.values) @ exact.vectors.T, queued[0][0], atol=1e-12
     )
+
+
+def test_a_power_rotation_is_one_orthonormalized_subspace_iteration():
+    """A truncated factor: Gram-Schmidt's basis, Rayleigh quotients, the rest's mean."""
+    factor = psd(20, seed=9, decay=0.8)
+    previous = factor_eigen(psd(20, seed=10, decay=0.8), rank=5)
+    with EigensolverCalls() as calls:
+        rotated = power_rotated(factor, previous)
+    assert calls.count == 0
+    expected = power_rotation(factor, previous.values, previous.vectors)
+    signs = torch.sign((expected * rotated.vectors).sum(0))
+    assert_close(rotated.vectors, expected * signs, atol=1e-12, name="vectors")
+    quotients = torch.einsum("dr,de,er->r", expected, factor, expected)
+    assert_close(rotated.values, quotients, atol=1e-12, name="values")
+    trace = torch.trace(factor)
+    assert_close(rotated.residual, (trace - quotients.sum()) / 15, name="residual")
+    assert_close(rotated.mean, trace / 20, name="mean")
+
+
+def test_power_rotations_converge_to_the_leading_eigenpairs():
+    """From another factor's eigenvectors (ascending), the top ones in order."""
+    factor = psd(30, seed=3, decay=0.5)
+    exact_values, exact_vectors = torch.linalg.eigh(factor)
+    eigen = factor_eigen(psd(30, seed=11, decay=0.9), rank=4)
+    for _ in range(60):
+        eigen = power_rotated(factor, eigen)
+    assert_close(eigen.values, exact_values[-4:], atol=1e-12, name="values")
+    overlap = exact_vectors[:, -4:].T @ eigen.vectors
+    assert_close(overlap.abs(), torch.eye(4, dtype=DTYPE), atol=1e-9, name="vectors")
+
+
+def test_stacked_factors_rotate_as_each_alone():
+    factors = torch.stack([psd(12, seed=12), psd(12, seed=13)])
+    previous = factor_eigen(torch.stack([psd(12, seed=14), psd(12, seed=15)]), 4)
+    together = power_rotated(factors, previous)
+    for index in range(2):
+        alone = power_rotated(
+            factors[index],
+            FactorEigen(*(getattr(previous, name)[index] for name in EIGEN_FIELDS)),
+        )
+        for name in EIGEN_FIELDS:
+            assert_close(
+                getattr(together, name)[index], getattr(alone, name), name=name
+            )
 
 
 def complete(vectors: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from dampednewton.math.kronecker import stacked_eigen
 from dampednewton.math.kronecker_factors import (
     FactorEigen,
     FactorEigenBatch,
+    power_rotated,
     refreshed_values,
 )
 from dampednewton.policies.basis import KroneckerBasis
@@ -65,12 +66,16 @@ def decomposed(
     outputs: Tensor,
     rotate: bool,
     eigen_batch: FactorEigenBatch,
+    solve: bool = True,
 ) -> Decomposed:
     """Eigenpairs of layers' averaged factors ``(S, A)`` for this refresh.
 
     Rotating refreshes (``rotate``: :meth:`KroneckerBasis.rotates`, or every refresh
     without averaging) queue the factors on ``eigen_batch`` to be decomposed anew;
-    the others refresh the eigenvalues along the stored eigenvectors. ``stored``
+    the others refresh the eigenvalues along the stored eigenvectors. A rotating
+    refresh that does not ``solve`` (:meth:`KroneckerBasis.solves`) rotates the
+    stored eigenvectors by one QR-orthonormalized subspace iteration instead
+    (:func:`~dampednewton.math.kronecker_factors.power_rotated`). ``stored``
     holds each layer's state; with several layers the factors are stacked
     ``[L, d, d]`` and decomposed together, unless the layers' stored eigenpairs
     differ in kind (some stored, some not, or of other shapes): then each layer is
@@ -83,7 +88,9 @@ def decomposed(
     if len(previous) > 1 and not _alike(previous):
         return Decomposed(
             layers=tuple(
-                decomposed(basis, [entry], input_side, output, rotate, eigen_batch)
+                decomposed(
+                    basis, [entry], input_side, output, rotate, eigen_batch, solve
+                )
                 for entry, output, input_side in zip(
                     stored, outputs.unbind(0), inputs.unbind(0), strict=True
                 )
@@ -96,6 +103,13 @@ def decomposed(
         output, input_eigen = (
             stacked_eigen(outputs_before),
             stacked_eigen(inputs_before),
+        )
+    if output is not None and input_eigen is not None and rotate and not solve:
+        return Decomposed(
+            refreshed=(
+                power_rotated(outputs, output),
+                power_rotated(inputs, input_eigen),
+            )
         )
     if output is None or input_eigen is None or rotate:
         return Decomposed(

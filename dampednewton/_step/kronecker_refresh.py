@@ -116,7 +116,10 @@ def refreshed_layers(
             )
     counts = layer_refreshes(group, stats)
     # Without averaging the factors are this batch's: every refresh decomposes them.
-    rotate = decay == 0 or basis_policy.rotates(stats.get(UPDATES, 0))
+    updates = stats.get(UPDATES, 0)
+    rotate = decay == 0 or basis_policy.rotates(updates)
+    # Without averaging each refresh's factors are new: they are solved afresh.
+    solve = decay == 0 or basis_policy.solves(updates)
     batches = [
         _averaged_batch(members, state, decay, counts) for members in shapes.values()
     ]
@@ -124,7 +127,8 @@ def refreshed_layers(
     # eigh per size (on a GPU one synchronization each, not one per factor).
     eigen_batch = FactorEigenBatch()
     decompositions = [
-        batch.decomposition(basis_policy, rotate, eigen_batch) for batch in batches
+        batch.decomposition(basis_policy, rotate, solve, eigen_batch)
+        for batch in batches
     ]
     solved = eigen_batch.solve()
     return [
@@ -178,7 +182,11 @@ class _AveragedBatch:
     correction: Tensor | float
 
     def decomposition(
-        self, basis: KroneckerBasis, rotate: bool, eigen_batch: FactorEigenBatch
+        self,
+        basis: KroneckerBasis,
+        rotate: bool,
+        solve: bool,
+        eigen_batch: FactorEigenBatch,
     ) -> Decomposed:
         """Queue the eigenpairs of the bias-corrected averages.
 
@@ -191,6 +199,7 @@ class _AveragedBatch:
             bias_corrected(self.outputs, self.correction),
             rotate,
             eigen_batch,
+            solve,
         )
 
 

@@ -245,6 +245,33 @@ def refreshed_values(factor: Tensor, eigen: FactorEigen) -> FactorEigen:
     return FactorEigen(values, vectors, residual, mean)
 
 
+def power_rotated(factor: Tensor, eigen: FactorEigen) -> FactorEigen:
+    """A factor's eigenpairs by one subspace iteration from its previous ones.
+
+    SOAP's update of its eigenbases, without an eigensolver: the previous vectors,
+    largest value first, are multiplied by the new factor and orthonormalized by QR
+    (``Q = qr(F V)``); their Rayleigh quotients ``q_jᵀ F q_j`` are the new values.
+    Over refreshes the vectors follow the factor's leading eigenvectors
+    (simultaneous iteration: the ``j``-th largest converges to the ``j``-th
+    eigenvector); exact when ``F`` kept the previous eigenvectors. Returned ascending
+    by their previous values, as :func:`factor_eigen` returns them. Stacked factors
+    (``[..., d, d]``, their eigenpairs likewise) are rotated together.
+
+    Args:
+        factor: The new factor ``F`` ``[..., d, d]``.
+        eigen: Its previous eigenpairs.
+
+    Returns:
+        The rotated eigenpairs, the residual and the mean of the new factor.
+    """
+    order = eigen.values.argsort(dim=-1, descending=True)
+    previous = eigen.vectors.gather(-1, order.unsqueeze(-2).expand_as(eigen.vectors))
+    rotated = torch.linalg.qr(factor @ previous.to(factor.dtype)).Q.flip(-1)
+    return refreshed_values(
+        factor, FactorEigen(eigen.values, rotated, eigen.residual, eigen.mean)
+    )
+
+
 def _trace(factor: Tensor) -> Tensor:
     """``tr F`` of each of stacked matrices ``[..., d, d]``."""
     return torch.diagonal(factor, dim1=-2, dim2=-1).sum(-1)

@@ -56,6 +56,12 @@ class KroneckerBasis:
             ``rotation_interval``-th (``≥ 1``); the refreshes in between update the
             factors and only the eigenvalues along the kept eigenvectors (their
             Rayleigh quotients): an averaged factor turns slowly.
+        solved_rotations: Rotations that solve each factor's small symmetric
+            eigenproblem (the Rayleigh-Ritz step after a subspace iteration, or the
+            whole factor up to ``exact_size``; ``≥ 0``, the first refresh always
+            does). Later rotations take one subspace iteration from the previous
+            eigenvectors, orthonormalized by QR (SOAP's update): no eigensolver,
+            and on a GPU no synchronization. ``None``: every rotation solves.
         noise_filter: Scale each kept direction's Newton coefficient by its
             gradient's steadiness (:class:`NoiseFilter`, SOAP's moments in the
             eigenbasis); ``None`` (the default) for the plain damped Newton step.
@@ -72,6 +78,7 @@ class KroneckerBasis:
     rank: int = DEFAULT_KRONECKER_RANK
     exact_size: int = DEFAULT_EXACT_SIZE
     rotation_interval: int = 3
+    solved_rotations: int | None = ROTATING_REFRESHES
     noise_filter: NoiseFilter | None = None
     packed: bool = False
 
@@ -87,6 +94,14 @@ class KroneckerBasis:
                 raise ValueError(
                     f"KroneckerBasis needs an integer {name} >= {least}, got {value!r}."
                 )
+        solved = self.solved_rotations
+        if solved is not None and (
+            isinstance(solved, bool) or not isinstance(solved, int) or solved < 0
+        ):
+            raise ValueError(
+                "KroneckerBasis needs solved_rotations=None or an integer >= 0, got "
+                f"{solved!r}."
+            )
         if not isinstance(self.packed, bool):
             raise TypeError(
                 f"KroneckerBasis needs packed=True or False, got {self.packed!r}."
@@ -109,6 +124,18 @@ class KroneckerBasis:
             ``dim`` up to ``exact_size``, else ``min(dim, rank)``.
         """
         return dim if dim <= self.exact_size else min(dim, self.rank)
+
+    def solves(self, refresh: int) -> bool:
+        """Whether rotating refresh number ``refresh`` solves the eigenproblems.
+
+        Args:
+            refresh: Refreshes before this one.
+
+        Returns:
+            ``True`` for the first ``solved_rotations`` refreshes (all of them for
+            ``None``); later rotations take a QR-orthonormalized subspace iteration.
+        """
+        return self.solved_rotations is None or refresh < self.solved_rotations
 
     def rotates(self, refresh: int) -> bool:
         """Whether refresh number ``refresh`` (from 0) recomputes the eigenvectors.

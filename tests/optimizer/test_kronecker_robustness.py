@@ -225,6 +225,16 @@ def test_refused_settings_say_what_to_do():
         KroneckerBasis(rank=0)
     with pytest.raises(ValueError, match="rotation_interval >= 1"):
         KroneckerBasis(rotation_interval=0)
+    for solved in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="solved_rotations=None or an integer"):
+            KroneckerBasis(solved_rotations=solved)
+    assert [KroneckerBasis(solved_rotations=2).solves(r) for r in range(4)] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert KroneckerBasis(solved_rotations=None).solves(10**6)
     with pytest.raises(TypeError, match="rank >= 1"):
         KroneckerBasis(rank=2.5)
     with pytest.raises(ValueError, match="exact_size >= 0"):

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from benchmarks.micro.step_profile import EigensolverCalls
 from dampednewton import (
     CurvatureAveraging,
     DampedNewton,
@@ -30,7 +31,12 @@ from tests.optimizer.kronecker_twin import (
     reference_factors,
     reference_gradients,
 )
-from tests.reference.kronecker import kfac_direction, kfac_model, kronecker_factors
+from tests.reference.kronecker import (
+    kfac_direction,
+    kfac_model,
+    kronecker_factors,
+    power_rotation,
+)
 from tests.utils import (
     Case,
     build_case,
@@ -111,33 +117,49 @@ def test_averages_and_steps_between_refreshes():
     assert optimizer.records["groups"][0]["curvature_updates"] == 2
 
 
-def test_refreshes_between_rotations_keep_the_eigenvectors():
-    """Refreshes 0-5 decompose; 6 and 7 take Rayleigh quotients (interval 3)."""
+@pytest.mark.parametrize("solved", [None, 5], ids=["every-rotation-solves", "default"])
+def test_refreshes_between_rotations_keep_the_eigenvectors(solved):
+    """Refreshes 0-5 and 8 rotate, 6 and 7 take Rayleigh quotients (interval 3).
+
+    Rotations that solve reproduce the averaged factor; the default's after the
+    first five (5 and 8) take one subspace iteration from the stored eigenvectors,
+    orthonormalized (the Gram-Schmidt reference), with their Rayleigh quotients.
+    """
     case = build_case(case_by_id("cnn1d-ce"))
     averaging = CurvatureAveraging(decay=0.5, interval=1, ramp=False)
     optimizer = DampedNewton(
         case.model.parameters(),
-        basis=KroneckerBasis(rank=1000, rotation_interval=3),
+        basis=KroneckerBasis(rank=1000, rotation_interval=3, solved_rotations=solved),
         averaging=averaging,
         mc_samples=0,
     )
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
     weight = layers_of(case.model)[0].weight
-    vectors = []
-    for step in range(8):
-        optimizer.step(closure)
+    vectors, values = [], []
+    for step in range(9):
+        with EigensolverCalls() as solves:
+            optimizer.step(closure)
         state = optimizer.state[weight]
         vectors.append(state["kronecker_input_vectors"].clone())
+        values.append(state["kronecker_input_values"].clone())
         corrected = state[INPUT_FACTOR] / (1 - 0.5 ** (step + 1))
-        values = state["kronecker_input_values"]
-        basis = state["kronecker_input_vectors"]
+        basis = vectors[step]
+        quotients = torch.einsum("dr,de,er->r", basis, corrected, basis).clamp_min(0)
         if step in (6, 7):
             assert torch.equal(vectors[step], vectors[step - 1])
-            quotients = torch.einsum("dr,de,er->r", basis, corrected, basis)
-            assert_close(values, quotients.clamp_min(0), rtol=1e-10, atol=1e-14)
+            assert_close(values[step], quotients, rtol=1e-10, atol=1e-14)
+        elif step in (5, 8) and solved is not None:
+            assert solves.count == 0
+            expected = power_rotation(corrected, values[step - 1], vectors[step - 1])
+            signs = torch.sign((expected * basis).sum(0))
+            assert_close(basis, expected * signs, rtol=1e-8, atol=1e-12, name="vectors")
+            assert_close(values[step], quotients, rtol=1e-10, atol=1e-14)
         else:
+            assert solves.count > 0
             assert step == 0 or not torch.equal(vectors[step], vectors[step - 1])
-            assert_close((basis * values) @ basis.T, corrected, rtol=1e-8, atol=1e-12)
+            assert_close(
+                (basis * values[step]) @ basis.T, corrected, rtol=1e-8, atol=1e-12
+            )
     assert [KroneckerBasis().rotates(r) for r in range(10)] == [
         True,
         True,

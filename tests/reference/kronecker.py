@@ -152,3 +152,22 @@ def kfac_model(
     dense = torch.kron(outputs.contiguous(), inputs.contiguous())
     curvature = flat_direction @ dense @ flat_direction
     return gradient.flatten() @ flat_direction, curvature
+
+
+def power_rotation(factor: Tensor, values: Tensor, vectors: Tensor) -> Tensor:
+    """One subspace iteration from eigenvectors, orthonormalized by Gram-Schmidt.
+
+    The vectors ``[d, r]`` ordered by ``values``, largest first, are multiplied by
+    ``factor``; classical Gram-Schmidt, column by column, gives an orthonormal basis
+    whose first ``k`` columns span the first ``k`` products (the property QR's
+    ``Q`` has). Returned in the reverse order (ascending by the previous values),
+    each column's sign undetermined (QR may flip it).
+    """
+    ordered = vectors[:, torch.argsort(values, descending=True)]
+    products = factor @ ordered
+    basis: list[Tensor] = []
+    for column in products.T:
+        for previous in basis:
+            column = column - (previous @ column) * previous
+        basis.append(column / column.norm())
+    return torch.stack(basis[::-1], dim=1)
