@@ -7,7 +7,10 @@ batch's eigenproblems on the refresh's
 :class:`~dampednewton.math.kronecker_factors.FactorEigenBatch`, which solves those of
 one size in one batched ``eigh`` (one call, and on a GPU one synchronization, per
 size rather than per factor); :meth:`Decomposed.eigenpairs` then picks the batch's
-eigenpairs from the solved list.
+eigenpairs from the solved list. Rotations past
+:attr:`~dampednewton.KroneckerBasis.solved_rotations` need no eigensolver: one
+QR-orthonormalized subspace iteration from the stored eigenvectors
+(:func:`~dampednewton.math.kronecker_factors.power_rotated`).
 """
 
 from __future__ import annotations
@@ -104,7 +107,13 @@ def decomposed(
             stacked_eigen(outputs_before),
             stacked_eigen(inputs_before),
         )
-    if output is not None and input_eigen is not None and rotate and not solve:
+    if (
+        rotate
+        and not solve
+        and _rotatable(output, outputs, basis)
+        and _rotatable(input_eigen, inputs, basis)
+    ):
+        assert output is not None and input_eigen is not None
         return Decomposed(
             refreshed=(
                 power_rotated(outputs, output),
@@ -132,6 +141,16 @@ def decomposed(
             refreshed_values(inputs, input_eigen),
         )
     )
+
+
+def _rotatable(
+    eigen: FactorEigen | None, factor: Tensor, basis: KroneckerBasis
+) -> bool:
+    """Whether stored eigenvectors can be rotated into ``factor``'s kept ones."""
+    if eigen is None:
+        return False
+    dim = factor.shape[-1]
+    return tuple(eigen.vectors.shape) == (*factor.shape[:-1], basis.kept(dim))
 
 
 def _alike(previous: list[tuple[FactorEigen | None, FactorEigen | None]]) -> bool:

@@ -324,3 +324,27 @@ def test_a_bias_frozen_or_unfrozen_restarts_its_layer_average(change):
     state = optimizer.state[last.weight]
     assert_close(state[INPUT_FACTOR] / correction, inputs, rtol=1e-10, atol=1e-12)
     assert_close(state[OUTPUT_FACTOR] / correction, outputs, rtol=1e-10, atol=1e-12)
+
+
+def test_a_rotation_after_the_rank_changed_solves_afresh():
+    """Stored eigenvectors of another rank cannot be rotated: they are solved anew."""
+    case = build_case(case_by_id("mlp-ce"))
+    averaging = CurvatureAveraging(decay=0.5, interval=1, ramp=False)
+    optimizer = DampedNewton(
+        case.model.parameters(),
+        basis=KroneckerBasis(rank=2, exact_size=0, rotation_interval=1),
+        averaging=averaging,
+    )
+    closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
+    weight = layers_of(case.model)[0].weight
+    for step in range(7):  # refreshes 5 and 6 rotate without an eigensolver
+        with EigensolverCalls() as solves:
+            optimizer.step(closure)
+        assert (solves.count > 0) == (step < 5)
+    optimizer.param_groups[0]["basis"] = KroneckerBasis(
+        rank=3, exact_size=0, rotation_interval=1
+    )
+    with EigensolverCalls() as solves:
+        optimizer.step(closure)
+    assert solves.count > 0
+    assert optimizer.state[weight]["kronecker_input_vectors"].shape[-1] == 3
