@@ -3,10 +3,12 @@
 The defaults refresh the averaged Kronecker factors on their
 :class:`~dampednewton.CurvatureAveraging`'s schedule (steps 0, 1, 3, 7, 15, then every
 15) and recompute the eigenvectors on the refreshes that
-:meth:`~dampednewton.KroneckerBasis.rotates` names (the first five, then every
-third): past the ramp a period of 45 steps holds 42 steps between refreshes, two
-refreshes of the eigenvalues along the kept eigenvectors and one rotating refresh.
-:func:`step_kinds` names each step's phase from those policies. Each step of
+:meth:`~dampednewton.KroneckerBasis.rotates` names (every refresh by default; past the
+first five by one QR each, without an eigensolver): past the ramp a period of 45 steps
+holds 42 steps between refreshes and three rotating refreshes (with
+``KroneckerBasis(rotation_interval=3)``: two refreshes of the eigenvalues along the
+kept eigenvectors and one rotating). :func:`step_kinds` names each step's phase from
+those policies; a phase the period does not hold gets no row. Each step of
 ``--periods`` periods is timed alone (the device synchronized before and after it),
 and each step of the next two periods counted alone: reads and synchronizations in
 the first (no profiler and no synchronization of the script's own inside the counted
@@ -20,8 +22,7 @@ time and the median counts of its steps:
 * ``syncs``: CUDA synchronizations that torch reports, cuSOLVER's checks included;
 * ``busy``: the kernels' summed time on the GPU.
 
-The amortized row is the mean of all timed steps: ``(42 between + 2 refreshes + 1
-rotating) / 45`` per period.
+The amortized row is the mean of all timed steps of the periods.
 
 Not a test: run it where the numbers are wanted::
 
@@ -148,7 +149,7 @@ def phase_rows(
         for kind in kinds[counted + PERIOD :]:
             launches[kind].append(kernels_and_busy(step, device))
     rows = []
-    for phase in PHASES:
+    for phase in (phase for phase in PHASES if times[phase]):
         medians = {
             key: statistics.median(count[key] for count in counts[phase])
             for key in ("reads", "syncs")
@@ -162,9 +163,7 @@ def phase_rows(
             f"| {statistics.median(times[phase]):.2f} | {medians['kernels']:.0f} "
             f"| {medians['reads']:.0f} | {medians['syncs']:.0f} | {busy} |"
         )
-    amortized = sum(
-        statistics.fmean(times[phase]) * len(times[phase]) for phase in PHASES
-    )
+    amortized = sum(sum(times[phase]) for phase in PHASES)
     rows.append(
         f"| {model} | {variant} | amortized | {periods * PERIOD} "
         f"| {amortized / (periods * PERIOD):.2f} | | | | |"

@@ -53,7 +53,8 @@ class KroneckerBasis:
             exactly, every eigenvector kept.
         rotation_interval: Recompute the eigenvectors on the first
             :data:`ROTATING_REFRESHES` refreshes and then on every
-            ``rotation_interval``-th (``≥ 1``); the refreshes in between update the
+            ``rotation_interval``-th (``≥ 1``; the default 1: on every refresh, each
+            past ``solved_rotations`` one QR); the refreshes in between update the
             factors and only the eigenvalues along the kept eigenvectors (their
             Rayleigh quotients): an averaged factor turns slowly.
         solved_rotations: Rotations that solve each factor's small symmetric
@@ -77,7 +78,7 @@ class KroneckerBasis:
 
     rank: int = DEFAULT_KRONECKER_RANK
     exact_size: int = DEFAULT_EXACT_SIZE
-    rotation_interval: int = 3
+    rotation_interval: int = 1
     solved_rotations: int | None = ROTATING_REFRESHES
     noise_filter: NoiseFilter | None = None
     packed: bool = False

@@ -179,7 +179,8 @@ def operators_of_refreshes(hidden: int, monkeypatch: pytest.MonkeyPatch) -> list
     model = extend(torch.nn.Sequential(*layers, torch.nn.Linear(8, 3)).double())
     optimizer = DampedNewton(
         model.parameters(),
-        basis=KroneckerBasis(rank=4, exact_size=4),  # truncated: subspace iteration
+        # Truncated factors (subspace iterations); rotations on refreshes 0-5 only.
+        basis=KroneckerBasis(rank=4, exact_size=4, rotation_interval=3),
         averaging=CurvatureAveraging(interval=1, ramp=False),
     )
     closure = make_closure(optimizer, model, extend(torch.nn.CrossEntropyLoss()), X, y)
