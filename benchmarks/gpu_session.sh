@@ -26,7 +26,10 @@
 #   fmnist_2c2d_sgd: SGD-momentum at 0.01, 0.03, 0.1 and SGD at 0.1, 0.3, 1, 3 seeds
 #     (the CPU tables' other baselines; not part of `all`);
 #   fmnist_2c2d_packed: the defaults with KroneckerBasis(packed=True), 3 seeds (not
-#     part of `all`; `profile` counts its step as default:packed).
+#     part of `all`; `profile` counts its step as default:packed);
+#   fmnist_2c2d_graphed: the same with the packed math replayed as CUDA graphs
+#     (KroneckerBasis(packed=True, graphed=True)), 3 seeds (not part of `all`;
+#     `phases` times its step as default:graphed).
 # `all` runs the first eight in that order (most wanted first).
 # The parts share BUDGET seconds (default 540): each part stops at its own cap or when
 # the budget runs out, and writes its results to $OUT as it goes, so a part cut short
@@ -113,9 +116,14 @@ part() {
       run 200 "$out/packed.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
         optimizer=dampednewton_packed hydra.sweep.dir="$out/sweeps/packed"
       tail -n 4 "$out/packed.txt" ;;
+    fmnist_2c2d_graphed)
+      run 200 "$out/graphed.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
+        optimizer=dampednewton_graphed hydra.sweep.dir="$out/sweeps/graphed"
+      tail -n 4 "$out/graphed.txt" ;;
     phases)
       run 90 "$out/phases.md" python3 -m benchmarks.micro.step_phases --models mlp 3c3d \
-        --variants default default:backpack default:packed default:exact --periods 2
+        --variants default default:backpack default:packed default:graphed \
+        default:exact --periods 2
       cat "$out/phases.md"
       run 90 "$out/refresh_pass.md" python3 -m benchmarks.micro.refresh_pass \
         --models mlp-tiny mlp 3c3d --steps 150
@@ -136,7 +144,7 @@ part() {
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
         "(PART: checks tests profile phases solvers compile step_cost fmnist_2c2d" \
         "fmnist_2c2d_peers fmnist_2c2d_soap fmnist_2c2d_kron fmnist_2c2d_sgd" \
-        "fmnist_2c2d_packed)" >&2
+        "fmnist_2c2d_packed fmnist_2c2d_graphed)" >&2
       exit 2 ;;
   esac
 }

@@ -179,7 +179,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--variants",
         nargs="+",
         default=["default", "default:packed"],
-        choices=["default", "default:exact", "default:packed", "default:backpack"],
+        choices=[
+            "default",
+            "default:exact",
+            "default:packed",
+            "default:graphed",
+            "default:backpack",
+        ],
     )
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--periods", type=int, default=2, help="timed periods")

@@ -5,7 +5,8 @@ with top-10 directions and constant damping for each GGN (``fast:mc1``,
 ``fast:exact``, the Gram basis), and the package's defaults (``default``: the
 Kronecker basis of the Monte-Carlo GGN, averaged and refreshed on its schedule, trust
 region; ``default:exact``: the same from the exact GGN; ``default:packed``: every
-layer in one padded batch, ``KroneckerBasis(packed=True)``). With ``--steps S`` the
+layer in one padded batch, ``KroneckerBasis(packed=True)``; on a CUDA device also
+``default:graphed``: that batch's math replayed as a CUDA graph). With ``--steps S`` the
 counts are averaged over ``S`` consecutive steps (past ``--warmup`` steps: an
 amortized step of refreshes and the steps between them):
 
@@ -261,6 +262,7 @@ def table(
             *(f"fast:{ggn}" for ggn in ggns),
             "default",
             "default:packed",
+            *(["default:graphed"] if device.type == "cuda" else []),
             *(["default:exact"] if "exact" in ggns else []),
         ]
         step_of = {v: make_step(v, model, batch_size, device) for v in variants}

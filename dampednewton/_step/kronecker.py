@@ -311,8 +311,8 @@ class KroneckerSteps:
             and packable(batches)
         ):
             pack = self._packs.get(index)
-            if pack is None or not pack.holds(batches):
-                pack = self._packs[index] = PackedGroup(batches)
+            if pack is None or not pack.holds(batches, basis.graphed):
+                pack = self._packs[index] = PackedGroup(batches, basis.graphed)
             return pack.step(damping)
         return group_step(
             batches,

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import Tensor
 
+from dampednewton._step.cuda_graphs import ReplayedMath
 from dampednewton._step.kronecker_group import KroneckerGroupStep, LayerBatch
 from dampednewton._step.kronecker_state import LayerBasis
 from dampednewton.math.kronecker import LayerCoefficients, kronecker_direction
+from dampednewton.math.kronecker_factors import FactorEigen
 from dampednewton.math.kronecker_packed import padded_coefficients, padded_eigen
 
 PADDING_LIMIT = 4.0
@@ -44,11 +47,12 @@ def packable(batches: Sequence[LayerBatch]) -> bool:
 class PackedLayers:
     """Layer batches as one padded batch, with its gradient buffer."""
 
-    def __init__(self, batches: Sequence[LayerBatch]) -> None:
+    def __init__(self, batches: Sequence[LayerBatch], graphed: bool = False) -> None:
         """Pad the batches' eigenpairs (their coefficients follow per damping).
 
         Args:
             batches: Layer batches of one refresh (one dtype, one device).
+            graphed: Replay the math as a CUDA graph (on a CUDA device).
         """
         self.batches = tuple(batches)
         self.layers: list[LayerBasis] = [
@@ -71,6 +75,15 @@ class PackedLayers:
                 assert layer.bias is not None
                 self._targets.append(block[: layer.bias.shape[0], 0])
         self._coefficients: tuple[float, LayerCoefficients] | None = None
+        self._no_curvature = like.new_full((), math.nan)
+        self._views: tuple[Tensor, list[tuple[Tensor, Tensor]]] | None = None
+        self._graphed = graphed and like.device.type == "cuda"
+        self._replayed: tuple[float, ReplayedMath[tuple[Tensor, Tensor]]] | None = None
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the pack's math replays a recorded CUDA graph."""
+        return self._replayed is not None and self._replayed[1].replaying
 
     def coefficients(self, damping: float) -> LayerCoefficients:
         """The layers' padded coefficients for ``δ = damping`` (kept while it holds)."""
@@ -110,19 +123,46 @@ class PackedLayers:
         Returns:
             The step, its directions views of the padded result.
         """
-        layer = kronecker_direction(
-            self.gradient(),
-            self.output,
-            self.inputs,
-            self.coefficients(damping),
-            with_curvature=False,
-        )
-        directions = []
+        self.gradient()
+        coefficients = self.coefficients(damping)
+        if self._graphed:
+            if self._replayed is None or self._replayed[0] != damping:
+                math_of_buffers = partial(
+                    packed_math, self._gradient, self.output, self.inputs, coefficients
+                )
+                replayed = ReplayedMath(math_of_buffers, self._gradient.device)
+                self._replayed = (damping, replayed)
+            direction, slope = self._replayed[1]()
+        else:
+            direction, slope = packed_math(
+                self._gradient, self.output, self.inputs, coefficients
+            )
+        return KroneckerGroupStep(self._split(direction), slope, self._no_curvature)
+
+    def _split(self, direction: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Each parameter with its view of the padded directions (kept for replays)."""
+        if self._views is not None and self._views[0] is direction:
+            return self._views[1]
+        views = []
         for index, basis in enumerate(self.layers):
             rows, columns = _block(basis)
-            directions += basis.split(layer.direction[index, :rows, :columns])
-        slope = layer.slope.sum()
-        return KroneckerGroupStep(directions, slope, slope.new_full((), math.nan))
+            views += basis.split(direction[index, :rows, :columns])
+        if self._graphed:  # a replay writes into the same tensor
+            self._views = (direction, views)
+        return views
+
+
+def packed_math(
+    gradient: Tensor,
+    output: FactorEigen,
+    inputs: FactorEigen,
+    coefficients: LayerCoefficients,
+) -> tuple[Tensor, Tensor]:
+    """A pack's padded directions ``[L, O, I]`` and its slope (0-dim)."""
+    layer = kronecker_direction(
+        gradient, output, inputs, coefficients, with_curvature=False
+    )
+    return layer.direction, layer.slope.sum()
 
 
 def _block(layer: LayerBasis) -> tuple[int, int]:
@@ -137,19 +177,28 @@ def _block(layer: LayerBasis) -> tuple[int, int]:
 class PackedGroup:
     """A group's layer batches in packs of bounded padding (:data:`PADDING_LIMIT`)."""
 
-    def __init__(self, batches: Sequence[LayerBatch]) -> None:
+    def __init__(self, batches: Sequence[LayerBatch], graphed: bool = False) -> None:
         """Split the batches into packs, largest layers first.
 
         Args:
             batches: The group's layer batches of one refresh (one dtype, one device).
+            graphed: Replay each pack's math as a CUDA graph (on a CUDA device).
         """
         self.batches = tuple(batches)
-        self.packs = [PackedLayers(members) for members in padded_packs(batches)]
+        self.graphed = graphed
+        self.packs = [
+            PackedLayers(members, graphed) for members in padded_packs(batches)
+        ]
 
-    def holds(self, batches: Sequence[LayerBatch]) -> bool:
-        """Whether these are the batches this group was packed from."""
-        return len(batches) == len(self.batches) and all(
-            mine is theirs for mine, theirs in zip(self.batches, batches, strict=True)
+    def holds(self, batches: Sequence[LayerBatch], graphed: bool = False) -> bool:
+        """Whether these are the batches this group was packed from, as asked."""
+        return (
+            graphed == self.graphed
+            and len(batches) == len(self.batches)
+            and all(
+                mine is theirs
+                for mine, theirs in zip(self.batches, batches, strict=True)
+            )
         )
 
     def step(self, damping: float) -> KroneckerGroupStep:
@@ -166,7 +215,7 @@ class PackedGroup:
             return steps[0]
         slope = torch.stack([step.slope for step in steps]).sum()
         directions = [pair for step in steps for pair in step.directions]
-        return KroneckerGroupStep(directions, slope, slope.new_full((), math.nan))
+        return KroneckerGroupStep(directions, slope, steps[0].curvature)
 
 
 def padded_packs(

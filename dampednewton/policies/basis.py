@@ -74,6 +74,11 @@ class KroneckerBasis:
             GPU); on a CPU the products' sizes decide, so it is off by default.
             Steps with a noise filter or an adaptive damping, and groups whose
             layers differ in dtype or device, are taken unpacked.
+        graphed: With ``packed``, on a CUDA device: record each pack's math (the
+            products and the slope, after its gradients are copied into the pack's
+            buffer) as a CUDA graph on its second step after a refresh and replay it
+            until the next refresh or damping change: one launch instead of the
+            math's kernels. On a CPU the packed math runs as it is.
     """
 
     rank: int = DEFAULT_KRONECKER_RANK
@@ -82,6 +87,7 @@ class KroneckerBasis:
     solved_rotations: int | None = ROTATING_REFRESHES
     noise_filter: NoiseFilter | None = None
     packed: bool = False
+    graphed: bool = False
 
     def __post_init__(self) -> None:
         """Validate the settings."""
@@ -103,9 +109,17 @@ class KroneckerBasis:
                 "KroneckerBasis needs solved_rotations=None or an integer >= 0, got "
                 f"{solved!r}."
             )
-        if not isinstance(self.packed, bool):
-            raise TypeError(
-                f"KroneckerBasis needs packed=True or False, got {self.packed!r}."
+        for name in ("packed", "graphed"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"KroneckerBasis needs {name}=True or False, got "
+                    f"{getattr(self, name)!r}."
+                )
+        if self.graphed and not self.packed:
+            raise ValueError(
+                "KroneckerBasis(graphed=True) needs packed=True: the CUDA graph "
+                "replays the packed layers' math on their gradient buffer. Use "
+                "KroneckerBasis(packed=True, graphed=True)."
             )
         if self.noise_filter is not None and not isinstance(
             self.noise_filter, NoiseFilter

@@ -121,14 +121,21 @@ def test_the_noise_filter_config_is_the_default_with_the_filter(compose_config):
     }
 
 
-def test_the_packed_config_is_the_default_packed(compose_config):
+@pytest.mark.parametrize(
+    "name, settings",
+    [
+        ("dampednewton_packed", {"packed": True}),
+        ("dampednewton_graphed", {"packed": True, "graphed": True}),
+    ],
+)
+def test_the_packed_configs_are_the_default_packed(compose_config, name, settings):
     from dampednewton import KroneckerBasis
 
-    cfg = compose_config(["optimizer=dampednewton_packed"])
+    cfg = compose_config([f"optimizer={name}"])
     problem = tiny_problem(steps=3)
     optimizer = instantiate(cfg.optimizer)(problem.trainable_parameters())
     (group,) = optimizer.param_groups
-    assert group["basis"] == KroneckerBasis(packed=True)
+    assert group["basis"] == KroneckerBasis(**settings)
     default = compose_config(["optimizer=dampednewton"]).optimizer
     assert {k: v for k, v in cfg.optimizer.items() if k != "basis"} == {
         k: v for k, v in default.items() if k != "basis"

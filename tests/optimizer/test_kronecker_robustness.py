@@ -241,6 +241,10 @@ def test_refused_settings_say_what_to_do():
         KroneckerBasis(exact_size=-1)
     with pytest.raises(TypeError, match="packed=True or False"):
         KroneckerBasis(packed=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="graphed=True or False"):
+        KroneckerBasis(packed=True, graphed="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"needs packed=True.*packed=True, graphed"):
+        KroneckerBasis(graphed=True)
     with pytest.raises(TypeError, match="basis must be"):
         DampedNewton(params, basis="kronecker")
 

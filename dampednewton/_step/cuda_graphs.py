@@ -1,0 +1,96 @@
+"""A pure function of fixed tensors, replayed as a CUDA graph.
+
+Between refreshes a packed step (:mod:`._step.kronecker_packed`) computes its
+directions from tensors that keep their memory: the pack's gradient buffer (the
+step copies ``.grad`` into it first), its padded eigenpairs and coefficients. Its
+kernels can then be recorded once and replayed with one launch
+(:class:`ReplayedMath`), where a small model's step lasts as long as its launches.
+A replay overwrites the outputs of the one before: they are read within the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+
+Outputs = TypeVar("Outputs")
+
+EAGER_CALLS = 1
+"""Calls of a function run as they are before it is recorded: a pack used for one
+step only (a refresh right before another, on the schedule's ramp) is never
+recorded."""
+
+
+class ReplayedMath(Generic[Outputs]):
+    """``math()`` eager for :data:`EAGER_CALLS` calls, then a CUDA graph's replays.
+
+    ``math`` must read only tensors whose memory stays, launch no host
+    synchronization, and return the same structure of tensors each time. The
+    recorded outputs are returned by every replay, their values overwritten.
+    """
+
+    def __init__(self, math: Callable[[], Outputs], device: torch.device) -> None:
+        """Keep the function (nothing is recorded yet).
+
+        Args:
+            math: The function.
+            device: Its CUDA device.
+        """
+        self._math = math
+        self._device = device
+        self._calls = 0
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._outputs: Outputs | None = None
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the function was recorded (its calls replay the graph)."""
+        return self._graph is not None
+
+    def __call__(self) -> Outputs:
+        """``math()``: computed, or the graph replayed into the recorded outputs."""
+        if self._graph is None:
+            self._calls += 1
+            if self._calls <= EAGER_CALLS:
+                return self._math()
+            self._graph, self._outputs = record_graph(self._math, self._device)
+        self._graph.replay()
+        assert self._outputs is not None
+        return self._outputs
+
+
+def record_graph(
+    math: Callable[[], Outputs], device: torch.device
+) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+    """``math``'s kernels as a CUDA graph (not yet run) and its output tensors.
+
+    On a side stream that waits for the current one: one call first, as PyTorch's
+    capture asks (libraries set up their workspaces outside the graph), then the
+    recording. ``torch.cuda.graph`` would also synchronize the device and empty the
+    allocator's cache on every recording, one per refresh here; the recording alone
+    needs neither.
+
+    Args:
+        math: A function of fixed tensors (see :class:`ReplayedMath`).
+        device: Its CUDA device.
+
+    Returns:
+        The graph and the tensors its replays write.
+    """
+    with torch.cuda.device(device), torch.no_grad():
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            math()
+            graph = torch.cuda.CUDAGraph()
+            # Another thread's CUDA calls (a data loader's pinning) do not break it.
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                outputs = math()
+            finally:
+                graph.capture_end()
+        current.wait_stream(side)
+    return graph, outputs

@@ -1,0 +1,137 @@
+"""Packed steps replayed as CUDA graphs (``KroneckerBasis(packed=True, graphed=True)``).
+
+A graphed optimizer takes the packed optimizer's steps: on the CPU its math runs as
+it is, on a CUDA device each pack records its math on its second step after a
+refresh and replays it until the next refresh or damping change. The tests on a
+CUDA device (marked ``cuda``) compare the replays with the packed steps through
+refreshes, a damping change and a half-precision model, and the recorded function
+with the eager one on new inputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dampednewton import CurvatureAveraging, DampedNewton, KroneckerBasis
+from dampednewton._step.cuda_graphs import EAGER_CALLS, ReplayedMath
+from dampednewton._step.kronecker_packed import PackedGroup
+from tests.cases import KRONECKER_PROBLEMS, case_by_id
+from tests.utils import assert_same_parameters, build_case, run_steps
+
+BASIS = {"rank": 3, "exact_size": 4}
+"""Factors of the test problems truncated (residual blocks) and exact."""
+
+
+def twins(problem, device: str, dtype: torch.dtype = torch.float64):
+    """The problem twice: packed, then packed and graphed (refreshes 0, 1, 3, 7)."""
+    runs = []
+    for graphed in (False, True):
+        case = build_case(problem, dtype, device)
+        optimizer = DampedNewton(
+            case.model.parameters(),
+            basis=KroneckerBasis(**BASIS, packed=True, graphed=graphed),
+            averaging=CurvatureAveraging(interval=100),
+            seed=0,
+        )
+        runs.append((optimizer, case))
+    return runs
+
+
+def packs(optimizer: DampedNewton) -> PackedGroup:
+    """The packed layers of the optimizer's one group (the Kronecker step's cache)."""
+    return optimizer._pipeline.kronecker._packs[0]
+
+
+def replaying(optimizer: DampedNewton) -> bool:
+    """Whether every pack of the group replays a recorded CUDA graph."""
+    return all(pack.replaying for pack in packs(optimizer).packs)
+
+
+def assert_same_steps(first, second, device: str) -> None:
+    """The graphed run's parameters are the packed run's.
+
+    On the CPU bit for bit (the same operators); on a CUDA device a replay runs
+    the recorded kernels, whose library may choose other algorithms on the
+    recording's stream: float64 round-off.
+    """
+    if device == "cpu":
+        for actual, expected in zip(
+            second.model.parameters(), first.model.parameters(), strict=True
+        ):
+            assert torch.equal(actual, expected)
+        return
+    assert_same_parameters(second.model, first.model, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("problem", KRONECKER_PROBLEMS, ids=lambda p: p.id)
+def test_graphed_steps_are_the_packed_steps(problem, device):
+    (packed, first), (graphed, second) = twins(problem, device)
+    for steps in (8, 4):  # refreshes at 0, 1, 3, 7; then three steps between
+        run_steps(packed, first, steps)
+        run_steps(graphed, second, steps)
+        assert_same_steps(first, second, device)
+    assert graphed.records["groups"][0]["curvature_updates"] == 4
+    # Past step 7's refresh: eager once, recorded on the next step, replayed since.
+    assert replaying(graphed) == (device == "cuda")
+    assert not replaying(packed)
+
+
+def test_a_new_damping_is_stepped_eagerly_then_recorded_anew(device):
+    (packed, first), (graphed, second) = twins(case_by_id("cnn-ce"), device)
+    for optimizer, case in ((packed, first), (graphed, second)):
+        run_steps(optimizer, case, 10)
+    assert replaying(graphed) == (device == "cuda")
+    pack = packs(graphed)
+    for optimizer in (packed, graphed):
+        optimizer.param_groups[0]["damping"] = 1e-2
+    for calls in range(1, EAGER_CALLS + 3):
+        run_steps(packed, first, 1)
+        run_steps(graphed, second, 1)
+        assert_same_steps(first, second, device)
+        assert packs(graphed) is pack  # no refresh: the same packs
+        assert replaying(graphed) == (device == "cuda" and calls > EAGER_CALLS)
+
+
+@pytest.mark.cuda
+def test_a_half_precision_model_steps_graphed_as_packed():
+    """bfloat16 gradients copied into the float32 buffer before each replay."""
+    (packed, first), (graphed, second) = twins(
+        case_by_id("cnn-ce"), "cuda", torch.bfloat16
+    )
+    run_steps(packed, first, 12)
+    run_steps(graphed, second, 12)
+    assert replaying(graphed)
+    for actual, expected in zip(
+        second.model.parameters(), first.model.parameters(), strict=True
+    ):
+        assert actual.dtype == torch.bfloat16
+        # The same float32 steps up to the library's round-off, then rounded to
+        # bfloat16: neighbouring values at most (2⁻⁷ relative) after 12 steps.
+        gap = (actual.float() - expected.float()).abs()
+        bound = torch.finfo(torch.bfloat16).eps * expected.float().abs() + 1e-6
+        assert bool((gap <= bound).all()), gap.max()
+
+
+@pytest.mark.cuda
+def test_replays_compute_the_function_of_the_buffers_current_values():
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    buffer = torch.randn(16, 8, device="cuda", dtype=torch.float64, generator=generator)
+    weights = torch.randn(8, 4, device="cuda", dtype=torch.float64, generator=generator)
+
+    def math() -> tuple[torch.Tensor, torch.Tensor]:
+        product = buffer @ weights
+        return product, product.square().sum()
+
+    replayed = ReplayedMath(math, buffer.device)
+    outputs = []
+    for call in range(EAGER_CALLS + 3):
+        buffer.copy_(torch.randn(16, 8, device="cuda", generator=generator).double())
+        product, total = replayed()
+        expected_product, expected_total = math()
+        torch.testing.assert_close(product, expected_product, rtol=1e-13, atol=0)
+        torch.testing.assert_close(total, expected_total, rtol=1e-13, atol=0)
+        assert replayed.replaying == (call >= EAGER_CALLS)
+        outputs.append(product)
+    # The replays write into the recorded outputs.
+    assert outputs[-1] is outputs[-2]
