@@ -121,7 +121,7 @@ part() {
         optimizer=dampednewton_graphed hydra.sweep.dir="$out/sweeps/graphed"
       tail -n 4 "$out/graphed.txt" ;;
     phases)
-      run 90 "$out/phases.md" python3 -m benchmarks.micro.step_phases --models mlp 3c3d \
+      run 120 "$out/phases.md" python3 -m benchmarks.micro.step_phases --models mlp 3c3d \
         --variants default default:backpack default:packed default:graphed \
         default:exact --periods 2
       cat "$out/phases.md"
