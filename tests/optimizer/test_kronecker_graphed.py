@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backpack import extend
 
 from dampednewton import CurvatureAveraging, DampedNewton, KroneckerBasis
 from dampednewton._step.cuda_graphs import EAGER_CALLS, ReplayedMath
 from dampednewton._step.kronecker_packed import PackedGroup
 from tests.cases import KRONECKER_PROBLEMS, case_by_id
-from tests.utils import assert_same_parameters, build_case, run_steps
+from tests.utils import assert_same_parameters, build_case, make_closure, run_steps
 
 BASIS = {"rank": 3, "exact_size": 4}
 """Factors of the test problems truncated (residual blocks) and exact."""
@@ -48,7 +49,9 @@ def replaying(optimizer: DampedNewton) -> bool:
     return all(pack.replaying for pack in packs(optimizer).packs)
 
 
-def assert_same_steps(first, second, device: str) -> None:
+def assert_same_steps(
+    packed: torch.nn.Module, graphed: torch.nn.Module, device: str
+) -> None:
     """The graphed run's parameters are the packed run's.
 
     On the CPU bit for bit (the same operators); on a CUDA device a replay runs
@@ -57,11 +60,11 @@ def assert_same_steps(first, second, device: str) -> None:
     """
     if device == "cpu":
         for actual, expected in zip(
-            second.model.parameters(), first.model.parameters(), strict=True
+            graphed.parameters(), packed.parameters(), strict=True
         ):
             assert torch.equal(actual, expected)
         return
-    assert_same_parameters(second.model, first.model, rtol=1e-12, atol=1e-13)
+    assert_same_parameters(graphed, packed, rtol=1e-12, atol=1e-13)
 
 
 @pytest.mark.parametrize("problem", KRONECKER_PROBLEMS, ids=lambda p: p.id)
@@ -70,7 +73,7 @@ def test_graphed_steps_are_the_packed_steps(problem, device):
     for steps in (8, 4):  # refreshes at 0, 1, 3, 7; then three steps between
         run_steps(packed, first, steps)
         run_steps(graphed, second, steps)
-        assert_same_steps(first, second, device)
+        assert_same_steps(first.model, second.model, device)
     assert graphed.records["groups"][0]["curvature_updates"] == 4
     # Past step 7's refresh: eager once, recorded on the next step, replayed since.
     assert replaying(graphed) == (device == "cuda")
@@ -88,9 +91,39 @@ def test_a_new_damping_is_stepped_eagerly_then_recorded_anew(device):
     for calls in range(1, EAGER_CALLS + 3):
         run_steps(packed, first, 1)
         run_steps(graphed, second, 1)
-        assert_same_steps(first, second, device)
+        assert_same_steps(first.model, second.model, device)
         assert packs(graphed) is pack  # no refresh: the same packs
         assert replaying(graphed) == (device == "cuda" and calls > EAGER_CALLS)
+
+
+def test_a_group_in_several_packs_replays_each(device):
+    """A wide first layer and narrow ones: three packs, each with its own graph."""
+    models = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        layers: list[torch.nn.Module] = [torch.nn.Linear(6, 64), torch.nn.Tanh()]
+        layers += [torch.nn.Linear(64, 3), torch.nn.Tanh()]
+        for _ in range(3):
+            layers += [torch.nn.Linear(3, 3), torch.nn.Tanh()]
+        model = torch.nn.Sequential(*layers, torch.nn.Linear(3, 2))
+        model = extend(model.to(device, torch.float64))
+        loss_fn = extend(torch.nn.CrossEntropyLoss())
+        generator = torch.Generator().manual_seed(1)
+        X = torch.randn(16, 6, generator=generator, dtype=torch.float64).to(device)
+        y = torch.randint(0, 2, (16,), generator=generator).to(device)
+        optimizer = DampedNewton(
+            model.parameters(),
+            basis=KroneckerBasis(rank=4, exact_size=4, packed=True, graphed=graphed),
+            averaging=CurvatureAveraging(interval=100),
+            seed=0,
+        )
+        closure = make_closure(optimizer, model, loss_fn, X, y)
+        for _ in range(12):  # refreshes at 0, 1, 3, 7
+            optimizer.step(closure)
+        assert len(packs(optimizer).packs) == 3
+        assert replaying(optimizer) == (graphed and device == "cuda")
+        models.append(model)
+    assert_same_steps(models[0], models[1], device)
 
 
 @pytest.mark.cuda
