@@ -10,12 +10,20 @@ A replay overwrites the outputs of the one before: they are read within the step
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import torch
 
 Outputs = TypeVar("Outputs")
+
+RECORDING_FAILED = (
+    "DampedNewton could not record the packed step's math as a CUDA graph ({error}); "
+    "this pack's steps run it as they are, the same steps without the single launch "
+    "(the next refresh tries again). KroneckerBasis(packed=True) without graphed=True "
+    "skips the attempt."
+)
 
 EAGER_CALLS = 1
 """Calls of a function run as they are before it is recorded: a pack used for one
@@ -28,7 +36,8 @@ class ReplayedMath(Generic[Outputs]):
 
     ``math`` must read only tensors whose memory stays, launch no host
     synchronization, and return the same structure of tensors each time. The
-    recorded outputs are returned by every replay, their values overwritten.
+    recorded outputs are returned by every replay, their values overwritten. Where
+    the recording fails (a CUDA error), a warning says so and every call computes.
     """
 
     def __init__(self, math: Callable[[], Outputs], device: torch.device) -> None:
@@ -43,6 +52,7 @@ class ReplayedMath(Generic[Outputs]):
         self._calls = 0
         self._graph: torch.cuda.CUDAGraph | None = None
         self._outputs: Outputs | None = None
+        self._failed = False
 
     @property
     def replaying(self) -> bool:
@@ -53,9 +63,16 @@ class ReplayedMath(Generic[Outputs]):
         """``math()``: computed, or the graph replayed into the recorded outputs."""
         if self._graph is None:
             self._calls += 1
-            if self._calls <= EAGER_CALLS:
+            if self._calls <= EAGER_CALLS or self._failed:
                 return self._math()
-            self._graph, self._outputs = record_graph(self._math, self._device)
+            try:
+                self._graph, self._outputs = record_graph(self._math, self._device)
+            except RuntimeError as error:  # nothing was run or changed: compute
+                self._failed = True
+                warnings.warn(
+                    RECORDING_FAILED.format(error=error), RuntimeWarning, stacklevel=2
+                )
+                return self._math()
         self._graph.replay()
         assert self._outputs is not None
         return self._outputs

@@ -4,17 +4,21 @@ A graphed optimizer takes the packed optimizer's steps: on the CPU its math runs
 it is, on a CUDA device each pack records its math on its second step after a
 refresh and replays it until the next refresh or damping change. The tests on a
 CUDA device (marked ``cuda``) compare the replays with the packed steps through
-refreshes, a damping change and a half-precision model, and the recorded function
-with the eager one on new inputs.
+refreshes, a damping change, several packs and a half-precision model, and the
+recorded function with the eager one on new inputs; a recording that fails falls back
+to computing, with a warning.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 from backpack import extend
 
 from dampednewton import CurvatureAveraging, DampedNewton, KroneckerBasis
+from dampednewton._step import cuda_graphs
 from dampednewton._step.cuda_graphs import EAGER_CALLS, ReplayedMath
 from dampednewton._step.kronecker_packed import PackedGroup
 from tests.cases import KRONECKER_PROBLEMS, case_by_id
@@ -168,3 +172,30 @@ def test_replays_compute_the_function_of_the_buffers_current_values():
         outputs.append(product)
     # The replays write into the recorded outputs.
     assert outputs[-1] is outputs[-2]
+
+
+def test_a_failed_recording_warns_and_computes(monkeypatch):
+    """A CUDA error while recording: the math runs as it is, from then on."""
+    buffer = torch.arange(6.0, dtype=torch.float64)
+
+    def math() -> torch.Tensor:
+        return buffer * 2
+
+    def failing(math, device):
+        raise RuntimeError(
+            "CUDA error: operation not permitted when stream is capturing"
+        )
+
+    monkeypatch.setattr(cuda_graphs, "record_graph", failing)
+    replayed = ReplayedMath(math, torch.device("cpu"))
+    for _ in range(EAGER_CALLS):
+        torch.testing.assert_close(replayed(), buffer * 2, rtol=0, atol=0)
+    with pytest.warns(
+        RuntimeWarning, match="could not record.*operation not permitted"
+    ):
+        torch.testing.assert_close(replayed(), buffer * 2, rtol=0, atol=0)
+    buffer.add_(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second attempt, no second warning
+        torch.testing.assert_close(replayed(), buffer * 2, rtol=0, atol=0)
+    assert not replayed.replaying
