@@ -103,7 +103,7 @@ def main() -> None:
     eager_ms, compiled_ms = times["eager"] * 1e3, times["compiled"] * 1e3
     print(
         f"{torch.get_num_threads()} threads, N={args.batch_size}, median ms/step: "
-        f"{args.optimizer} eager {eager_ms:.1f}, compiled {compiled_ms:.1f}, "
+        f"{args.optimizer} eager {eager_ms:.3f}, compiled {compiled_ms:.3f}, "
         f"compiled/eager {compiled_ms / eager_ms:.2f}"
     )
 
