@@ -146,3 +146,14 @@ def linear_5_to_3(generator: torch.Generator) -> nn.Module:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(5, NUM_CLASSES))
     return initialize(model, generator)
+
+
+def wide_then_narrow_mlp(generator: torch.Generator) -> nn.Module:
+    """A wide first layer, then narrow ones (tanh): a packed group takes three packs."""
+    with torch.device("meta"):
+        narrow = [module for _ in range(3) for module in (nn.Linear(3, 3), nn.Tanh())]
+        model = nn.Sequential(
+            nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 3), nn.Tanh(), *narrow
+        )
+        model.append(nn.Linear(3, 2))
+    return initialize(model, generator)

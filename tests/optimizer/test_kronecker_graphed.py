@@ -21,8 +21,14 @@ from dampednewton import CurvatureAveraging, DampedNewton, KroneckerBasis
 from dampednewton._step import cuda_graphs
 from dampednewton._step.cuda_graphs import EAGER_CALLS, ReplayedMath
 from dampednewton._step.kronecker_packed import PackedGroup
+from tests.case_models import wide_then_narrow_mlp
 from tests.cases import KRONECKER_PROBLEMS, case_by_id
-from tests.utils import assert_same_parameters, build_case, make_closure, run_steps
+from tests.utils import (
+    assert_same_parameters,
+    build_case,
+    make_closure,
+    run_steps,
+)
 
 BASIS = {"rank": 3, "exact_size": 4}
 """Factors of the test problems truncated (residual blocks) and exact."""
@@ -104,13 +110,8 @@ def test_a_group_in_several_packs_replays_each(device):
     """A wide first layer and narrow ones: three packs, each with its own graph."""
     models = []
     for graphed in (False, True):
-        torch.manual_seed(0)
-        layers: list[torch.nn.Module] = [torch.nn.Linear(6, 64), torch.nn.Tanh()]
-        layers += [torch.nn.Linear(64, 3), torch.nn.Tanh()]
-        for _ in range(3):
-            layers += [torch.nn.Linear(3, 3), torch.nn.Tanh()]
-        model = torch.nn.Sequential(*layers, torch.nn.Linear(3, 2))
-        model = extend(model.to(device, torch.float64))
+        model = wide_then_narrow_mlp(torch.Generator().manual_seed(0))
+        model = extend(model.to(device))
         loss_fn = extend(torch.nn.CrossEntropyLoss())
         generator = torch.Generator().manual_seed(1)
         X = torch.randn(16, 6, generator=generator, dtype=torch.float64).to(device)

@@ -25,9 +25,15 @@ from dampednewton._step.kronecker_group import LayerBatch
 from dampednewton._step.kronecker_packed import packable, padded_packs
 from dampednewton._step.kronecker_state import LayerBasis
 from dampednewton.math.kronecker_factors import FactorEigen
+from tests.case_models import wide_then_narrow_mlp
 from tests.cases import KRONECKER_PROBLEMS, case_by_id
 from tests.optimizer.test_kronecker_batches import BASES, ComputingOperators
-from tests.utils import assert_same_parameters, build_case, make_closure, train_twins
+from tests.utils import (
+    assert_same_parameters,
+    build_case,
+    make_closure,
+    train_twins,
+)
 
 
 def twins(
@@ -197,12 +203,7 @@ def test_a_group_in_several_packs_steps_as_unpacked():
     """A wide first layer and narrow ones: two packs, fewer operators than unpacked."""
     runs = []
     for packed in (False, True):
-        torch.manual_seed(0)
-        layers: list[torch.nn.Module] = [torch.nn.Linear(6, 64), torch.nn.Tanh()]
-        layers += [torch.nn.Linear(64, 3), torch.nn.Tanh()]
-        for _ in range(3):
-            layers += [torch.nn.Linear(3, 3), torch.nn.Tanh()]
-        model = extend(torch.nn.Sequential(*layers, torch.nn.Linear(3, 2)).double())
+        model = extend(wide_then_narrow_mlp(torch.Generator().manual_seed(0)))
         basis = KroneckerBasis(rank=4, exact_size=4, packed=packed)
         optimizer, closure = trained(model, list(model.parameters()), basis)
         with ComputingOperators() as operators:
