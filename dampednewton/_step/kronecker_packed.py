@@ -190,7 +190,7 @@ class PackedGroup:
             PackedLayers(members, graphed) for members in padded_packs(batches)
         ]
 
-    def holds(self, batches: Sequence[LayerBatch], graphed: bool = False) -> bool:
+    def holds(self, batches: Sequence[LayerBatch], graphed: bool) -> bool:
         """Whether these are the batches this group was packed from, as asked."""
         return (
             graphed == self.graphed
