@@ -13,24 +13,25 @@
 #   profile: kernels, host reads, syncs and step times of the MLP and 3c3d (on the
 #     H100 150 s with the peers);
 #   phases: the defaults' step between refreshes, refresh and rotating refresh apart
-#     (time, kernels, syncs, busy time of each), and their refreshes through
-#     torch.autograd.grad against BackPACK's pass;
+#     (time, kernels, syncs, busy time of each);
+#   refresh_pass: the refreshes through torch.autograd.grad against BackPACK's pass;
 #   solvers: eigh and QR of the refreshes' shapes on the device and on the host;
 #   compile: the in-between step's math eager, compiled and as CUDA graphs;
 #   step_cost: step cost with peak memory;
 #   fmnist_2c2d: time to target, DampedNewton's default against Adam over 3e-4,
 #     1e-3, 3e-3, 3 seeds, the grid's fastest run per seed (measured on an H200 and
-#     an H100, so late);
+#     an H100, so late; the two alone: fmnist_2c2d_default, fmnist_2c2d_adam);
 #   fmnist_2c2d_peers: SOAP at 1e-3 and 3e-3, PSGD-Kron at 1e-3, 3 seeds (the two
 #     alone: fmnist_2c2d_soap, fmnist_2c2d_kron);
 #   fmnist_2c2d_sgd: SGD-momentum at 0.01, 0.03, 0.1 and SGD at 0.1, 0.3, 1, 3 seeds
 #     (the CPU tables' other baselines; not part of `all`);
-#   fmnist_2c2d_packed: the defaults with KroneckerBasis(packed=True), 3 seeds (not
-#     part of `all`; `profile` counts its step as default:packed);
-#   fmnist_2c2d_graphed: the same with the packed math replayed as CUDA graphs
-#     (KroneckerBasis(packed=True, graphed=True)), 3 seeds (not part of `all`;
-#     `phases` times its step as default:graphed).
-# `all` runs the first eight in that order (most wanted first).
+#   fmnist_2c2d_packed: the defaults packed without CUDA graphs
+#     (KroneckerBasis(packed=True, graphed=False)), 3 seeds (not part of `all`;
+#     `profile` counts its step as default:packed);
+#   fmnist_2c2d_per_layer: the defaults by shape, neither packed nor graphed
+#     (KroneckerBasis(packed=False), the CPU's default), 3 seeds (not part of `all`;
+#     `profile` counts its step as default:per_layer).
+# `all` runs checks to fmnist_2c2d_peers as listed (most wanted first).
 # The parts share BUDGET seconds (default 540): each part stops at its own cap or when
 # the budget runs out, and writes its results to $OUT as it goes, so a part cut short
 # still returns what it finished; the Hydra runs of fmnist_2c2d go to $OUT/sweeps.
@@ -87,11 +88,16 @@ part() {
         --models mlp 3c3d --ggn mc1 exact --warmup 60 --steps 45 "${peers[@]}"
       cat "$out/profile.md" ;;
     fmnist_2c2d)
+      part fmnist_2c2d_default
+      part fmnist_2c2d_adam ;;
+    fmnist_2c2d_default)
       run 200 "$out/dampednewton.txt" python3 -m benchmarks.run --multirun \
         "${common[@]}" optimizer=dampednewton hydra.sweep.dir="$out/sweeps/dampednewton"
+      tail -n 4 "$out/dampednewton.txt" ;;
+    fmnist_2c2d_adam)
       run 170 "$out/adam.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
         optimizer=adam optimizer.lr=0.0003,0.001,0.003 hydra.sweep.dir="$out/sweeps/adam"
-      tail -n 4 "$out/adam.txt" "$out/dampednewton.txt" ;;
+      tail -n 4 "$out/adam.txt" ;;
     fmnist_2c2d_peers)
       # SOAP and PSGD-Kron at the learning rates that were fastest on the CPU
       # (fmnist_2c2d: SOAP 3e-3, Kron 1e-3) and SOAP's neighbour 1e-3.
@@ -116,15 +122,16 @@ part() {
       run 200 "$out/packed.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
         optimizer=dampednewton_packed hydra.sweep.dir="$out/sweeps/packed"
       tail -n 4 "$out/packed.txt" ;;
-    fmnist_2c2d_graphed)
-      run 200 "$out/graphed.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
-        optimizer=dampednewton_graphed hydra.sweep.dir="$out/sweeps/graphed"
-      tail -n 4 "$out/graphed.txt" ;;
+    fmnist_2c2d_per_layer)
+      run 200 "$out/per_layer.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
+        optimizer=dampednewton_per_layer hydra.sweep.dir="$out/sweeps/per_layer"
+      tail -n 4 "$out/per_layer.txt" ;;
     phases)
       run 120 "$out/phases.md" python3 -m benchmarks.micro.step_phases --models mlp 3c3d \
-        --variants default default:backpack default:packed default:graphed \
+        --variants default default:per_layer default:packed default:backpack \
         default:exact --periods 2
-      cat "$out/phases.md"
+      cat "$out/phases.md" ;;
+    refresh_pass)
       run 90 "$out/refresh_pass.md" python3 -m benchmarks.micro.refresh_pass \
         --models mlp-tiny mlp 3c3d --steps 150
       cat "$out/refresh_pass.md" ;;
@@ -142,9 +149,9 @@ part() {
       cat "$out/step_cost.txt" ;;
     *)
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
-        "(PART: checks tests profile phases solvers compile step_cost fmnist_2c2d" \
-        "fmnist_2c2d_peers fmnist_2c2d_soap fmnist_2c2d_kron fmnist_2c2d_sgd" \
-        "fmnist_2c2d_packed fmnist_2c2d_graphed)" >&2
+        "(PART: checks tests profile phases refresh_pass solvers compile step_cost" \
+        "fmnist_2c2d fmnist_2c2d_default fmnist_2c2d_adam fmnist_2c2d_peers fmnist_2c2d_soap fmnist_2c2d_kron fmnist_2c2d_sgd" \
+        "fmnist_2c2d_packed fmnist_2c2d_per_layer)" >&2
       exit 2 ;;
   esac
 }
@@ -152,7 +159,8 @@ part() {
 (($#)) || part usage
 parts=("$@")
 [[ "$1" == all ]] &&
-  parts=(checks profile phases solvers compile step_cost fmnist_2c2d fmnist_2c2d_peers)
+  parts=(checks profile phases refresh_pass solvers compile step_cost fmnist_2c2d
+    fmnist_2c2d_peers)
 for name in "${parts[@]}"; do
   part "$name"
 done

@@ -3,7 +3,8 @@
 :data:`MODELS` are the networks of the performance issue on random inputs;
 :func:`make_step` builds one closure-driven step of a variant (``sgd``, ``adam``,
 the peers ``soap`` and ``kron``, ``fast:<ggn>``, ``dense:<ggn>``, ``default``,
-``default:exact``, ``default:packed``, ``default:graphed``); :func:`time_blocks` and
+``default:exact``, ``default:per_layer``, ``default:packed``, ``default:graphed``);
+:func:`time_blocks` and
 :func:`round_robin_medians` time variants in alternating blocks of consecutive steps,
 synchronized by
 :class:`benchmarks.measure.Stopwatch`.
@@ -204,7 +205,7 @@ def peer(name: str, model: nn.Module) -> Optimizer:
 VARIANT_KINDS = ("sgd", "adam", *PEERS, "fast", "dense", "default")
 """The kinds of step :func:`make_step` builds (``kind:ggn``)."""
 GGN_KINDS = {"fast": ("mc1", "exact"), "dense": ("mc1", "exact")}
-DEFAULT_KINDS = ("", "mc1", "exact", "packed", "graphed", "backpack")
+DEFAULT_KINDS = ("", "mc1", "exact", "per_layer", "packed", "graphed", "backpack")
 
 
 def check_variant(kind: str, ggn: str) -> None:
@@ -218,8 +219,8 @@ def check_variant(kind: str, ggn: str) -> None:
         raise ValueError(
             f"Unknown step variant {kind}:{ggn}. Variants: sgd, adam, "
             f"{', '.join(PEERS)}, fast:mc1, fast:exact, dense:mc1, dense:exact, "
-            "default, default:exact, default:packed, default:graphed, "
-            "default:backpack."
+            "default, default:exact, default:per_layer, default:packed, "
+            "default:graphed, default:backpack."
         )
 
 
@@ -256,14 +257,16 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
             "averaging": None,
             "kl_clip": None,
         }
-        # The defaults draw one Monte-Carlo sample; ``default:exact`` the exact GGN;
-        # ``default:packed`` steps every layer in one padded batch,
-        # ``default:graphed`` replays that batch's math as a CUDA graph;
+        # The defaults draw one Monte-Carlo sample (on a CUDA device packed and
+        # graphed); ``default:exact`` the exact GGN; ``default:per_layer`` steps the
+        # layers by shape (the CPU's default), ``default:packed`` every layer in one
+        # padded batch, ``default:graphed`` replays that batch's math as a CUDA graph;
         # ``default:backpack`` refreshes through BackPACK's pass every time (the
         # optimizer's private switch: the defaults' later refreshes take autograd's).
         changed: dict[str, dict[str, Any]] = {
             "exact": {"mc_samples": 0},
-            "packed": {"basis": KroneckerBasis(packed=True)},
+            "per_layer": {"basis": KroneckerBasis(packed=False)},
+            "packed": {"basis": KroneckerBasis(packed=True, graphed=False)},
             "graphed": {"basis": KroneckerBasis(packed=True, graphed=True)},
         }
         settings = {"seed": 0, **changed.get(ggn, {})} if kind == "default" else vivit

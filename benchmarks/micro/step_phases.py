@@ -182,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         choices=[
             "default",
             "default:exact",
+            "default:per_layer",
             "default:packed",
             "default:graphed",
             "default:backpack",

@@ -4,9 +4,10 @@ For each model, warm steps of SGD, Adam and DampedNewton are counted: ViViT's st
 with top-10 directions and constant damping for each GGN (``fast:mc1``,
 ``fast:exact``, the Gram basis), and the package's defaults (``default``: the
 Kronecker basis of the Monte-Carlo GGN, averaged and refreshed on its schedule, trust
-region; ``default:exact``: the same from the exact GGN; ``default:packed``: every
-layer in one padded batch, ``KroneckerBasis(packed=True)``; on a CUDA device also
-``default:graphed``: that batch's math replayed as a CUDA graph). With ``--steps S`` the
+region, on a CUDA device its layers packed and their math replayed as a CUDA graph;
+``default:exact``: the same from the exact GGN; ``default:packed``: every layer in one
+padded batch, not graphed; on a CUDA device also ``default:per_layer``: the layers
+stepped by shape, the CPU's default). With ``--steps S`` the
 counts are averaged over ``S`` consecutive steps (past ``--warmup`` steps: an
 amortized step of refreshes and the steps between them):
 
@@ -261,8 +262,8 @@ def table(
             *peers,
             *(f"fast:{ggn}" for ggn in ggns),
             "default",
+            *(["default:per_layer"] if device.type == "cuda" else []),
             "default:packed",
-            *(["default:graphed"] if device.type == "cuda" else []),
             *(["default:exact"] if "exact" in ggns else []),
         ]
         step_of = {v: make_step(v, model, batch_size, device) for v in variants}

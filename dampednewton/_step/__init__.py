@@ -9,9 +9,9 @@
    a BackPACK refresh pass (:mod:`.kronecker_refresh`: averaged factors and their
    eigenpairs, layers of one shape batched) or a plain backward pass, the layers'
    directions (:mod:`.kronecker_group`: layers of one shape batched; the noise
-   filter's moments in :mod:`.kronecker_moments`; with ``packed=True`` all layers in
-   one padded batch, :mod:`.kronecker_packed`, its math replayed as a CUDA graph with
-   ``graphed=True``, :mod:`.cuda_graphs`), one host read
+   filter's moments in :mod:`.kronecker_moments`; packed, as by default on a CUDA
+   device, all layers in one padded batch, :mod:`.kronecker_packed`, its math
+   replayed as a CUDA graph there, :mod:`.cuda_graphs`), one host read
    (:mod:`.kronecker_checks`), the update; :mod:`.kronecker_state` is what they keep.
    Groups with the Gram basis go on:
 3. :mod:`.amortized`: between curvature refreshes, the lean step along a frozen

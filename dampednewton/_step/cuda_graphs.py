@@ -21,8 +21,7 @@ Outputs = TypeVar("Outputs")
 RECORDING_FAILED = (
     "DampedNewton could not record the packed step's math as a CUDA graph ({error}); "
     "this pack's steps run it as they are, the same steps without the single launch "
-    "(the next refresh tries again). KroneckerBasis(packed=True) without graphed=True "
-    "skips the attempt."
+    "(the next refresh tries again). KroneckerBasis(graphed=False) skips the attempt."
 )
 
 EAGER_CALLS = 1

@@ -302,17 +302,19 @@ class KroneckerSteps:
         damping = damping_value(option)
         noise_filter = group_noise_filter(option)
         basis = option.basis
+        device = batches[0].output.vectors.device
         if (
             isinstance(basis, KroneckerBasis)
-            and basis.packed
+            and basis.packs(device)
             and noise_filter is None
             and option.adaptive_damping is None
             and not with_curvature
             and packable(batches)
         ):
+            graphed = basis.graphs(device)
             pack = self._packs.get(index)
-            if pack is None or not pack.holds(batches, basis.graphed):
-                pack = self._packs[index] = PackedGroup(batches, basis.graphed)
+            if pack is None or not pack.holds(batches, graphed):
+                pack = self._packs[index] = PackedGroup(batches, graphed)
             return pack.step(damping)
         return group_step(
             batches,

@@ -124,11 +124,11 @@ def test_the_noise_filter_config_is_the_default_with_the_filter(compose_config):
 @pytest.mark.parametrize(
     "name, settings",
     [
-        ("dampednewton_packed", {"packed": True}),
-        ("dampednewton_graphed", {"packed": True, "graphed": True}),
+        ("dampednewton_packed", {"packed": True, "graphed": False}),
+        ("dampednewton_per_layer", {"packed": False}),
     ],
 )
-def test_the_packed_configs_are_the_default_packed(compose_config, name, settings):
+def test_the_layout_configs_are_the_default_laid_out(compose_config, name, settings):
     from dampednewton import KroneckerBasis
 
     cfg = compose_config([f"optimizer={name}"])

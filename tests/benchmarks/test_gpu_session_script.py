@@ -43,7 +43,10 @@ def test_the_parts_outside_all_run_on_their_own(tmp_path):
         assert (tmp_path / name).read_text() == "skipped: budget spent\n", name
     for part, name in [
         ("fmnist_2c2d_packed", "packed.txt"),
-        ("fmnist_2c2d_graphed", "graphed.txt"),
+        ("fmnist_2c2d_per_layer", "per_layer.txt"),
+        ("fmnist_2c2d_default", "dampednewton.txt"),
+        ("fmnist_2c2d_adam", "adam.txt"),
+        ("refresh_pass", "refresh_pass.md"),
         ("fmnist_2c2d_soap", "soap.txt"),
         ("fmnist_2c2d_kron", "kron.txt"),
         ("tests", "cuda-tests.txt"),

@@ -26,8 +26,10 @@ def test_the_compile_and_thread_scripts_take_every_model(model):
     cpu_threads.make_step(model, "defaults", 4)()
 
 
-@pytest.mark.parametrize("variant", ["default:packed", "default:graphed"])
-def test_the_packed_variants_take_steps(variant):
+@pytest.mark.parametrize(
+    "variant", ["default:per_layer", "default:packed", "default:graphed"]
+)
+def test_the_layout_variants_take_steps(variant):
     """``default:graphed`` is the packed step on the CPU (a CUDA graph on a GPU)."""
     step = make_step(variant, "mlp-tiny", 8, CPU)
     for _ in range(3):  # a refresh, then steps between (the graph's second step)

@@ -36,12 +36,30 @@ BASIS = {"rank": 3, "exact_size": 4}
 
 def twins(problem, device: str, dtype: torch.dtype = torch.float64):
     """The problem twice: packed, then packed and graphed (refreshes 0, 1, 3, 7)."""
+    return trainings(
+        problem,
+        device,
+        [
+            KroneckerBasis(**BASIS, packed=True, graphed=False),
+            KroneckerBasis(**BASIS, packed=True, graphed=True),
+        ],
+        dtype,
+    )
+
+
+def trainings(
+    problem,
+    device: str,
+    bases: list[KroneckerBasis],
+    dtype: torch.dtype = torch.float64,
+):
+    """The problem once per basis, each optimizer beside its case."""
     runs = []
-    for graphed in (False, True):
+    for basis in bases:
         case = build_case(problem, dtype, device)
         optimizer = DampedNewton(
             case.model.parameters(),
-            basis=KroneckerBasis(**BASIS, packed=True, graphed=graphed),
+            basis=basis,
             averaging=CurvatureAveraging(interval=100),
             seed=0,
         )
@@ -88,6 +106,32 @@ def test_graphed_steps_are_the_packed_steps(problem, device):
     # Past step 7's refresh: eager once, recorded on the next step, replayed since.
     assert replaying(graphed) == (device == "cuda")
     assert not replaying(packed)
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_the_default_layout_is_packed_and_graphed_on_cuda_devices_only(device_type):
+    device, on_cuda = torch.device(device_type), device_type == "cuda"
+    assert KroneckerBasis().packs(device) == KroneckerBasis().graphs(device) == on_cuda
+    assert KroneckerBasis(packed=True).packs(device)
+    assert KroneckerBasis(packed=True).graphs(device) == on_cuda
+    assert not KroneckerBasis(packed=True, graphed=False).graphs(device)
+    assert not KroneckerBasis(packed=False).packs(device)
+    assert KroneckerBasis(graphed=True).packs(device) == on_cuda
+
+
+def test_the_default_basis_steps_as_the_devices_layout(device):
+    """By shape on the CPU; packed and replayed as CUDA graphs on a CUDA device."""
+    on_cuda = device == "cuda"
+    explicit = KroneckerBasis(**BASIS, packed=on_cuda, graphed=on_cuda)
+    (default, first), (laid_out, second) = trainings(
+        case_by_id("cnn-ce"), device, [KroneckerBasis(**BASIS), explicit]
+    )
+    run_steps(default, first, 10)
+    run_steps(laid_out, second, 10)
+    assert_same_steps(second.model, first.model, device)  # the same path
+    kronecker = default._pipeline.kronecker
+    assert bool(kronecker._packs) == on_cuda
+    assert not on_cuda or replaying(default)
 
 
 def test_a_new_damping_is_stepped_eagerly_then_recorded_anew(device):

@@ -239,12 +239,14 @@ def test_refused_settings_say_what_to_do():
         KroneckerBasis(rank=2.5)
     with pytest.raises(ValueError, match="exact_size >= 0"):
         KroneckerBasis(exact_size=-1)
-    with pytest.raises(TypeError, match="packed=True or False"):
+    with pytest.raises(TypeError, match=r"packed=True, False or None \(by device\)"):
         KroneckerBasis(packed=1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="graphed=True or False"):
+    with pytest.raises(TypeError, match="graphed=True, False or None"):
         KroneckerBasis(packed=True, graphed="yes")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"needs packed=True.*packed=True, graphed"):
-        KroneckerBasis(graphed=True)
+    with pytest.raises(
+        ValueError, match=r"needs the layers packed.*packed=True, graph"
+    ):
+        KroneckerBasis(packed=False, graphed=True)
     with pytest.raises(TypeError, match="basis must be"):
         DampedNewton(params, basis="kronecker")
 
