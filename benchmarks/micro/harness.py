@@ -4,10 +4,8 @@
 :func:`make_step` builds one closure-driven step of a variant (``sgd``, ``adam``,
 the peers ``soap`` and ``kron``, ``fast:<ggn>``, ``dense:<ggn>``, ``default``,
 ``default:exact``, ``default:per_layer``, ``default:packed``, ``default:graphed``);
-:func:`time_blocks` and
-:func:`round_robin_medians` time variants in alternating blocks of consecutive steps,
-synchronized by
-:class:`benchmarks.measure.Stopwatch`.
+:func:`time_blocks` and :func:`round_robin_medians` time variants in alternating
+blocks of consecutive steps, synchronized by :class:`benchmarks.measure.Stopwatch`.
 """
 
 from __future__ import annotations
