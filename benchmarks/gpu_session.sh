@@ -15,6 +15,8 @@
 #   phases: the defaults' step between refreshes, refresh and rotating refresh apart
 #     (time, kernels, syncs, busy time of each);
 #   refresh_pass: the refreshes through torch.autograd.grad against BackPACK's pass;
+#   graph_memory: the memory the CUDA default's graphs hold, early and late in a run,
+#     and its peak, against the packed and the per-layer step;
 #   solvers: eigh and QR of the refreshes' shapes on the device and on the host;
 #   compile: the in-between step's math eager, compiled and as CUDA graphs;
 #   step_cost: step cost with peak memory;
@@ -135,6 +137,10 @@ part() {
       run 90 "$out/refresh_pass.md" python3 -m benchmarks.micro.refresh_pass \
         --models mlp-tiny mlp 3c3d --steps 150
       cat "$out/refresh_pass.md" ;;
+    graph_memory)
+      run 120 "$out/graph_memory.md" python3 -m benchmarks.micro.graph_memory \
+        --models mlp 3c3d --steps 300
+      cat "$out/graph_memory.md" ;;
     solvers)
       run 60 "$out/solvers.md" python3 -m benchmarks.micro.eigensolvers
       cat "$out/solvers.md" ;;
@@ -149,8 +155,9 @@ part() {
       cat "$out/step_cost.txt" ;;
     *)
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
-        "(PART: checks tests profile phases refresh_pass solvers compile step_cost" \
-        "fmnist_2c2d fmnist_2c2d_default fmnist_2c2d_adam fmnist_2c2d_peers fmnist_2c2d_soap fmnist_2c2d_kron fmnist_2c2d_sgd" \
+        "(PART: checks tests profile phases refresh_pass graph_memory solvers compile" \
+        "step_cost fmnist_2c2d fmnist_2c2d_default fmnist_2c2d_adam" \
+        "fmnist_2c2d_peers fmnist_2c2d_soap fmnist_2c2d_kron fmnist_2c2d_sgd" \
         "fmnist_2c2d_packed fmnist_2c2d_per_layer)" >&2
       exit 2 ;;
   esac

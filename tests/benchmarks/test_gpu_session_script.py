@@ -47,6 +47,7 @@ def test_the_parts_outside_all_run_on_their_own(tmp_path):
         ("fmnist_2c2d_default", "dampednewton.txt"),
         ("fmnist_2c2d_adam", "adam.txt"),
         ("refresh_pass", "refresh_pass.md"),
+        ("graph_memory", "graph_memory.md"),
         ("fmnist_2c2d_soap", "soap.txt"),
         ("fmnist_2c2d_kron", "kron.txt"),
         ("tests", "cuda-tests.txt"),

@@ -196,6 +196,25 @@ def test_a_half_precision_model_steps_graphed_as_packed():
 
 
 @pytest.mark.cuda
+def test_a_refresh_frees_the_replaced_packs_graph():
+    """Every third step a refresh, then a new pack recorded on its second step."""
+    case = build_case(case_by_id("cnn-ce"), torch.float64, "cuda")
+    graphed = DampedNewton(
+        case.model.parameters(),
+        basis=KroneckerBasis(**BASIS),  # packed and graphed on a CUDA device
+        averaging=CurvatureAveraging(interval=3, ramp=False),
+        seed=0,
+    )
+    run_steps(graphed, case, 9)  # refreshes at 0, 3, 6; recordings at 2, 5, 8
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    run_steps(graphed, case, 30)  # ten more refreshes and recordings
+    torch.cuda.synchronize()
+    assert replaying(graphed)
+    assert torch.cuda.memory_allocated() <= allocated
+
+
+@pytest.mark.cuda
 def test_replays_compute_the_function_of_the_buffers_current_values():
     generator = torch.Generator(device="cuda").manual_seed(0)
     buffer = torch.randn(16, 8, device="cuda", dtype=torch.float64, generator=generator)
