@@ -147,7 +147,7 @@ class PackedLayers:
         for index, basis in enumerate(self.layers):
             rows, columns = _block(basis)
             views += basis.split(direction[index, :rows, :columns])
-        if self._graphed:  # a replay writes into the same tensor
+        if self.replaying:  # a replay writes into the same tensor
             self._views = (direction, views)
         return views
 
