@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from backpack import extend
@@ -140,14 +140,14 @@ def parameter_difference(first: DampedNewton, second: DampedNewton) -> float:
     return max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """Print the compiled variants' agreement, compile times and medians."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp", choices=MODELS)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     # Four variants compile the one function: past TorchDynamo's default of 8 cache

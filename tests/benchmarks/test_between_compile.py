@@ -41,3 +41,33 @@ def test_training_with_other_math_runs_it_in_every_step():
     assert len(calls) == WARM_STEPS
     assert parameter_difference(other, eager) == 0  # the same function, eagerly
     assert kronecker.group_step is group_step  # put back after each step
+
+
+@pytest.mark.slow
+def test_a_failed_training_is_reported_and_the_math_still_timed(monkeypatch, capsys):
+    """A training with compiled math that fails (CUDA graph trees did on an H100)."""
+    from benchmarks.micro import between_compile
+
+    def failing(model_name, batch_size, device, math=group_step):
+        if math is not group_step:
+            raise RuntimeError("accessing tensor output of CUDAGraphs")
+        return trained(model_name, batch_size, device)
+
+    monkeypatch.setattr(between_compile, "trained", failing)
+    between_compile.main(["--model", "mlp-tiny", "--batch-size", "8", "--repeats", "2"])
+    out = capsys.readouterr().out
+    assert "training with math compiled: failed" in out
+    assert "training with math graphs: failed" in out
+    rows = [
+        line.split("|")[1].strip()
+        for line in out.splitlines()
+        if line.startswith("| ") and not line.startswith("| ---")
+    ]
+    assert rows == [
+        "variant",
+        "sgd step",
+        "default step",
+        "math eager",
+        "math compiled",
+        "math graphs",
+    ]  # the one table: no training variant to time
