@@ -215,6 +215,15 @@ def test_a_refresh_frees_the_replaced_packs_graph():
 
 
 @pytest.mark.cuda
+def test_recordings_share_one_capture_stream_per_device():
+    """A stream per recording would each keep a cuBLAS workspace for the process."""
+    stream = cuda_graphs.capture_stream(torch.device("cuda"))
+    index = torch.cuda.current_device()
+    assert cuda_graphs.capture_stream(torch.device("cuda", index)) is stream
+    assert stream != torch.cuda.current_stream()
+
+
+@pytest.mark.cuda
 def test_replays_compute_the_function_of_the_buffers_current_values():
     generator = torch.Generator(device="cuda").manual_seed(0)
     buffer = torch.randn(16, 8, device="cuda", dtype=torch.float64, generator=generator)
