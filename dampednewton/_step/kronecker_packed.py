@@ -52,7 +52,8 @@ class PackedLayers:
 
         Args:
             batches: Layer batches of one refresh (one dtype, one device).
-            graphed: Replay the math as a CUDA graph (on a CUDA device).
+            graphed: Replay the math as a CUDA graph (the caller's choice, on a CUDA
+                device only: :meth:`KroneckerBasis.graphs`).
         """
         self.batches = tuple(batches)
         self.layers: list[LayerBasis] = [
@@ -77,7 +78,7 @@ class PackedLayers:
         self._coefficients: tuple[float, LayerCoefficients] | None = None
         self._no_curvature = like.new_full((), math.nan)
         self._views: tuple[Tensor, list[tuple[Tensor, Tensor]]] | None = None
-        self._graphed = graphed and like.device.type == "cuda"
+        self._graphed = graphed
         self._replayed: tuple[float, ReplayedMath[tuple[Tensor, Tensor]]] | None = None
 
     @property
@@ -182,7 +183,7 @@ class PackedGroup:
 
         Args:
             batches: The group's layer batches of one refresh (one dtype, one device).
-            graphed: Replay each pack's math as a CUDA graph (on a CUDA device).
+            graphed: Replay each pack's math as a CUDA graph (on a CUDA device only).
         """
         self.batches = tuple(batches)
         self.graphed = graphed
