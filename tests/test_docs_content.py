@@ -104,3 +104,28 @@ def test_relative_links_resolve(path):
         assert resolved.exists(), f"{path.name}: {link} does not exist"
         if anchor:
             assert anchor in _anchors(resolved), f"{path.name}: no heading #{anchor}"
+
+
+def _cell_counts(text: str) -> list[tuple[int, int, int]]:
+    r"""``(line, cells, header cells)`` of every table row, pipes escaped as ``\|``."""
+    counts, header = [], None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = len(re.split(r"(?<!\\)\|", line.strip())) - 2
+        header = cells if header is None else header
+        counts.append((number, cells, header))
+    return counts
+
+
+def test_cell_counts_see_an_unescaped_pipe():
+    table = "| a | b |\n| --- | --- |\n| `x \\| y` | z |\n| `|x|` | z |\n"
+    assert _cell_counts(table) == [(1, 2, 2), (2, 2, 2), (3, 2, 2), (4, 4, 2)]
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda path: path.name)
+def test_table_rows_have_the_header_cells(path):
+    r"""A ``|`` inside a table cell, code spans included, must be escaped as ``\|``."""
+    wrong = [row for row in _cell_counts(path.read_text()) if row[1] != row[2]]
+    assert not wrong, f"{path.name}: (line, cells, header cells) {wrong}"
