@@ -6,23 +6,26 @@ layer's gradient projected on its stored eigenbases, a noise filter's moments,
 the damped step and the group's slope), one host read and the update. Only that math
 is a candidate for ``torch.compile``: the closure is the user's and the host read
 ends any CUDA graph. This script trains the MLP 784-128-128-10 (N=128) with the
-defaults past a refresh, then times, in alternating blocks on one process
-(:func:`benchmarks.micro.harness.round_robin_medians`):
+defaults by shape (``KroneckerBasis(packed=False)``, the only layout that calls
+``group_step``: a packed step, the CUDA default, runs its own math, which it records
+as CUDA graphs itself) past a refresh, then times, in alternating blocks on one
+process (:func:`benchmarks.micro.harness.round_robin_medians`):
 
-* ``sgd step`` and ``default step``: whole training steps, for scale;
+* ``sgd step``, ``default step`` (the device's default layout) and ``by-shape step``:
+  whole training steps, for scale;
 * ``math eager``: ``group_step`` on the stored bases and the last gradients;
 * ``math compiled``: ``torch.compile(group_step)`` (Inductor's fused kernels);
 * ``math graphs``: ``torch.compile(group_step, mode="reduce-overhead")`` (CUDA
   graphs on a GPU; on the CPU the same as ``compiled``);
-* ``default step, math compiled`` and ``default step, math graphs``: whole training
+* ``by-shape step, math compiled`` and ``by-shape step, math graphs``: whole training
   steps of the same model whose optimizer runs the compiled math in place of
   ``group_step`` (trained ``WARM_STEPS`` steps from the same start; a variant whose
   training fails is reported and left out), in a second table after the others.
 
 It first checks that the compiled variants give the eager directions and, after
-training, parameters near the eager run's (float32 round-off grows over the steps),
-and prints each variant's first calls (the compilation) and TorchDynamo's graph
-breaks.
+training, parameters near the eager run's after as many steps (taken before any
+timing; float32 round-off grows over the steps), and prints each variant's first
+calls (the compilation) and TorchDynamo's graph breaks.
 
     python -m benchmarks.micro.between_compile --threads 1
 """
@@ -46,7 +49,7 @@ from benchmarks.micro.harness import (
     plain_step,
     round_robin_medians,
 )
-from dampednewton import DampedNewton
+from dampednewton import DampedNewton, KroneckerBasis
 from dampednewton._step import kronecker
 from dampednewton._step.kronecker import damping_value
 from dampednewton._step.kronecker_group import (
@@ -67,11 +70,13 @@ def trained(
     batch_size: int,
     device: torch.device,
     math: Callable[..., KroneckerGroupStep] = group_step,
+    packed: bool | None = False,
 ):
-    """A default DampedNewton after ``WARM_STEPS`` steps, its step and SGD's.
+    """A DampedNewton after ``WARM_STEPS`` steps, its step and SGD's.
 
-    Its steps run ``math`` in place of ``group_step`` (eager or compiled); every
-    call builds the same model, data and optimizer.
+    The defaults, by shape unless ``packed`` says otherwise (``None``: the device's
+    default layout). Its steps run ``math`` in place of ``group_step`` (eager or
+    compiled); every call builds the same model, data and optimizer.
     """
     generator = torch.Generator().manual_seed(0)
     shape = (batch_size, *input_shape(model_name))
@@ -79,7 +84,8 @@ def trained(
     y = torch.randint(NUM_CLASSES, (batch_size,), generator=generator).to(device)
     model = extend(MODELS[model_name]().to(device))
     loss_fn = extend(nn.CrossEntropyLoss())
-    optimizer = DampedNewton(model.parameters(), seed=0)
+    basis = KroneckerBasis(packed=packed)
+    optimizer = DampedNewton(model.parameters(), basis=basis, seed=0)
     step = with_math(closure_step(optimizer, model, loss_fn, X, y), math)
     for _ in range(WARM_STEPS):
         step()
@@ -133,10 +139,16 @@ def largest_relative_difference(
     return max(((a - b).abs().max() / b.abs().max()).item() for (_, a), (_, b) in pairs)
 
 
-def parameter_difference(first: DampedNewton, second: DampedNewton) -> float:
-    """``max |θ₁ − θ₂| / max |θ₂|`` over the parameters of two optimizers."""
-    params = first.param_groups[0]["params"], second.param_groups[0]["params"]
-    pairs = zip(*params, strict=True)
+def parameters(optimizer: DampedNewton) -> list[torch.Tensor]:
+    """Copies of the first group's parameters (a snapshot before further steps)."""
+    return [p.detach().clone() for p in optimizer.param_groups[0]["params"]]
+
+
+def parameter_difference(
+    first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]
+) -> float:
+    """``max |θ₁ − θ₂| / max |θ₂|`` over two lists of parameters."""
+    pairs = zip(first, second, strict=True)
     return max(((a - b).abs().max() / b.abs().max()).item() for a, b in pairs)
 
 
@@ -154,7 +166,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # entries a variant would run eagerly, unnoticed.
     torch._dynamo.config.cache_size_limit = 64
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    optimizer, dn_step, sgd_step = trained(args.model, args.batch_size, device)
+    optimizer, by_shape_step, sgd_step = trained(args.model, args.batch_size, device)
+    eager_parameters = parameters(optimizer)  # before the timing steps it further
+    _, default_step, _ = trained(args.model, args.batch_size, device, packed=None)
     arguments = math_arguments(optimizer)
     compiled = torch.compile(group_step)
     graphs = torch.compile(group_step, mode="reduce-overhead")
@@ -175,7 +189,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     explanation = torch._dynamo.explain(group_step)(*arguments)
     print(f"TorchDynamo: {explanation.graph_count} graphs,", end=" ")
     print(f"{explanation.graph_break_count} breaks")
-    timed = {"sgd step": sgd_step, "default step": dn_step, **variants}
+    scale = {
+        "sgd step": sgd_step,
+        "default step": default_step,
+        "by-shape step": by_shape_step,
+    }
+    timed = {**scale, **variants}
     print_medians(timed, device, args)
     # The same training with the math compiled inside the optimizer's steps, timed
     # apart: a training that fails inside CUDA graph trees can leave them unusable
@@ -188,16 +207,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         except Exception as error:  # report and time the others
             print(f"training with math {name}: failed ({error!r:.300})")
             continue
-        gap = parameter_difference(other, optimizer)
+        gap = parameter_difference(parameters(other), eager_parameters)
         print(f"training with math {name}: {WARM_STEPS} steps, parameters", end=" ")
         print(f"{gap:.1e} relative from eager")
-        steps[f"default step, math {name}"] = step
+        steps[f"by-shape step, math {name}"] = step
     stats = torch._dynamo.utils.counters["stats"]
     print(f"TorchDynamo compiled {stats['unique_graphs']} graphs in all")
     if steps:
-        print_medians(
-            {"sgd step": sgd_step, "default step": dn_step, **steps}, device, args
-        )
+        print_medians({**scale, **steps}, device, args)
 
 
 def print_medians(

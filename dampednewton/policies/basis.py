@@ -82,8 +82,7 @@ class KroneckerBasis:
             math's kernels. On a CPU the packed math runs as it is. ``None`` (the
             default): graphed wherever packed (on an H100, packed and graphed steps
             reached 0.9 on fmnist_2c2d 1.2-1.3x sooner than unpacked ones, at a peak
-            memory of 1,785 against 659 MiB before recordings shared one stream,
-            docs/performance.md).
+            memory of 793 against 659 MiB, docs/performance.md).
     """
 
     rank: int = DEFAULT_KRONECKER_RANK
