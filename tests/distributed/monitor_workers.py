@@ -31,6 +31,7 @@ from dampednewton.diagnostics import (
     GradientParameterHistogram,
     NoiseScale,
 )
+from tests.distributed.spawning import process_group
 from tests.distributed.workers import LOCAL_BATCH, global_batch, make_model
 
 
@@ -95,10 +96,7 @@ def run_rank(
 ) -> None:
     """One rank of a job; saves the monitor's records and bytes received."""
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
-    try:
+    with process_group(rank, world_size, init_file):
         results = monitored(job, world_size, rank)
         results["refuses_other_group"] = job.in_optimizer and _refuses_other_group(
             world_size
@@ -106,8 +104,6 @@ def run_rank(
         torch.save(results, os.path.join(out, f"{rank}.pt"))
         # No rank tears the groups down while another still connects the new one.
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def monitored(job: MonitorJob, world_size: int, rank: int | None) -> dict[str, Any]:

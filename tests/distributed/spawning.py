@@ -2,12 +2,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import datetime
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+TIMEOUT = datetime.timedelta(seconds=120)
+"""How long a rank waits for the others in a collective before failing its test."""
+
+
+@contextmanager
+def process_group(rank: int, world_size: int, init_file: str) -> Iterator[None]:
+    """A rank's gloo process group for the block, torn down in the same order always.
+
+    On exit, after an error too: the garbage collector first, so that DDP's
+    reducer, the group it holds and its communication hooks' futures (reference
+    cycles) die while the group still exists, not at interpreter teardown, where
+    gloo's threads aborted ranks with SIGABRT ("terminate called without an active
+    exception": the two-rank bytes test, then the monitor's Monte-Carlo trace
+    test, whose workers lacked this); then the group.
+    """
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world_size,
+        timeout=TIMEOUT,  # a rank left waiting fails the test
+    )
+    try:
+        yield
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def spawn_ranks(

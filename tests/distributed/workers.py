@@ -8,8 +8,6 @@ saves what the test compares to ``<out>/<rank>.pt``.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import gc
 import os
 import warnings
 from collections.abc import Callable
@@ -30,7 +28,7 @@ from dampednewton.backpack.seeding import SeededGenerator
 from dampednewton.math import sampling as sampling_functions
 from dampednewton.math.sampling import sampled_cross_entropy_gradients
 from dampednewton.math.traffic import Route
-from tests.distributed.spawning import spawn_ranks
+from tests.distributed.spawning import process_group, spawn_ranks
 
 LOCAL_BATCH = 4
 SEED = 0
@@ -248,20 +246,10 @@ def run_rank(rank: int, world_size: int, init_file: str, out: str, job: Job) -> 
     if job.route is not None:
         forced = Route(job.route)
         dampednewton.backpack.global_batch.cheaper_route = lambda shapes: forced
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),  # a rank left waiting fails the test
-    )
-    try:
+    with process_group(rank, world_size, init_file):
         results = _train(rank, world_size, job, Path(out))
         torch.save(results, os.path.join(out, f"{rank}.pt"))
         dist.barrier()  # no rank closes its group while another still reads from it
-    finally:
-        gc.collect()  # DDP's reducer (a reference cycle) dies before its group
-        dist.destroy_process_group()
 
 
 def _train(rank: int, world_size: int, job: Job, out: Path) -> dict[str, Any]:
@@ -347,10 +335,7 @@ def run_created_before_init(
     torch.set_num_threads(1)
     model = make_model(job.model)
     optimizer = make_optimizer(model, job.options)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
-    try:
+    with process_group(rank, world_size, init_file):
         inputs, labels = _local(job, world_size, rank, 0)
         closure = _closure(model, optimizer, make_loss(job.model), inputs, labels, job)
         before = _flat(model)
@@ -362,8 +347,6 @@ def run_created_before_init(
         result = {"error": error, "unchanged": torch.equal(before, _flat(model))}
         torch.save(result, os.path.join(out, f"{rank}.pt"))
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _raising_after(closure: Callable[[], Tensor]) -> Callable[[], Tensor]:
