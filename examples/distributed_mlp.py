@@ -9,6 +9,7 @@ same parameters. Run without ``torchrun`` it trains on one process.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -72,6 +73,9 @@ def main() -> None:
             f"{twin_losses[-1]:.4f}; the same parameters"
         )
     dist.barrier()  # no rank closes its group while another still reads from it
+    # DDP's reducer sits in a reference cycle that holds the group: free it before
+    # the group, not at interpreter teardown, where gloo's threads can abort a rank.
+    gc.collect()
     dist.destroy_process_group()
 
 
