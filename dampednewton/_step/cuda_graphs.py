@@ -122,9 +122,9 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     of the process (32 MiB on Hopper GPUs by default): a new stream per recording,
     one per refresh, cycles through torch's 32 pooled streams and would hold up to
     about 1 GiB of workspaces (with a new stream per recording fmnist_2c2d's peak
-    was 1,075 MiB above the packed eager step's on an H100; with this one stream
-    83 MiB, docs/performance.md). ``torch.cuda.graph`` likewise keeps one default
-    capture stream.
+    was 1,785 MiB on an H100 against the packed eager step's 710; with this one
+    stream 793 MiB, docs/performance.md). ``torch.cuda.graph`` likewise keeps one
+    default capture stream.
 
     Args:
         device: A CUDA device.

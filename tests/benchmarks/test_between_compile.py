@@ -29,13 +29,19 @@ def test_compiled_math_between_refreshes_matches_eager():
     assert eager.slope.item() < 0  # a descent direction
 
 
-def test_training_with_other_math_runs_it_in_every_step():
-    calls = []
+def counting(calls: list[int]):
+    """``group_step``, appending to ``calls`` at each call."""
 
     def counted(*arguments):
         calls.append(1)
         return group_step(*arguments)
 
+    return counted
+
+
+def test_training_with_other_math_runs_it_in_every_step():
+    calls: list[int] = []
+    counted = counting(calls)
     device = torch.device("cpu")
     other, _, _ = trained("mlp", 16, device, math=counted)
     eager, _, _ = trained("mlp", 16, device)
@@ -50,13 +56,8 @@ def test_packed_steps_run_their_own_math():
 
     So the script compares by shape: swapping it would time the same step twice.
     """
-    calls = []
-
-    def counted(*arguments):
-        calls.append(1)
-        return group_step(*arguments)
-
-    trained("mlp-tiny", 8, torch.device("cpu"), math=counted, packed=True)
+    calls: list[int] = []
+    trained("mlp-tiny", 8, torch.device("cpu"), math=counting(calls), packed=True)
     assert calls == []
 
 
