@@ -76,6 +76,39 @@ def mlp_repeated(generator: torch.Generator) -> nn.Module:
     return initialize(model, generator)
 
 
+def mlp_smooth(generator: torch.Generator) -> nn.Module:
+    # Activations the package adds to BackPACK's (GELU, SiLU, Mish); the two hidden
+    # Linear(4, 4) share a shape.
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Linear(5, 4),
+            nn.GELU(),
+            nn.Linear(4, 4),
+            nn.SiLU(),
+            nn.Linear(4, 4),
+            nn.Mish(),
+            nn.Linear(4, NUM_CLASSES),
+        )
+    return initialize(model, generator)
+
+
+def mlp_smooth_branches(generator: torch.Generator) -> nn.Module:
+    # The other added activations, with curvature of their own: GELU's tanh
+    # approximation, a Softplus whose linear branch some inputs reach (βx > 1),
+    # Hardswish.
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Linear(5, 4),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(4, 4),
+            nn.Softplus(beta=2.0, threshold=1.0),
+            nn.Linear(4, 4),
+            nn.Hardswish(),
+            nn.Linear(4, NUM_CLASSES),
+        )
+    return initialize(model, generator)
+
+
 def cnn(generator: torch.Generator) -> nn.Module:
     # [N, 1, 6, 6] -> conv [N, 2, 4, 4] -> pool [N, 2, 2, 2] -> flatten [N, 8]
     with torch.device("meta"):

@@ -5,7 +5,8 @@ samples, C ≤ 3 outputs, D ≤ 405 parameters) that the full D×D GGN and its
 eigendecomposition are instant. Parameters and data are drawn from a local
 ``torch.Generator`` seeded with the problem's seed; the global RNG is never touched
 (modules are created on the meta device, so torch's default initialization does not
-run). All modules are supported by BackPACK's ``SqrtGGNExact`` and ``BatchGrad``.
+run). All modules are supported by BackPACK's ``SqrtGGNExact`` and ``BatchGrad``, or
+by the activations the package adds to them (``dampednewton/backpack/activations.py``).
 
 Each problem is tagged with the suites that use it; ``PROBLEMS``,
 ``DIAGNOSTICS_PROBLEMS`` and ``KRONECKER_PROBLEMS`` are the tagged selections of
@@ -257,6 +258,16 @@ CASES: list[Problem] = [
         seed=9,
         tags=frozenset({KRONECKER}),
     ),
+    # N=5, C=3, D=79: GELU, SiLU and Mish, which BackPACK lacks (the package's
+    # derivatives, dampednewton/backpack/activations.py).
+    Problem(
+        "mlp-smooth-ce",
+        models.mlp_smooth,
+        _cross_entropy,
+        Classification((5, 5)),
+        seed=17,
+        tags=_STEP,
+    ),
     # Diagnostics: N ≥ 6, ReLU or sigmoid MLPs and a small CNN.
     Problem(
         "mlp-relu-ce-n8",
@@ -298,6 +309,16 @@ CASES: list[Problem] = [
         _bce_with_logits,
         _soft_multilabel_8x5,
         seed=16,
+        tags=_DIAGNOSTICS,
+    ),
+    # GELU (tanh), Softplus and Hardswish: the package's second derivatives enter
+    # the Hessian's diagonal.
+    Problem(
+        "mlp-smooth-mse-n7",
+        models.mlp_smooth_branches,
+        _mse,
+        Regression((7, 5)),
+        seed=18,
         tags=_DIAGNOSTICS,
     ),
     # Sigmoid has curvature of its own, so the Hessian differs from the GGN.

@@ -10,11 +10,13 @@ import re
 from pathlib import Path
 
 import pytest
-from backpack.extensions import BatchGrad, SqrtGGNExact, SqrtGGNMC
+from backpack.extensions import BatchGrad, SqrtGGNExact
 from torch.nn.modules.loss import _Loss
 
 import dampednewton
 import dampednewton.diagnostics
+from dampednewton.backpack.activations import ACTIVATIONS
+from dampednewton.backpack.extensions import ExactSqrtGGN, MonteCarloSqrtGGN
 from dampednewton.backpack.layers import LAYERS
 from dampednewton.backpack.private import registered_module_types
 from tests.markdown import ROOT
@@ -66,17 +68,23 @@ def _default(target, name: str, parameters) -> object:
 def test_supported_layers_are_the_registries():
     """The table of docs/usage.md lists what the square-root extensions handle."""
     rows = table_rows(DOCS / "usage.md", "## Supported layers")
-    structured, other_parametrized, parameter_free, losses = (
+    structured, other_parametrized, parameter_free, added, losses = (
         set(re.findall(r"`(\w+)`", row[1])) for row in rows
     )
-    exact = set(registered_module_types(SqrtGGNExact()))
-    assert exact == set(registered_module_types(SqrtGGNMC()))
+    # The package's square-root extensions: BackPACK's modules and the activations
+    # the package adds (dampednewton/backpack/activations.py).
+    exact = set(registered_module_types(ExactSqrtGGN()))
+    assert exact == set(registered_module_types(MonteCarloSqrtGGN(1)))
+    assert exact == set(registered_module_types(SqrtGGNExact())) | set(ACTIVATIONS)
     parametrized = exact & set(registered_module_types(BatchGrad()))
     loss_types = {cls for cls in exact if issubclass(cls, _Loss)}
     assert structured == {cls.__name__ for cls in LAYERS}
     assert structured | other_parametrized == {cls.__name__ for cls in parametrized}
     assert not structured & other_parametrized
-    assert parameter_free == {cls.__name__ for cls in exact - parametrized - loss_types}
+    assert added == {cls.__name__ for cls in ACTIVATIONS}
+    assert parameter_free | added == {
+        cls.__name__ for cls in exact - parametrized - loss_types
+    }
     assert losses == {cls.__name__ for cls in loss_types}
 
 

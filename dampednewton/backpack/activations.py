@@ -1,0 +1,137 @@
+"""Element-wise activations beyond BackPACK's own (GELU, SiLU, Softplus, Mish, …).
+
+BackPACK back-propagates its square roots and diagonals through parameter-free
+modules with a module extension per type, and has none for these activations, so a
+model with them was refused. Their derivatives (:mod:`dampednewton.math.activations`)
+enter BackPACK's :class:`ElementwiseDerivatives`, and :func:`use_activations`
+registers them on each second-order extension the package creates: the GGN's square
+roots (exact and Monte-Carlo: the optimizer and the computations) and the curvature
+traces' diagonals (GGN and Hessian). First-order extensions need no module
+extension for a parameter-free module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from backpack.core.derivatives.elementwise import ElementwiseDerivatives
+from backpack.extensions import (
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+    SqrtGGNExact,
+    SqrtGGNMC,
+)
+from backpack.extensions.backprop_extension import BackpropExtension
+from backpack.extensions.secondorder.diag_ggn.diag_ggn_base import DiagGGNBaseModule
+from backpack.extensions.secondorder.diag_hessian.diag_h_base import DiagHBaseModule
+from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
+from backpack.utils.subsampling import subsample
+from torch import Tensor
+from torch.nn import GELU, Hardswish, Mish, Module, SiLU, Softplus
+
+from dampednewton.backpack.savefields import module_input
+from dampednewton.math import activations
+
+Derivatives = Callable[[Module, Tensor], tuple[Tensor, Tensor]]
+"""``(module, input) -> (f'(input), f''(input))``."""
+
+
+def _gelu(module: Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    assert isinstance(module, GELU)
+    return activations.gelu(x, module.approximate)
+
+
+def _silu(module: Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    return activations.silu(x)
+
+
+def _softplus(module: Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    assert isinstance(module, Softplus)
+    return activations.softplus(x, module.beta, module.threshold)
+
+
+def _mish(module: Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    return activations.mish(x)
+
+
+def _hardswish(module: Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    return activations.hardswish(x)
+
+
+ACTIVATIONS: dict[type[Module], Derivatives] = {
+    GELU: _gelu,
+    SiLU: _silu,
+    Softplus: _softplus,
+    Mish: _mish,
+    Hardswish: _hardswish,
+}
+"""The activations the package adds, with their derivatives."""
+
+
+class ActivationDerivatives(ElementwiseDerivatives):
+    """BackPACK's element-wise derivatives from one entry of :data:`ACTIVATIONS`."""
+
+    def __init__(self, derivatives: Derivatives):
+        """Keep the derivatives.
+
+        Args:
+            derivatives: ``(module, input) -> (f', f'')``.
+        """
+        super().__init__()
+        self._derivatives = derivatives
+
+    def hessian_is_zero(self, module: Module) -> bool:
+        """None of these activations is piece-wise linear."""
+        return False
+
+    def df(
+        self,
+        module: Module,
+        g_inp: tuple[Tensor],
+        g_out: tuple[Tensor],
+        subsampling: list[int] | None = None,
+    ) -> Tensor:
+        """``f'`` at the module's stored input (its sub-sampled samples)."""
+        x = subsample(module_input(module), subsampling=subsampling)
+        return self._derivatives(module, x)[0]
+
+    def d2f(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]) -> Tensor:
+        """``f''`` at the module's stored input."""
+        return self._derivatives(module, module_input(module))[1]
+
+
+MODULE_EXTENSIONS: dict[type[BackpropExtension], type] = {
+    SqrtGGNExact: SqrtGGNBaseModule,
+    SqrtGGNMC: SqrtGGNBaseModule,
+    DiagGGNExact: DiagGGNBaseModule,
+    DiagGGNMC: DiagGGNBaseModule,
+    DiagHessian: DiagHBaseModule,
+}
+"""Each second-order extension's module-extension class for element-wise layers."""
+
+
+def use_activations(extension: BackpropExtension) -> None:
+    """Register :data:`ACTIVATIONS` on a second-order extension.
+
+    Args:
+        extension: An instance of (a subclass of) a key of :data:`MODULE_EXTENSIONS`.
+
+    Raises:
+        TypeError: For another extension.
+    """
+    base = next(
+        (
+            module_extension
+            for kind, module_extension in MODULE_EXTENSIONS.items()
+            if isinstance(extension, kind)
+        ),
+        None,
+    )
+    if base is None:
+        raise TypeError(
+            f"No element-wise module extensions for {type(extension).__name__}."
+        )
+    for module_class, derivatives in ACTIVATIONS.items():
+        module_extension = base(derivatives=ActivationDerivatives(derivatives))
+        extension.set_module_extension(module_class, module_extension, overwrite=True)

@@ -1,0 +1,154 @@
+"""The activations the package adds to BackPACK: derivatives, registration, a step.
+
+The first and second derivatives are checked against torch's autograd of the
+modules themselves in float64, on inputs that cover every branch (Softplus' linear
+part, Hardswish's three pieces and their edges); the float64 problems of
+``tests/cases.py`` (``mlp-smooth-ce``, ``mlp-smooth-mse-n7``) check the GGN, the steps
+and the curvature traces through them against the brute-force references.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backpack import backpack, extend
+from backpack.extensions import (
+    BatchGrad,
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+    SqrtGGNExact,
+    SqrtGGNMC,
+)
+from torch import Tensor, nn
+
+from dampednewton import DampedNewton
+from dampednewton.backpack.activations import ACTIVATIONS, use_activations
+from dampednewton.backpack.extensions import ExactSqrtGGN, MonteCarloSqrtGGN
+from dampednewton.backpack.private import registered_module_types
+from tests.assertions import assert_close
+
+MODULES = [
+    nn.GELU(),
+    nn.GELU(approximate="tanh"),
+    nn.SiLU(),
+    nn.Softplus(),
+    nn.Softplus(beta=2.0, threshold=1.0),
+    nn.Mish(),
+    nn.Hardswish(),
+]
+
+
+def autograd_derivatives(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    """``f'`` and ``f''`` element-wise by differentiating the module twice."""
+    x = x.clone().requires_grad_(True)
+    (first,) = torch.autograd.grad(module(x).sum(), x, create_graph=True)
+    (second,) = torch.autograd.grad(first.sum(), x)
+    return first.detach(), second
+
+
+def inputs() -> Tensor:
+    """Every branch: a wide normal sample, Hardswish's edges ±3 and around them."""
+    draws = 4 * torch.randn(200, generator=torch.Generator().manual_seed(0))
+    edges = torch.tensor([-3.5, -3.0, -2.5, 0.0, 0.4, 0.6, 2.5, 3.0, 3.5, 12.0, -12.0])
+    return torch.cat([draws, edges]).to(torch.float64)
+
+
+@pytest.mark.parametrize("module", MODULES, ids=repr)
+def test_derivatives_are_autograds(module):
+    x = inputs()
+    first, second = ACTIVATIONS[type(module)](module, x)
+    expected_first, expected_second = autograd_derivatives(module, x)
+    assert_close(first, expected_first, name="f'")
+    assert_close(second, expected_second, name="f''")
+
+
+def test_gelu_refuses_an_unknown_approximation():
+    module = nn.GELU()
+    module.approximate = "erf"
+    with pytest.raises(ValueError, match="'none' or 'tanh'"):
+        ACTIVATIONS[nn.GELU](module, torch.zeros(2))
+
+
+@pytest.mark.parametrize(
+    "extension",
+    [
+        SqrtGGNExact(),
+        SqrtGGNMC(),
+        DiagGGNExact(),
+        DiagGGNMC(),
+        DiagHessian(),
+        ExactSqrtGGN(),
+        MonteCarloSqrtGGN(1),
+    ],
+    ids=lambda extension: type(extension).__name__,
+)
+def test_registered_on_every_second_order_extension(extension):
+    use_activations(extension)
+    assert set(ACTIVATIONS) <= set(registered_module_types(extension))
+
+
+def test_the_packages_square_roots_carry_them_without_a_call():
+    for extension in (ExactSqrtGGN(), MonteCarloSqrtGGN(1)):
+        assert set(ACTIVATIONS) <= set(registered_module_types(extension))
+
+
+def test_refused_on_a_first_order_extension():
+    with pytest.raises(TypeError, match="BatchGrad"):
+        use_activations(BatchGrad())
+
+
+def test_the_square_root_backpropagates_the_jacobian_of_each():
+    """``V`` through every added activation: ``VᵀV`` is the GGN from autograd."""
+    generator = torch.Generator().manual_seed(1)
+    layers: list[nn.Module] = []
+    for module in MODULES:
+        layers += [nn.Linear(3, 3), module]
+    model = nn.Sequential(*layers, nn.Linear(3, 2)).double()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 1.5)
+    X = torch.randn(4, 3, generator=generator, dtype=torch.float64)
+    y = torch.randn(4, 2, generator=generator, dtype=torch.float64)
+    params = list(model.parameters())
+    # MSE: the loss Hessian is 2/(N·C) per output, so the GGN is (2/(N·C)) JᵀJ.
+    jacobians = torch.autograd.functional.jacobian(
+        lambda *theta: torch.func.functional_call(
+            model, dict(zip(dict(model.named_parameters()), theta, strict=True)), (X,)
+        ),
+        tuple(params),
+    )
+    jacobian = torch.cat([j.flatten(start_dim=2) for j in jacobians], dim=2)
+    jacobian = jacobian.flatten(end_dim=1)  # [N·C, D]
+    expected = 2 / y.numel() * jacobian.T @ jacobian
+    model, loss_fn = extend(model), extend(nn.MSELoss())
+    with backpack(ExactSqrtGGN()):
+        loss_fn(model(X), y).backward()
+    roots = torch.cat([p.sqrt_ggn_exact.flatten(start_dim=2) for p in params], dim=2)
+    roots = roots.flatten(end_dim=1)
+    assert_close(roots.T @ roots, expected, name="VᵀV vs. the GGN")
+
+
+def test_a_gelu_network_trains_with_the_defaults():
+    generator = torch.Generator().manual_seed(2)
+    X = torch.randn(64, 6, generator=generator)
+    y = (X[:, 0] + X[:, 1] * X[:, 2] > 0).long()
+    torch.manual_seed(0)  # module initialization
+    model = extend(
+        nn.Sequential(
+            nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.SiLU(), nn.Linear(16, 2)
+        )
+    )
+    loss_fn = extend(nn.CrossEntropyLoss())
+    optimizer = DampedNewton(model.parameters())
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn(model(X), y)
+        loss.backward()
+        return loss
+
+    first = optimizer.step(closure).item()
+    for _ in range(30):
+        last = optimizer.step(closure).item()
+    assert last < 0.5 * first, (first, last)
