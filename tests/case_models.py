@@ -122,6 +122,20 @@ def cnn(generator: torch.Generator) -> nn.Module:
     return initialize(model, generator)
 
 
+def cnn_global_pool(generator: torch.Generator) -> nn.Module:
+    # [N, 1, 6, 6] -> conv [N, 3, 4, 4] -> global average pool [N, 3, 1, 1] ->
+    # flatten [N, 3] -> Linear: the pooling BackPACK's square roots lack.
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Conv2d(1, 3, 3),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(3, NUM_CLASSES),
+        )
+    return initialize(model, generator)
+
+
 def cnn_no_pool(generator: torch.Generator) -> nn.Module:
     # [N, 1, 5, 5] -> conv [N, 2, 3, 3] -> flatten [N, 18]
     with torch.device("meta"):

@@ -6,7 +6,8 @@ eigendecomposition are instant. Parameters and data are drawn from a local
 ``torch.Generator`` seeded with the problem's seed; the global RNG is never touched
 (modules are created on the meta device, so torch's default initialization does not
 run). All modules are supported by BackPACK's ``SqrtGGNExact`` and ``BatchGrad``, or
-by the activations the package adds to them (``dampednewton/backpack/activations.py``).
+by the modules the package adds to them (``dampednewton/backpack/activations.py``,
+``adaptive_pooling.py``).
 
 Each problem is tagged with the suites that use it; ``PROBLEMS``,
 ``DIAGNOSTICS_PROBLEMS`` and ``KRONECKER_PROBLEMS`` are the tagged selections of
@@ -266,6 +267,16 @@ CASES: list[Problem] = [
         _cross_entropy,
         Classification((5, 5)),
         seed=17,
+        tags=_STEP,
+    ),
+    # N=4, C=3, D=42: a CNN with a global average pooling head (AdaptiveAvgPool2d,
+    # registered on the square roots by dampednewton/backpack/adaptive_pooling.py).
+    Problem(
+        "cnn-gap-ce",
+        models.cnn_global_pool,
+        _cross_entropy,
+        Classification((4, 1, 6, 6)),
+        seed=19,
         tags=_STEP,
     ),
     # Diagnostics: N ≥ 6, ReLU or sigmoid MLPs and a small CNN.

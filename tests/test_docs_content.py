@@ -15,7 +15,7 @@ from torch.nn.modules.loss import _Loss
 
 import dampednewton
 import dampednewton.diagnostics
-from dampednewton.backpack.activations import ACTIVATIONS
+from dampednewton.backpack.added_modules import ADDED_MODULES
 from dampednewton.backpack.extensions import ExactSqrtGGN, MonteCarloSqrtGGN
 from dampednewton.backpack.layers import LAYERS
 from dampednewton.backpack.private import registered_module_types
@@ -72,16 +72,16 @@ def test_supported_layers_are_the_registries():
         set(re.findall(r"`(\w+)`", row[1])) for row in rows
     )
     # The package's square-root extensions: BackPACK's modules and the activations
-    # the package adds (dampednewton/backpack/activations.py).
+    # modules the package adds (dampednewton/backpack/added_modules.py).
     exact = set(registered_module_types(ExactSqrtGGN()))
     assert exact == set(registered_module_types(MonteCarloSqrtGGN(1)))
-    assert exact == set(registered_module_types(SqrtGGNExact())) | set(ACTIVATIONS)
+    assert exact == set(registered_module_types(SqrtGGNExact())) | set(ADDED_MODULES)
     parametrized = exact & set(registered_module_types(BatchGrad()))
     loss_types = {cls for cls in exact if issubclass(cls, _Loss)}
     assert structured == {cls.__name__ for cls in LAYERS}
     assert structured | other_parametrized == {cls.__name__ for cls in parametrized}
     assert not structured & other_parametrized
-    assert added == {cls.__name__ for cls in ACTIVATIONS}
+    assert added == {cls.__name__ for cls in ADDED_MODULES}
     assert parameter_free | added == {
         cls.__name__ for cls in exact - parametrized - loss_types
     }

@@ -12,7 +12,7 @@ from backpack import backpack, extend
 from backpack.extensions import BatchGrad, SqrtGGNExact
 from torch import Tensor, nn
 
-from dampednewton.backpack.activations import use_activations
+from dampednewton.backpack.added_modules import use_added_modules
 from dampednewton.backpack.extensions import ExactSqrtGGN
 from tests import reference
 from tests.assertions import assert_close
@@ -40,7 +40,7 @@ def test_references_follow_backpack_conventions(problem):
     # the package's loss derivatives take (equal to BackPACK's where it has them).
     multilabel = "multilabel" in problem.id
     sqrt_extension = ExactSqrtGGN() if multilabel else SqrtGGNExact()
-    use_activations(sqrt_extension)  # GELU, SiLU, ...: the package's derivatives
+    use_added_modules(sqrt_extension)  # GELU, SiLU, ...: the package's derivatives
     with backpack(sqrt_extension, BatchGrad()):
         loss_fn(model(X), y).backward()
     sqrt_ggn = torch.cat([p.sqrt_ggn_exact.flatten(start_dim=2) for p in params], 2)

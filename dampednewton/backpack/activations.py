@@ -3,11 +3,10 @@
 BackPACK back-propagates its square roots and diagonals through parameter-free
 modules with a module extension per type, and has none for these activations, so a
 model with them was refused. Their derivatives (:mod:`dampednewton.math.activations`)
-enter BackPACK's :class:`ElementwiseDerivatives`, and :func:`use_activations`
-registers them on each second-order extension the package creates: the GGN's square
-roots (exact and Monte-Carlo: the optimizer and the computations) and the curvature
-traces' diagonals (GGN and Hessian). First-order extensions need no module
-extension for a parameter-free module.
+enter BackPACK's :class:`ElementwiseDerivatives`
+(:class:`ActivationDerivatives`), which
+:func:`~dampednewton.backpack.added_modules.use_added_modules` registers on each
+second-order extension the package creates.
 """
 
 from __future__ import annotations
@@ -15,17 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from backpack.core.derivatives.elementwise import ElementwiseDerivatives
-from backpack.extensions import (
-    DiagGGNExact,
-    DiagGGNMC,
-    DiagHessian,
-    SqrtGGNExact,
-    SqrtGGNMC,
-)
-from backpack.extensions.backprop_extension import BackpropExtension
-from backpack.extensions.secondorder.diag_ggn.diag_ggn_base import DiagGGNBaseModule
-from backpack.extensions.secondorder.diag_hessian.diag_h_base import DiagHBaseModule
-from backpack.extensions.secondorder.sqrt_ggn.base import SqrtGGNBaseModule
 from backpack.utils.subsampling import subsample
 from torch import Tensor
 from torch.nn import GELU, Hardswish, Mish, Module, SiLU, Softplus
@@ -101,37 +89,8 @@ class ActivationDerivatives(ElementwiseDerivatives):
         return self._derivatives(module, module_input(module))[1]
 
 
-MODULE_EXTENSIONS: dict[type[BackpropExtension], type] = {
-    SqrtGGNExact: SqrtGGNBaseModule,
-    SqrtGGNMC: SqrtGGNBaseModule,
-    DiagGGNExact: DiagGGNBaseModule,
-    DiagGGNMC: DiagGGNBaseModule,
-    DiagHessian: DiagHBaseModule,
+ACTIVATION_DERIVATIVES: dict[type[Module], ActivationDerivatives] = {
+    module_class: ActivationDerivatives(derivatives)
+    for module_class, derivatives in ACTIVATIONS.items()
 }
-"""Each second-order extension's module-extension class for element-wise layers."""
-
-
-def use_activations(extension: BackpropExtension) -> None:
-    """Register :data:`ACTIVATIONS` on a second-order extension.
-
-    Args:
-        extension: An instance of (a subclass of) a key of :data:`MODULE_EXTENSIONS`.
-
-    Raises:
-        TypeError: For another extension.
-    """
-    base = next(
-        (
-            module_extension
-            for kind, module_extension in MODULE_EXTENSIONS.items()
-            if isinstance(extension, kind)
-        ),
-        None,
-    )
-    if base is None:
-        raise TypeError(
-            f"No element-wise module extensions for {type(extension).__name__}."
-        )
-    for module_class, derivatives in ACTIVATIONS.items():
-        module_extension = base(derivatives=ActivationDerivatives(derivatives))
-        extension.set_module_extension(module_class, module_extension, overwrite=True)
+"""BackPACK's derivatives of each of :data:`ACTIVATIONS`."""

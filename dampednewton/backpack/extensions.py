@@ -17,7 +17,7 @@ from torch.nn import Module
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.loss import _Loss
 
-from dampednewton.backpack.activations import use_activations
+from dampednewton.backpack.added_modules import use_added_modules
 from dampednewton.backpack.backward import check_fresh_forward
 from dampednewton.backpack.loss_checks import (
     DeferredChecks,
@@ -302,7 +302,7 @@ class ExactSqrtGGN(SqrtGGNExact):
         self.deferred_checks: DeferredChecks | None = None
         self.loss_weight: Tensor | None = None
         set_loss_extensions(self)
-        use_activations(self)
+        use_added_modules(self)
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension, translating its errors."""
@@ -345,7 +345,7 @@ class MonteCarloSqrtGGN(SqrtGGNMC):
         self.deferred_checks: DeferredChecks | None = None
         self.loss_weight: Tensor | None = None
         set_loss_extensions(self, generator)
-        use_activations(self)
+        use_added_modules(self)
 
     def __call__(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]):
         """Run BackPACK's extension; sample from the generator at the loss."""

@@ -30,7 +30,7 @@ from backpack.extensions.secondorder.diag_hessian.losses import DiagHLoss
 from torch import Tensor
 from torch.nn import BCEWithLogitsLoss
 
-from dampednewton.backpack.activations import use_activations
+from dampednewton.backpack.added_modules import use_added_modules
 from dampednewton.backpack.loss_derivatives import BinaryCrossEntropyDerivatives
 from dampednewton.backpack.savefields import DIAG_GGN_EXACT, DIAG_H, DIAGONALS
 from dampednewton.diagnostics.draws import SeededDiagGGNMC
@@ -81,7 +81,7 @@ def curvature_extension(curvature: str, mc_samples: int = 1) -> BackpropExtensio
         )
         loss_module = DiagGGNLoss(derivatives=derivatives)
     extension.set_module_extension(BCEWithLogitsLoss, loss_module, overwrite=True)
-    use_activations(extension)
+    use_added_modules(extension)
     return extension
 
 

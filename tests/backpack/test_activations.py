@@ -1,5 +1,7 @@
 """The activations the package adds to BackPACK: derivatives, registration, a step.
 
+The registration covers the adaptive pooling too (``test_adaptive_pooling.py``).
+
 The first and second derivatives are checked against torch's autograd of the
 modules themselves in float64, on inputs that cover every branch (Softplus' linear
 part, Hardswish's three pieces and their edges); the float64 problems of
@@ -23,7 +25,8 @@ from backpack.extensions import (
 from torch import Tensor, nn
 
 from dampednewton import DampedNewton
-from dampednewton.backpack.activations import ACTIVATIONS, use_activations
+from dampednewton.backpack.activations import ACTIVATIONS
+from dampednewton.backpack.added_modules import ADDED_MODULES, use_added_modules
 from dampednewton.backpack.extensions import ExactSqrtGGN, MonteCarloSqrtGGN
 from dampednewton.backpack.private import registered_module_types
 from tests.assertions import assert_close
@@ -84,18 +87,18 @@ def test_gelu_refuses_an_unknown_approximation():
     ids=lambda extension: type(extension).__name__,
 )
 def test_registered_on_every_second_order_extension(extension):
-    use_activations(extension)
-    assert set(ACTIVATIONS) <= set(registered_module_types(extension))
+    use_added_modules(extension)
+    assert set(ADDED_MODULES) <= set(registered_module_types(extension))
 
 
 def test_the_packages_square_roots_carry_them_without_a_call():
     for extension in (ExactSqrtGGN(), MonteCarloSqrtGGN(1)):
-        assert set(ACTIVATIONS) <= set(registered_module_types(extension))
+        assert set(ADDED_MODULES) <= set(registered_module_types(extension))
 
 
 def test_refused_on_a_first_order_extension():
     with pytest.raises(TypeError, match="BatchGrad"):
-        use_activations(BatchGrad())
+        use_added_modules(BatchGrad())
 
 
 def test_the_square_root_backpropagates_the_jacobian_of_each():

@@ -9,7 +9,7 @@ import torch
 from backpack import backpack
 from backpack.extensions import DiagGGNMC
 
-from dampednewton.backpack.activations import use_activations
+from dampednewton.backpack.added_modules import use_added_modules
 from dampednewton.diagnostics import (
     GSNR,
     CurvatureTrace,
@@ -124,7 +124,7 @@ def monte_carlo_reference(case, seed: int) -> dict[str, float]:
         if isinstance(case.loss_fn, torch.nn.BCEWithLogitsLoss)
         else DiagGGNMC(mc_samples=3)
     )
-    use_activations(extension)  # GELU, Softplus, ...: the package's derivatives
+    use_added_modules(extension)  # GELU, Softplus, ...: the package's derivatives
     with backpack(extension):
         case.loss_fn(case.model(case.X), case.y).backward()
     return {

@@ -1,0 +1,121 @@
+"""Adaptive average pooling on the square roots: the transposed Jacobian and a GGN.
+
+The pooling matrices against torch's ``adaptive_avg_pool{1,2,3}d`` (divisible and
+overlapping windows), the transposed Jacobian against autograd's, and ``VᵀV``
+through a global pooling head against the GGN from autograd's Jacobian, in float64.
+The float64 problem ``cnn-gap-ce`` of ``tests/cases.py`` checks the steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backpack import backpack, extend
+from torch import nn
+from torch.nn import functional
+
+from dampednewton import DampedNewton
+from dampednewton.backpack.extensions import ExactSqrtGGN
+from dampednewton.math.adaptive_pooling import (
+    adaptive_average_transposed,
+    pooling_matrix,
+)
+from tests.assertions import assert_close
+
+POOLS = {
+    1: functional.adaptive_avg_pool1d,
+    2: functional.adaptive_avg_pool2d,
+    3: functional.adaptive_avg_pool3d,
+}
+SIZES = [((6,), (3,)), ((7,), (3,)), ((5, 6), (2, 4)), ((4, 5, 3), (3, 2, 1))]
+
+
+@pytest.mark.parametrize("inputs, outputs", SIZES, ids=str)
+def test_pooling_matrices_are_torchs_pooling(inputs, outputs):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, *inputs, generator=generator, dtype=torch.float64)
+    pooled = x
+    for offset, (size, out) in enumerate(zip(inputs, outputs, strict=True)):
+        matrix = pooling_matrix(size, out, torch.float64, x.device)
+        dim = 2 + offset
+        pooled = torch.tensordot(pooled, matrix, dims=([dim], [1])).movedim(-1, dim)
+    assert_close(pooled, POOLS[len(inputs)](x, outputs), name="P x")
+
+
+@pytest.mark.parametrize("inputs, outputs", SIZES, ids=str)
+def test_transposed_jacobian_is_autograds(inputs, outputs):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, *inputs, generator=generator, dtype=torch.float64)
+    mat = torch.randn(4, 2, 3, *outputs, generator=generator, dtype=torch.float64)
+    x.requires_grad_(True)
+    pooled = POOLS[len(inputs)](x, outputs)
+    expected = torch.stack(
+        [torch.autograd.grad(pooled, x, vector, retain_graph=True)[0] for vector in mat]
+    )
+    assert_close(adaptive_average_transposed(mat, inputs), expected, name="Jᵀ mat")
+
+
+def test_square_root_through_a_global_pooling_head_gives_the_ggn():
+    generator = torch.Generator().manual_seed(2)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1),
+        nn.Tanh(),
+        nn.AdaptiveAvgPool2d((2, 1)),  # 5×4 → 2×1: overlapping windows in height
+        nn.Flatten(),
+        nn.Linear(6, 3),
+    ).double()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(
+                torch.randn(param.shape, generator=generator, dtype=torch.float64)
+            )
+    X = torch.randn(3, 2, 5, 4, generator=generator, dtype=torch.float64)
+    y = torch.randn(3, 3, generator=generator, dtype=torch.float64)
+    params = list(model.parameters())
+    names = [name for name, _ in model.named_parameters()]
+    jacobians = torch.autograd.functional.jacobian(
+        lambda *theta: torch.func.functional_call(
+            model, dict(zip(names, theta, strict=True)), (X,)
+        ),
+        tuple(params),
+    )
+    jacobian = torch.cat([j.flatten(start_dim=2) for j in jacobians], dim=2)
+    jacobian = jacobian.flatten(end_dim=1)  # [N·C, D]
+    expected = 2 / y.numel() * jacobian.T @ jacobian  # MSE's loss Hessian: 2/(N·C)
+    model, loss_fn = extend(model), extend(nn.MSELoss())
+    with backpack(ExactSqrtGGN()):
+        loss_fn(model(X), y).backward()
+    roots = torch.cat([p.sqrt_ggn_exact.flatten(start_dim=2) for p in params], dim=2)
+    roots = roots.flatten(end_dim=1)
+    assert_close(roots.T @ roots, expected, name="VᵀV vs. the GGN")
+
+
+def test_a_global_pooling_cnn_trains_with_the_defaults():
+    generator = torch.Generator().manual_seed(3)
+    X = torch.randn(32, 1, 8, 8, generator=generator)
+    y = (X[:, 0, :4].mean((1, 2)) > X[:, 0, 4:].mean((1, 2))).long()
+    torch.manual_seed(0)  # module initialization
+    model = extend(
+        nn.Sequential(
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 2),
+        )
+    )
+    loss_fn = extend(nn.CrossEntropyLoss())
+    optimizer = DampedNewton(model.parameters())
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn(model(X), y)
+        loss.backward()
+        return loss
+
+    first = optimizer.step(closure).item()
+    for _ in range(40):
+        last = optimizer.step(closure).item()
+    assert last < 0.7 * first, (first, last)
