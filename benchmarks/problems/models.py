@@ -23,6 +23,8 @@ _ACTIVATIONS: dict[str, type[nn.Module]] = {
     "relu": nn.ReLU,
     "tanh": nn.Tanh,
     "sigmoid": nn.Sigmoid,
+    "gelu": nn.GELU,
+    "silu": nn.SiLU,
 }
 
 

@@ -7,9 +7,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from backpack import extend
 from torch import nn
 
 from benchmarks.problems import models
+from dampednewton import DampedNewton
 
 MODELS: list[
     tuple[str, Callable[[torch.Generator], nn.Module], tuple[int, ...], int]
@@ -62,8 +64,28 @@ def test_default_init_bounds(model_case):
 
 
 def test_unknown_activation_is_a_clear_error():
-    with pytest.raises(ValueError, match="Unknown activation 'gelu'"):
-        models.mlp(4, [3], 2, "gelu", generator=torch.Generator())
+    with pytest.raises(ValueError, match="Unknown activation 'swish'"):
+        models.mlp(4, [3], 2, "swish", generator=torch.Generator())
+
+
+@pytest.mark.parametrize("name", ["relu", "tanh", "sigmoid", "gelu", "silu"])
+def test_every_activation_builds_an_mlp_the_optimizer_steps(name):
+    generator = torch.Generator().manual_seed(0)
+    model = extend(models.mlp(4, [3], 2, name, generator=generator))
+    loss_fn = extend(nn.CrossEntropyLoss())
+    optimizer = DampedNewton(model.parameters())
+    X, y = torch.randn(8, 4, generator=generator), torch.arange(8) % 2
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure():
+        optimizer.zero_grad()
+        loss = loss_fn(model(X), y)
+        loss.backward()
+        return loss
+
+    assert torch.isfinite(optimizer.step(closure))
+    for old, new in zip(before, model.parameters(), strict=True):
+        assert torch.isfinite(new).all() and not torch.equal(old, new)
 
 
 def test_3c3d_has_deepobs_parameter_count():

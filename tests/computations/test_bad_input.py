@@ -98,11 +98,11 @@ def test_sum_reduction_is_refused():
 
 
 def test_unsupported_module_is_named():
-    model = extend(nn.Sequential(nn.Linear(5, 4), nn.GELU(), nn.Linear(4, 3)))
+    model = extend(nn.Sequential(nn.Linear(5, 4), nn.Softsign(), nn.Linear(4, 3)))
     loss_fn = extend(nn.CrossEntropyLoss())
     X, y = torch.randn(4, 5), torch.tensor([0, 1, 2, 0])
     groups = [{"params": list(model.parameters())}]
-    with pytest.raises(NotImplementedError, match=r"GELU.*Supported modules: .*ReLU"):
+    with pytest.raises(NotImplementedError, match=r"Softsign.*Supported modules: .*ReLU"):
         backward(EigvalshComputation(), model, loss_fn, X, y, groups)
 
 
