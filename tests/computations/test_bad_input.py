@@ -102,7 +102,9 @@ def test_unsupported_module_is_named():
     loss_fn = extend(nn.CrossEntropyLoss())
     X, y = torch.randn(4, 5), torch.tensor([0, 1, 2, 0])
     groups = [{"params": list(model.parameters())}]
-    with pytest.raises(NotImplementedError, match=r"Softsign.*Supported modules: .*ReLU"):
+    with pytest.raises(
+        NotImplementedError, match=r"Softsign.*Supported modules: .*ReLU"
+    ):
         backward(EigvalshComputation(), model, loss_fn, X, y, groups)
 
 
