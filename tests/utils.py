@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from dampednewton import DampedNewton, GramBasis
+from dampednewton.backpack.extensions import ExactSqrtGGN
 from dampednewton.diagnostics import DiagnosticsMonitor
 from tests import reference
 from tests.assertions import assert_close, assert_close_up_to_sign
@@ -391,3 +392,18 @@ def mean_loss_of_parameters(
         return loss_fn(functional_call(model, overrides, (X,)), y)
 
     return mean_loss
+
+
+def square_root_ggn(
+    model: nn.Module, loss_fn: nn.Module, X: Tensor, y: Tensor
+) -> Tensor:
+    """``VᵀV`` ``[D, D]`` from the package's exact square root of the batch's GGN.
+
+    Extends ``model`` and ``loss_fn`` (in place) and runs one backward pass.
+    """
+    model, loss_fn = extend(model), extend(loss_fn)
+    with backpack(ExactSqrtGGN()):
+        loss_fn(model(X), y).backward()
+    roots = [p.sqrt_ggn_exact.flatten(start_dim=2) for p in model.parameters()]
+    flat_roots = torch.cat(roots, dim=2).flatten(end_dim=1)  # [C·N, D]
+    return flat_roots.T @ flat_roots

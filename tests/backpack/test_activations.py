@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backpack import backpack, extend
+from backpack import extend
 from backpack.extensions import (
     BatchGrad,
     DiagGGNExact,
@@ -29,7 +29,9 @@ from dampednewton.backpack.activations import ACTIVATIONS
 from dampednewton.backpack.added_modules import ADDED_MODULES, use_added_modules
 from dampednewton.backpack.extensions import ExactSqrtGGN, MonteCarloSqrtGGN
 from dampednewton.backpack.private import registered_module_types
+from tests import reference
 from tests.assertions import assert_close
+from tests.utils import square_root_ggn
 
 MODULES = [
     nn.GELU(),
@@ -114,22 +116,9 @@ def test_the_square_root_backpropagates_the_jacobian_of_each():
     X = torch.randn(4, 3, generator=generator, dtype=torch.float64)
     y = torch.randn(4, 2, generator=generator, dtype=torch.float64)
     params = list(model.parameters())
-    # MSE: the loss Hessian is 2/(N·C) per output, so the GGN is (2/(N·C)) JᵀJ.
-    jacobians = torch.autograd.functional.jacobian(
-        lambda *theta: torch.func.functional_call(
-            model, dict(zip(dict(model.named_parameters()), theta, strict=True)), (X,)
-        ),
-        tuple(params),
-    )
-    jacobian = torch.cat([j.flatten(start_dim=2) for j in jacobians], dim=2)
-    jacobian = jacobian.flatten(end_dim=1)  # [N·C, D]
-    expected = 2 / y.numel() * jacobian.T @ jacobian
-    model, loss_fn = extend(model), extend(nn.MSELoss())
-    with backpack(ExactSqrtGGN()):
-        loss_fn(model(X), y).backward()
-    roots = torch.cat([p.sqrt_ggn_exact.flatten(start_dim=2) for p in params], dim=2)
-    roots = roots.flatten(end_dim=1)
-    assert_close(roots.T @ roots, expected, name="VᵀV vs. the GGN")
+    loss_fn = nn.MSELoss()
+    expected = reference.ggn(model, loss_fn, params, X, y)
+    assert_close(square_root_ggn(model, loss_fn, X, y), expected, name="VᵀV vs GGN")
 
 
 def test_a_gelu_network_trains_with_the_defaults():

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backpack import backpack, extend
+from backpack import extend
 from torch import nn
 from torch.nn import functional
 
 from dampednewton import DampedNewton
-from dampednewton.backpack.extensions import ExactSqrtGGN
 from dampednewton.math.adaptive_pooling import (
     adaptive_average_transposed,
     pooling_matrix,
 )
+from tests import reference
 from tests.assertions import assert_close
+from tests.utils import square_root_ggn
 
 POOLS = {
     1: functional.adaptive_avg_pool1d,
@@ -72,22 +73,9 @@ def test_square_root_through_a_global_pooling_head_gives_the_ggn():
     X = torch.randn(3, 2, 5, 4, generator=generator, dtype=torch.float64)
     y = torch.randn(3, 3, generator=generator, dtype=torch.float64)
     params = list(model.parameters())
-    names = [name for name, _ in model.named_parameters()]
-    jacobians = torch.autograd.functional.jacobian(
-        lambda *theta: torch.func.functional_call(
-            model, dict(zip(names, theta, strict=True)), (X,)
-        ),
-        tuple(params),
-    )
-    jacobian = torch.cat([j.flatten(start_dim=2) for j in jacobians], dim=2)
-    jacobian = jacobian.flatten(end_dim=1)  # [N·C, D]
-    expected = 2 / y.numel() * jacobian.T @ jacobian  # MSE's loss Hessian: 2/(N·C)
-    model, loss_fn = extend(model), extend(nn.MSELoss())
-    with backpack(ExactSqrtGGN()):
-        loss_fn(model(X), y).backward()
-    roots = torch.cat([p.sqrt_ggn_exact.flatten(start_dim=2) for p in params], dim=2)
-    roots = roots.flatten(end_dim=1)
-    assert_close(roots.T @ roots, expected, name="VᵀV vs. the GGN")
+    loss_fn = nn.MSELoss()
+    expected = reference.ggn(model, loss_fn, params, X, y)
+    assert_close(square_root_ggn(model, loss_fn, X, y), expected, name="VᵀV vs GGN")
 
 
 def test_a_global_pooling_cnn_trains_with_the_defaults():
