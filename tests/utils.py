@@ -109,6 +109,22 @@ def make_closure(
     return closure
 
 
+def default_losses(
+    model: nn.Module, loss_fn: nn.Module, X: Tensor, y: Tensor, steps: int
+) -> tuple[float, float]:
+    """The first and the last loss of ``steps`` steps of the defaults on one batch.
+
+    Extends ``model`` and ``loss_fn`` (in place).
+    """
+    model, loss_fn = extend(model), extend(loss_fn)
+    optimizer = DampedNewton(model.parameters())
+    closure = make_closure(optimizer, model, loss_fn, X, y)
+    first = last = optimizer.step(closure).item()
+    for _ in range(steps - 1):
+        last = optimizer.step(closure).item()
+    return first, last
+
+
 def run_steps(optimizer: DampedNewton, case: Case, steps: int) -> None:
     """Take ``steps`` steps of the optimizer on the case's fixed batch."""
     closure = make_closure(optimizer, case.model, case.loss_fn, case.X, case.y)
@@ -394,16 +410,16 @@ def mean_loss_of_parameters(
     return mean_loss
 
 
-def square_root_ggn(
-    model: nn.Module, loss_fn: nn.Module, X: Tensor, y: Tensor
-) -> Tensor:
-    """``VᵀV`` ``[D, D]`` from the package's exact square root of the batch's GGN.
+def assert_square_root_gives_the_mse_ggn(model: nn.Module, X: Tensor, y: Tensor):
+    """``VᵀV`` of the package's exact square root is the brute-force GGN (MSE loss).
 
-    Extends ``model`` and ``loss_fn`` (in place) and runs one backward pass.
+    Extends ``model`` (in place) after computing the reference.
     """
+    loss_fn = nn.MSELoss()
+    expected = reference.ggn(model, loss_fn, list(model.parameters()), X, y)
     model, loss_fn = extend(model), extend(loss_fn)
     with backpack(ExactSqrtGGN()):
         loss_fn(model(X), y).backward()
     roots = [p.sqrt_ggn_exact.flatten(start_dim=2) for p in model.parameters()]
     flat_roots = torch.cat(roots, dim=2).flatten(end_dim=1)  # [C·N, D]
-    return flat_roots.T @ flat_roots
+    assert_close(flat_roots.T @ flat_roots, expected, name="VᵀV vs the GGN")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backpack import extend
 from backpack.extensions import (
     BatchGrad,
     DiagGGNExact,
@@ -24,14 +23,13 @@ from backpack.extensions import (
 )
 from torch import Tensor, nn
 
-from dampednewton import DampedNewton
 from dampednewton.backpack.activations import ACTIVATIONS
 from dampednewton.backpack.added_modules import ADDED_MODULES, use_added_modules
 from dampednewton.backpack.extensions import ExactSqrtGGN, MonteCarloSqrtGGN
 from dampednewton.backpack.private import registered_module_types
-from tests import reference
 from tests.assertions import assert_close
-from tests.utils import square_root_ggn
+from tests.case_models import initialize
+from tests.utils import assert_square_root_gives_the_mse_ggn, default_losses
 
 MODULES = [
     nn.GELU(),
@@ -109,16 +107,10 @@ def test_the_square_root_backpropagates_the_jacobian_of_each():
     layers: list[nn.Module] = []
     for module in MODULES:
         layers += [nn.Linear(3, 3), module]
-    model = nn.Sequential(*layers, nn.Linear(3, 2)).double()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 1.5)
+    model = initialize(nn.Sequential(*layers, nn.Linear(3, 2)), generator)
     X = torch.randn(4, 3, generator=generator, dtype=torch.float64)
     y = torch.randn(4, 2, generator=generator, dtype=torch.float64)
-    params = list(model.parameters())
-    loss_fn = nn.MSELoss()
-    expected = reference.ggn(model, loss_fn, params, X, y)
-    assert_close(square_root_ggn(model, loss_fn, X, y), expected, name="VᵀV vs GGN")
+    assert_square_root_gives_the_mse_ggn(model, X, y)
 
 
 def test_a_gelu_network_trains_with_the_defaults():
@@ -126,21 +118,8 @@ def test_a_gelu_network_trains_with_the_defaults():
     X = torch.randn(64, 6, generator=generator)
     y = (X[:, 0] + X[:, 1] * X[:, 2] > 0).long()
     torch.manual_seed(0)  # module initialization
-    model = extend(
-        nn.Sequential(
-            nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.SiLU(), nn.Linear(16, 2)
-        )
+    model = nn.Sequential(
+        nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.SiLU(), nn.Linear(16, 2)
     )
-    loss_fn = extend(nn.CrossEntropyLoss())
-    optimizer = DampedNewton(model.parameters())
-
-    def closure():
-        optimizer.zero_grad()
-        loss = loss_fn(model(X), y)
-        loss.backward()
-        return loss
-
-    first = optimizer.step(closure).item()
-    for _ in range(30):
-        last = optimizer.step(closure).item()
+    first, last = default_losses(model, nn.CrossEntropyLoss(), X, y, steps=31)
     assert last < 0.5 * first, (first, last)

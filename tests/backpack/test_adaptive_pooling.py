@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from backpack import extend
 from torch import nn
 from torch.nn import functional
 
-from dampednewton import DampedNewton
 from dampednewton.math.adaptive_pooling import (
     adaptive_average_transposed,
     pooling_matrix,
 )
-from tests import reference
 from tests.assertions import assert_close
-from tests.utils import square_root_ggn
+from tests.case_models import initialize
+from tests.utils import assert_square_root_gives_the_mse_ggn, default_losses
 
 POOLS = {
     1: functional.adaptive_avg_pool1d,
@@ -64,18 +62,11 @@ def test_square_root_through_a_global_pooling_head_gives_the_ggn():
         nn.AdaptiveAvgPool2d((2, 1)),  # 5×4 → 2×1: overlapping windows in height
         nn.Flatten(),
         nn.Linear(6, 3),
-    ).double()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(
-                torch.randn(param.shape, generator=generator, dtype=torch.float64)
-            )
+    )
+    model = initialize(model, generator)
     X = torch.randn(3, 2, 5, 4, generator=generator, dtype=torch.float64)
     y = torch.randn(3, 3, generator=generator, dtype=torch.float64)
-    params = list(model.parameters())
-    loss_fn = nn.MSELoss()
-    expected = reference.ggn(model, loss_fn, params, X, y)
-    assert_close(square_root_ggn(model, loss_fn, X, y), expected, name="VᵀV vs GGN")
+    assert_square_root_gives_the_mse_ggn(model, X, y)
 
 
 def test_a_global_pooling_cnn_trains_with_the_defaults():
@@ -83,27 +74,14 @@ def test_a_global_pooling_cnn_trains_with_the_defaults():
     X = torch.randn(32, 1, 8, 8, generator=generator)
     y = (X[:, 0, :4].mean((1, 2)) > X[:, 0, 4:].mean((1, 2))).long()
     torch.manual_seed(0)  # module initialization
-    model = extend(
-        nn.Sequential(
-            nn.Conv2d(1, 8, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(8, 8, 3, padding=1),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(8, 2),
-        )
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 2),
     )
-    loss_fn = extend(nn.CrossEntropyLoss())
-    optimizer = DampedNewton(model.parameters())
-
-    def closure():
-        optimizer.zero_grad()
-        loss = loss_fn(model(X), y)
-        loss.backward()
-        return loss
-
-    first = optimizer.step(closure).item()
-    for _ in range(40):
-        last = optimizer.step(closure).item()
+    first, last = default_losses(model, nn.CrossEntropyLoss(), X, y, steps=41)
     assert last < 0.7 * first, (first, last)
