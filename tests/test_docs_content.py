@@ -71,8 +71,8 @@ def test_supported_layers_are_the_registries():
     structured, other_parametrized, parameter_free, added, losses = (
         set(re.findall(r"`(\w+)`", row[1])) for row in rows
     )
-    # The package's square-root extensions: BackPACK's modules and the activations
-    # modules the package adds (dampednewton/backpack/added_modules.py).
+    # The package's square-root extensions: BackPACK's modules and those the package
+    # adds (dampednewton/backpack/added_modules.py).
     exact = set(registered_module_types(ExactSqrtGGN()))
     assert exact == set(registered_module_types(MonteCarloSqrtGGN(1)))
     assert exact == set(registered_module_types(SqrtGGNExact())) | set(ADDED_MODULES)
