@@ -4,7 +4,8 @@ BackPACK back-propagates its square roots and diagonals through parameter-free
 modules with a module extension per type, and has none for these activations, so a
 model with them was refused. Their derivatives (:mod:`dampednewton.math.activations`)
 enter BackPACK's :class:`ElementwiseDerivatives`
-(:class:`ActivationDerivatives`), which
+(:class:`ActivationDerivatives`; for a half-precision model computed in float32
+and rounded once, as torch's own backward does), which
 :func:`~dampednewton.backpack.added_modules.use_added_modules` registers on each
 second-order extension the package creates.
 """
@@ -20,6 +21,7 @@ from torch.nn import GELU, Hardswish, Mish, Module, SiLU, Softplus
 
 from dampednewton.backpack.savefields import module_input
 from dampednewton.math import activations
+from dampednewton.math.precision import upcast
 
 Derivatives = Callable[[Module, Tensor], tuple[Tensor, Tensor]]
 """``(module, input) -> (f'(input), f''(input))``."""
@@ -82,11 +84,12 @@ class ActivationDerivatives(ElementwiseDerivatives):
     ) -> Tensor:
         """``f'`` at the module's stored input (its sub-sampled samples)."""
         x = subsample(module_input(module), subsampling=subsampling)
-        return self._derivatives(module, x)[0]
+        return self._derivatives(module, upcast(x))[0].to(x.dtype)
 
     def d2f(self, module: Module, g_inp: tuple[Tensor], g_out: tuple[Tensor]) -> Tensor:
         """``f''`` at the module's stored input."""
-        return self._derivatives(module, module_input(module))[1]
+        x = module_input(module)
+        return self._derivatives(module, upcast(x))[1].to(x.dtype)
 
 
 ACTIVATION_DERIVATIVES: dict[type[Module], ActivationDerivatives] = {

@@ -11,8 +11,11 @@ and the curvature traces through them against the brute-force references.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from backpack import backpack, extend
 from backpack.extensions import (
     BatchGrad,
     DiagGGNExact,
@@ -27,6 +30,7 @@ from dampednewton.backpack.activations import ACTIVATIONS
 from dampednewton.backpack.added_modules import ADDED_MODULES, use_added_modules
 from dampednewton.backpack.extensions import ExactSqrtGGN, MonteCarloSqrtGGN
 from dampednewton.backpack.private import registered_module_types
+from tests import reference
 from tests.assertions import assert_close
 from tests.case_models import initialize
 from tests.utils import assert_square_root_gives_the_mse_ggn, default_losses
@@ -106,7 +110,7 @@ def test_the_square_root_backpropagates_the_jacobian_of_each():
     generator = torch.Generator().manual_seed(1)
     layers: list[nn.Module] = []
     for module in MODULES:
-        layers += [nn.Linear(3, 3), module]
+        layers += [nn.Linear(3, 3), copy.deepcopy(module)]  # extended below
     model = initialize(nn.Sequential(*layers, nn.Linear(3, 2)), generator)
     X = torch.randn(4, 3, generator=generator, dtype=torch.float64)
     y = torch.randn(4, 2, generator=generator, dtype=torch.float64)
@@ -123,3 +127,34 @@ def test_a_gelu_network_trains_with_the_defaults():
     )
     first, last = default_losses(model, nn.CrossEntropyLoss(), X, y, steps=31)
     assert last < 0.5 * first, (first, last)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("module", MODULES, ids=repr)
+def test_a_half_model_square_root_is_its_float64_ggn_to_round_off(module, dtype):
+    """A half-precision model's ``VᵀV`` (float32) against its float64 weights' GGN.
+
+    Each entry of ``V`` passes three layers, each a few round-offs ``u`` of relative
+    error, so ``VᵀV`` errs by a few ``u`` of the largest diagonal entry.
+    """
+    generator = torch.Generator().manual_seed(4)
+    layers = [nn.Linear(4, 5), copy.deepcopy(module), nn.Linear(5, 3)]
+    model = initialize(nn.Sequential(*layers), generator)
+    X = torch.randn(6, 4, generator=generator, dtype=torch.float64)
+    y = torch.randn(6, 3, generator=generator, dtype=torch.float64)
+    model = model.to(dtype)  # the reference takes the rounded weights and inputs
+    X = X.to(dtype)
+    reference_model = copy.deepcopy(model).to(torch.float64)
+    loss_fn = nn.MSELoss()
+    expected = reference.ggn(
+        reference_model, loss_fn, list(reference_model.parameters()), X.double(), y
+    )
+    model, loss_fn = extend(model), extend(loss_fn)
+    with backpack(ExactSqrtGGN()):
+        loss_fn(model(X), y.to(dtype)).backward()
+    roots = [p.sqrt_ggn_exact.float().flatten(start_dim=2) for p in model.parameters()]
+    flat_roots = torch.cat(roots, dim=2).flatten(end_dim=1)
+    ggn = (flat_roots.T @ flat_roots).double()
+    unit_roundoff = torch.finfo(dtype).eps / 2
+    tolerance = 8 * unit_roundoff * expected.diagonal().max()
+    assert (ggn - expected).abs().max() <= tolerance, (ggn - expected).abs().max()
