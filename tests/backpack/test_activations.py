@@ -126,6 +126,8 @@ def test_a_gelu_network_trains_with_the_defaults():
         nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 16), nn.SiLU(), nn.Linear(16, 2)
     )
     first, last = default_losses(model, nn.CrossEntropyLoss(), X, y, steps=31)
+    # last/first over seeds 0-9 of this problem (data seed 2 + 100·seed), 1 and 2
+    # threads alike: log10 -3.3 ± 0.5, at most -2.45; 0.5 (log10 -0.3) sits 6 std away.
     assert last < 0.5 * first, (first, last)
 
 

@@ -84,4 +84,7 @@ def test_a_global_pooling_cnn_trains_with_the_defaults():
         nn.Linear(8, 2),
     )
     first, last = default_losses(model, nn.CrossEntropyLoss(), X, y, steps=41)
+    # last/first over seeds 0-9 of this problem (data seed 3 + 100·seed), 1 and 2
+    # threads alike: log10 -1.5 ± 0.24, at most -0.98; 0.7 (log10 -0.15) sits 5.6 std
+    # away.
     assert last < 0.7 * first, (first, last)
