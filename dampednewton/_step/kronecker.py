@@ -313,7 +313,7 @@ class KroneckerSteps:
         ):
             graphed = basis.graphs(device)
             pack = self._packs.get(index)
-            if pack is None or not pack.holds(batches, graphed):
+            if pack is None or not pack.refill(batches, graphed):
                 pack = self._packs[index] = PackedGroup(batches, graphed)
             return pack.step(damping)
         return group_step(

@@ -1,8 +1,12 @@
 """A group's layers in few padded batches (``KroneckerBasis(packed=True)``).
 
 :class:`PackedLayers` pads layer batches (:func:`~._step.kronecker_group.
-layer_batches`) into one (:mod:`dampednewton.math.kronecker_packed`) once per refresh
-and per damping, and keeps a zero-padded gradient buffer: a step copies every
+layer_batches`) into one (:mod:`dampednewton.math.kronecker_packed`) and keeps it in
+buffers of its own, with a zero-padded gradient buffer: a refresh that keeps the
+layers' shapes copies its eigenpairs into them and a new damping its coefficients
+(a recorded CUDA graph of the math reads the buffers: it is recorded once, not once
+per refresh; a failed step's refill is undone by the next step's, which copies the
+restored eigenpairs back). A step copies every
 layer's ``.grad`` into it with one multi-tensor copy and computes all directions with
 one call of :func:`~dampednewton.math.kronecker.kronecker_direction`, a fixed number
 of operators whatever the number and shapes of the layers. The directions are views
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import fields
 from functools import partial
 
 import torch
@@ -28,7 +33,13 @@ from dampednewton._step.kronecker_group import KroneckerGroupStep, LayerBatch
 from dampednewton._step.kronecker_state import LayerBasis
 from dampednewton.math.kronecker import LayerCoefficients, kronecker_direction
 from dampednewton.math.kronecker_factors import FactorEigen
-from dampednewton.math.kronecker_packed import padded_coefficients, padded_eigen
+from dampednewton.math.kronecker_packed import (
+    batched_fields,
+    block_views,
+    padded_coefficients,
+    padded_eigen,
+    padding_masks,
+)
 
 PADDING_LIMIT = 4.0
 """The most entries a pack's padded gradient holds per entry of its layers' own."""
@@ -45,7 +56,13 @@ def packable(batches: Sequence[LayerBatch]) -> bool:
 
 
 class PackedLayers:
-    """Layer batches as one padded batch, with its gradient buffer."""
+    """Layer batches as one padded batch, in buffers that outlive refreshes.
+
+    The padded eigenpairs, coefficients and gradient are buffers the pack owns: a
+    refresh whose layers keep their shapes copies its eigenpairs into them
+    (:meth:`refill`), and a new damping its coefficients, so a recorded CUDA graph of
+    the math (which reads these buffers) is recorded once and replayed for the run.
+    """
 
     def __init__(self, batches: Sequence[LayerBatch], graphed: bool = False) -> None:
         """Pad the batches' eigenpairs (their coefficients follow per damping).
@@ -59,9 +76,15 @@ class PackedLayers:
         self.layers: list[LayerBasis] = [
             layer for batch in batches for layer in batch.layers
         ]
-        self.output = padded_eigen([batch.output for batch in batches])
-        self.inputs = padded_eigen([batch.inputs for batch in batches])
+        outputs = [batch.output for batch in batches]
+        inputs = [batch.inputs for batch in batches]
+        self.output, self.inputs = padded_eigen(outputs), padded_eigen(inputs)
+        # Where a refill copies each batch's eigenpairs (the layout stays).
+        self._blocks = block_views(self.output, outputs) + block_views(
+            self.inputs, inputs
+        )
         like = self.output.vectors
+        self._masks = padding_masks(_layer_shapes(outputs), _layer_shapes(inputs), like)
         shape = (len(self.layers), like.shape[-2], self.inputs.vectors.shape[-2])
         self._gradient = like.new_zeros(shape)
         self._targets: list[Tensor] = []
@@ -75,25 +98,60 @@ class PackedLayers:
             else:
                 assert layer.bias is not None
                 self._targets.append(block[: layer.bias.shape[0], 0])
-        self._coefficients: tuple[float, LayerCoefficients] | None = None
+        self._coefficients: LayerCoefficients | None = None
+        self._damping: float | None = None
         self._no_curvature = like.new_full((), math.nan)
         self._views: tuple[Tensor, list[tuple[Tensor, Tensor]]] | None = None
         self._graphed = graphed
-        self._replayed: tuple[float, ReplayedMath[tuple[Tensor, Tensor]]] | None = None
+        self._replayed: ReplayedMath[tuple[Tensor, Tensor]] | None = None
 
     @property
     def replaying(self) -> bool:
         """Whether the pack's math replays a recorded CUDA graph."""
-        return self._replayed is not None and self._replayed[1].replaying
+        return self._replayed is not None and self._replayed.replaying
+
+    def fits(self, batches: Sequence[LayerBatch]) -> bool:
+        """Whether a refresh's batches hold this pack's layers in its shapes."""
+        return len(batches) == len(self.batches) and all(
+            _same_layers(mine, theirs)
+            for mine, theirs in zip(self.batches, batches, strict=True)
+        )
+
+    def refill(self, batches: Sequence[LayerBatch]) -> None:
+        """Copy the eigenpairs of batches that :meth:`fits` into the buffers.
+
+        One multi-tensor copy; the coefficients follow at the next step.
+        """
+        if all(
+            mine is theirs for mine, theirs in zip(self.batches, batches, strict=True)
+        ):
+            return
+        sources = batched_fields([batch.output for batch in batches])
+        sources += batched_fields([batch.inputs for batch in batches])
+        torch._foreach_copy_(self._blocks, sources)
+        self.batches = tuple(batches)
+        self._damping = None
 
     def coefficients(self, damping: float) -> LayerCoefficients:
         """The layers' padded coefficients for ``δ = damping`` (kept while it holds)."""
-        cached = self._coefficients
-        if cached is None or cached[0] != damping:
-            ranks = (self.output.vectors.shape[-1], self.inputs.vectors.shape[-1])
-            each = [batch.coefficients(damping, False) for batch in self.batches]
-            cached = self._coefficients = (damping, padded_coefficients(each, ranks))
-        return cached[1]
+        if self._coefficients is not None and self._damping == damping:
+            return self._coefficients
+        padded = padded_coefficients(self.output, self.inputs, damping, self._masks)
+        if self._coefficients is None:
+            self._coefficients = padded
+        else:  # into the tensors a recorded graph reads
+            targets, sources = [], []
+            for name in _COEFFICIENT_FIELDS:
+                target, source = (
+                    getattr(self._coefficients, name),
+                    getattr(padded, name),
+                )
+                if target is not None and source is not None:
+                    targets.append(target)
+                    sources.append(source)
+            torch._foreach_copy_(targets, sources)
+        self._damping = damping
+        return self._coefficients
 
     def gradient(self) -> Tensor:
         """Every layer's ``.grad`` in the padded buffer ``[L, O, I]`` (one copy).
@@ -127,13 +185,12 @@ class PackedLayers:
         self.gradient()
         coefficients = self.coefficients(damping)
         if self._graphed:
-            if self._replayed is None or self._replayed[0] != damping:
+            if self._replayed is None:
                 math_of_buffers = partial(
                     packed_math, self._gradient, self.output, self.inputs, coefficients
                 )
-                replayed = ReplayedMath(math_of_buffers, self._gradient.device)
-                self._replayed = (damping, replayed)
-            direction, slope = self._replayed[1]()
+                self._replayed = ReplayedMath(math_of_buffers, self._gradient.device)
+            direction, slope = self._replayed()
         else:
             direction, slope = packed_math(
                 self._gradient, self.output, self.inputs, coefficients
@@ -151,6 +208,37 @@ class PackedLayers:
         if self.replaying:  # a replay writes into the same tensor
             self._views = (direction, views)
         return views
+
+
+_COEFFICIENT_FIELDS = tuple(field.name for field in fields(LayerCoefficients))
+
+
+def _layer_shapes(eigen: Sequence[FactorEigen]) -> list[tuple[int, int]]:
+    """Each layer's ``(dimension, kept rank)`` of batches' eigenpairs of one side."""
+    return [
+        (each.vectors.shape[-2], each.vectors.shape[-1])
+        for each in eigen
+        for _ in range(each.vectors.shape[0] if each.vectors.dim() > 2 else 1)
+    ]
+
+
+def _same_layers(mine: LayerBatch, theirs: LayerBatch) -> bool:
+    """Whether two batches hold the same parameters in eigenpairs of equal shapes."""
+    return (
+        len(mine.layers) == len(theirs.layers)
+        and all(
+            a.weight is b.weight and a.bias is b.bias
+            for a, b in zip(mine.layers, theirs.layers, strict=True)
+        )
+        and all(
+            getattr(mine_side, name).shape == getattr(their_side, name).shape
+            for mine_side, their_side in (
+                (mine.output, theirs.output),
+                (mine.inputs, theirs.inputs),
+            )
+            for name in ("values", "vectors")
+        )
+    )
 
 
 def packed_math(
@@ -191,16 +279,29 @@ class PackedGroup:
             PackedLayers(members, graphed) for members in padded_packs(batches)
         ]
 
-    def holds(self, batches: Sequence[LayerBatch], graphed: bool) -> bool:
-        """Whether these are the batches this group was packed from, as asked."""
-        return (
-            graphed == self.graphed
-            and len(batches) == len(self.batches)
-            and all(
-                mine is theirs
-                for mine, theirs in zip(self.batches, batches, strict=True)
-            )
-        )
+    def refill(self, batches: Sequence[LayerBatch], graphed: bool) -> bool:
+        """Take a refresh's batches into the packs' buffers, if they fit them.
+
+        Returns:
+            Whether the packs hold the batches now; ``False`` (nothing changed): the
+            layers or their shapes differ, or ``graphed`` does; build a new group.
+        """
+        if graphed != self.graphed or len(batches) != len(self.batches):
+            return False
+        if all(
+            mine is theirs for mine, theirs in zip(self.batches, batches, strict=True)
+        ):
+            return True  # a step between refreshes
+        members = padded_packs(batches)
+        if len(members) != len(self.packs) or not all(
+            pack.fits(batches_of_pack)
+            for pack, batches_of_pack in zip(self.packs, members, strict=True)
+        ):
+            return False
+        for pack, batches_of_pack in zip(self.packs, members, strict=True):
+            pack.refill(batches_of_pack)
+        self.batches = tuple(batches)
+        return True
 
     def step(self, damping: float) -> KroneckerGroupStep:
         """The group's directions and slope (its curvature is left out: NaN).

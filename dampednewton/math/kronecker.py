@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -103,6 +103,64 @@ class LayerCoefficients:
     column_weights: Tensor | None = None
 
 
+@dataclass(frozen=True)
+class DampedBlocks:
+    """The four blocks' ``c = 1/(λ + δ)`` of layers (:func:`damped_blocks`).
+
+    Attributes:
+        kept: ``c_kk`` ``[..., r_out, r_in]``.
+        rows: ``c_k⊥`` ``[..., r_out]`` (``None`` unless asked).
+        columns: ``c_⊥k`` ``[..., r_in]`` (``None`` unless asked).
+        both: ``c_⊥⊥`` ``[...]`` (``None`` unless asked).
+    """
+
+    kept: Tensor
+    rows: Tensor | None
+    columns: Tensor | None
+    both: Tensor | None
+
+
+def damped_blocks(
+    output: FactorEigen,
+    inputs: FactorEigen,
+    damping: float,
+    rows: bool,
+    columns: bool,
+    both: bool,
+) -> DampedBlocks:
+    """``c = 1/(λ + δ)`` of the kept block and the residual blocks asked for.
+
+    ``λ_ij + δ_ij = (τ_i + √δ/π)(σ_j + π√δ)``, a residual side using its residual
+    eigenvalue. Every tensor may carry leading batch dimensions (stacked layers).
+
+    Args:
+        output: Eigenpairs of ``S``.
+        inputs: Eigenpairs of ``A``.
+        damping: ``δ ≥ 0``.
+        rows: Also ``c_k⊥`` (the input side's residual).
+        columns: Also ``c_⊥k`` (the output side's residual).
+        both: Also ``c_⊥⊥`` (with ``rows`` and ``columns`` only).
+    """
+    # π and the residuals keep a trailing 1 to broadcast over a factor's values.
+    pi = damping_pi(output, inputs).unsqueeze(-1)
+    root = math.sqrt(damping)
+    out_shift, in_shift = root / pi, root * pi  # √δ/π and π√δ
+    out_damped = output.values + out_shift  # τ_i + √δ/π
+    in_damped = inputs.values + in_shift  # σ_j + π√δ
+    kept = (out_damped.unsqueeze(-1) * in_damped.unsqueeze(-2)).reciprocal()
+    blocks = DampedBlocks(kept, None, None, None)
+    if rows:
+        in_rest = inputs.residual.unsqueeze(-1) + in_shift
+        blocks = replace(blocks, rows=(out_damped * in_rest).reciprocal())
+    if columns:
+        out_rest = output.residual.unsqueeze(-1) + out_shift
+        blocks = replace(blocks, columns=(out_rest * in_damped).reciprocal())
+    if both:
+        assert rows and columns
+        blocks = replace(blocks, both=(out_rest * in_rest).reciprocal().squeeze(-1))
+    return blocks
+
+
 def layer_coefficients(
     output: FactorEigen,
     inputs: FactorEigen,
@@ -112,8 +170,8 @@ def layer_coefficients(
     """The blocks' ``c = 1/(λ + δ)`` with K-FAC's factored damping.
 
     ``λ_ij + δ_ij = (τ_i + √δ/π)(σ_j + π√δ)``, a residual side using its residual
-    eigenvalue. Eigenpairs of layers of one shape stacked (:func:`stacked_eigen`)
-    give every layer's coefficients, stacked likewise.
+    eigenvalue (:func:`damped_blocks`). Eigenpairs of layers of one shape stacked
+    (:func:`stacked_eigen`) give every layer's coefficients, stacked likewise.
 
     Args:
         output: Eigenpairs of ``S``.
@@ -125,39 +183,30 @@ def layer_coefficients(
     Returns:
         The coefficients.
     """
-    # π, the residuals and ``both`` keep a trailing 1 to broadcast over a factor's
-    # values; every tensor may carry leading batch dimensions (stacked layers).
-    pi = damping_pi(output, inputs).unsqueeze(-1)
-    root = math.sqrt(damping)
-    out_shift, in_shift = root / pi, root * pi  # √δ/π and π√δ
-    out_damped = output.values + out_shift  # τ_i + √δ/π
-    in_damped = inputs.values + in_shift  # σ_j + π√δ
-    kept = (out_damped.unsqueeze(-1) * in_damped.unsqueeze(-2)).reciprocal()
+    has_rows, has_columns = inputs.truncated, output.truncated
+    blocks = damped_blocks(
+        output, inputs, damping, has_rows, has_columns, has_rows and has_columns
+    )
+    kept, rows, columns, both = blocks.kept, blocks.rows, blocks.columns, blocks.both
     curvatures = row_curvatures = column_curvatures = both_curvature = None
     if with_curvature:
         curvatures = (
             kept.square() * output.values.unsqueeze(-1) * inputs.values.unsqueeze(-2)
         )
     core = kept
-    rows = columns = both = None
-    if inputs.truncated:
-        in_rest = inputs.residual.unsqueeze(-1) + in_shift
-        rows = (out_damped * in_rest).reciprocal()
+    if rows is not None:
         if with_curvature:
             row_curvatures = (
                 rows.square() * output.values * inputs.residual.unsqueeze(-1)
             )
         core = core - rows.unsqueeze(-1)
-    if output.truncated:
-        out_rest = output.residual.unsqueeze(-1) + out_shift
-        columns = (out_rest * in_damped).reciprocal()
+    if columns is not None:
         if with_curvature:
             column_curvatures = (
                 columns.square() * output.residual.unsqueeze(-1) * inputs.values
             )
         core = core - columns.unsqueeze(-2)
-    if inputs.truncated and output.truncated:
-        both = (out_rest * in_rest).reciprocal().squeeze(-1)
+    if both is not None:
         if with_curvature:
             both_curvature = both.square() * output.residual * inputs.residual
         core = core + both[..., None, None]

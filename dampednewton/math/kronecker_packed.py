@@ -12,7 +12,8 @@ group's largest shapes, every layer fits one batch:
   top-left blocks of ``[O, R]`` and ``[I, Q]`` matrices (:func:`padded_eigen`);
 * its coefficients fill the leading entries of ``[R, Q]``, ``[R]``, ``[Q]`` and a
   number, zeros for the blocks the layer does not have (a factor kept whole has no
-  residual side; :func:`padded_coefficients`).
+  residual side; :func:`padded_coefficients`, computed for every layer at once from
+  the padded eigenpairs and :func:`padding_masks`).
 
 The padded step is exact, layer by layer: a zero row or column of an eigenvector
 matrix projects nothing, a zero coefficient adds nothing, and every term of the step
@@ -25,11 +26,12 @@ than the padded arithmetic.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from dampednewton.math.kronecker import LayerCoefficients
+from dampednewton.math.kronecker import LayerCoefficients, damped_blocks
 from dampednewton.math.kronecker_factors import FactorEigen
 
 
@@ -46,25 +48,44 @@ def batched(tensor: Tensor, matrix_dims: int) -> Tensor:
     return tensor if tensor.dim() > matrix_dims else tensor.unsqueeze(0)
 
 
-def padded(tensors: Sequence[Tensor], shape: Sequence[int]) -> Tensor:
-    """Batched tensors ``[n_k, ...]`` zero-padded to ``[n_k, *shape]``, concatenated.
+def batched_fields(eigen: Sequence[FactorEigen]) -> list[Tensor]:
+    """Each batch's eigenpair fields with a leading batch dimension, in order.
 
     Args:
-        tensors: Each with a leading batch dimension and at most ``shape`` after it.
-        shape: The padded trailing shape.
+        eigen: Each batch's eigenpairs (one layer's, or layers' stacked).
 
     Returns:
-        ``[Σ n_k, *shape]``.
+        ``values``, ``vectors``, ``residual``, ``mean`` of the first batch, then of
+        the next: the order of :func:`block_views`.
     """
-    parts = []
-    for tensor in tensors:
-        pads: list[int] = []
-        for size, target in zip(
-            reversed(tensor.shape[1:]), reversed(shape), strict=True
-        ):
-            pads += [0, target - size]
-        parts.append(torch.nn.functional.pad(tensor, pads) if any(pads) else tensor)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    dims = {"values": 1, "vectors": 2, "residual": 0, "mean": 0}
+    return [batched(getattr(e, name), dims[name]) for e in eigen for name in dims]
+
+
+def block_views(padded: FactorEigen, eigen: Sequence[FactorEigen]) -> list[Tensor]:
+    """The views of padded eigenpairs that hold each batch's (:func:`padded_eigen`).
+
+    Args:
+        padded: Eigenpairs padded to the batches' largest shapes and stacked.
+        eigen: Each batch's eigenpairs.
+
+    Returns:
+        The leading blocks, in the order of :func:`batched_fields`.
+    """
+    views = []
+    start = 0
+    for each in eigen:
+        vectors = batched(each.vectors, 2)
+        end = start + vectors.shape[0]
+        dim, rank = vectors.shape[-2:]
+        views += [
+            padded.values[start:end, :rank],
+            padded.vectors[start:end, :dim, :rank],
+            padded.residual[start:end],
+            padded.mean[start:end],
+        ]
+        start = end
+    return views
 
 
 def padded_eigen(eigen: Sequence[FactorEigen]) -> FactorEigen:
@@ -75,62 +96,134 @@ def padded_eigen(eigen: Sequence[FactorEigen]) -> FactorEigen:
 
     Returns:
         ``values [L, R]``, ``vectors [L, D, R]``, ``residual [L]``, ``mean [L]``:
-        zero values and vectors beyond each layer's own.
+        zero values and vectors beyond each layer's own, in new memory.
     """
-    vectors = [batched(e.vectors, 2) for e in eigen]
+    sources = batched_fields(eigen)
+    vectors = sources[1::4]
+    layers = sum(v.shape[0] for v in vectors)
     dim = max(v.shape[-2] for v in vectors)
     rank = max(v.shape[-1] for v in vectors)
-    return FactorEigen(
-        values=padded([batched(e.values, 1) for e in eigen], (rank,)),
-        vectors=padded(vectors, (dim, rank)),
-        residual=torch.cat([batched(e.residual, 0) for e in eigen]),
-        mean=torch.cat([batched(e.mean, 0) for e in eigen]),
+    like = vectors[0]
+    padded = FactorEigen(
+        values=like.new_zeros(layers, rank),
+        vectors=like.new_zeros(layers, dim, rank),
+        residual=like.new_zeros(layers),
+        mean=like.new_zeros(layers),
+    )
+    torch._foreach_copy_(block_views(padded, eigen), sources)
+    return padded
+
+
+@dataclass(frozen=True)
+class PaddingMasks:
+    """Which entries of a pack's padded coefficients belong to a layer's blocks.
+
+    Attributes:
+        kept: ``[L, R, Q]``: inside layer ``l``'s kept ranks ``r_l × q_l``.
+        rows: ``[L, R]``: ``c_k⊥`` of a layer whose input side is truncated.
+        columns: ``[L, Q]``: ``c_⊥k`` of a layer whose output side is truncated.
+        both: ``[L]``: ``c_⊥⊥`` of a layer truncated on both sides.
+        any_rows: Whether some layer has the rows block (else it is left out).
+        any_columns: Whether some layer has the columns block.
+        any_both: Whether some layer has the corner.
+    """
+
+    kept: Tensor
+    rows: Tensor
+    columns: Tensor
+    both: Tensor
+    any_rows: bool
+    any_columns: bool
+    any_both: bool
+
+
+def padding_masks(
+    output: Sequence[tuple[int, int]], inputs: Sequence[tuple[int, int]], like: Tensor
+) -> PaddingMasks:
+    """The masks of layers with factors of the given dimensions and kept ranks.
+
+    Args:
+        output: Each layer's ``(d_out, r_out)``.
+        inputs: Each layer's ``(d_in (+1), r_in)``.
+        like: A tensor on the masks' device.
+
+    Returns:
+        The masks.
+    """
+    out_rank = max(rank for _, rank in output)
+    in_rank = max(rank for _, rank in inputs)
+
+    def within(ranks: list[int], size: int) -> Tensor:
+        positions = torch.arange(size, device=like.device)
+        return positions < torch.tensor(ranks, device=like.device).unsqueeze(-1)
+
+    rows_in = within([rank for _, rank in output], out_rank)
+    columns_in = within([rank for _, rank in inputs], in_rank)
+    has_rows = [rank < dim for dim, rank in inputs]
+    has_columns = [rank < dim for dim, rank in output]
+    has_both = [r and c for r, c in zip(has_rows, has_columns, strict=True)]
+    flags = torch.tensor([has_rows, has_columns, has_both], device=like.device)
+    return PaddingMasks(
+        kept=rows_in.unsqueeze(-1) & columns_in.unsqueeze(-2),
+        rows=rows_in & flags[0].unsqueeze(-1),
+        columns=columns_in & flags[1].unsqueeze(-1),
+        both=flags[2],
+        any_rows=any(has_rows),
+        any_columns=any(has_columns),
+        any_both=any(has_both),
     )
 
 
 def padded_coefficients(
-    coefficients: Sequence[LayerCoefficients], ranks: tuple[int, int]
+    output: FactorEigen, inputs: FactorEigen, damping: float, masks: PaddingMasks
 ) -> LayerCoefficients:
-    """Layers' step coefficients zero-padded to ``ranks = (R, Q)`` and stacked.
+    """Every layer's step coefficients from padded eigenpairs, zero where it has none.
 
-    A block a layer does not have (``None``: its factor on that side is kept whole)
-    is zero, which drops its term from the layer's step. Curvature fields are left
-    out: the padded step computes directions and slopes.
+    :func:`~dampednewton.math.kronecker.layer_coefficients` of each layer in the
+    leading entries of ``[R, Q]``, ``[R]``, ``[Q]`` and a number, computed for the
+    whole pack at once. A block a layer does not have (its factor on that side kept
+    whole) is zero, which drops its term from the layer's step; a block no layer has
+    is ``None``. Curvature fields are left out: the padded step computes directions
+    and slopes.
 
     Args:
-        coefficients: Each batch's coefficients (one layer's, or stacked).
-        ranks: The padded kept ranks of the output and input sides.
+        output: Padded eigenpairs of the ``S`` factors (:func:`padded_eigen`).
+        inputs: Padded eigenpairs of the ``A`` factors.
+        damping: ``δ ≥ 0``.
+        masks: The layers' blocks (:func:`padding_masks`).
 
     Returns:
-        The stacked coefficients; ``rows``, ``columns`` and ``both`` are ``None``
-        only when no layer has that block.
+        The stacked coefficients.
     """
-    out_rank, in_rank = ranks
-    counts = [batched(c.core, 2).shape[0] for c in coefficients]
-
-    def stacked(name: str, shape: tuple[int, ...]) -> Tensor | None:
-        values = [getattr(c, name) for c in coefficients]
-        if all(value is None for value in values):
-            return None
-        like = coefficients[0].core
-        parts = [
-            like.new_zeros((count, *shape))
-            if value is None
-            else batched(value, len(shape))
-            for value, count in zip(values, counts, strict=True)
-        ]
-        return padded(parts, shape)
-
-    core = stacked("core", (out_rank, in_rank))
-    slopes = stacked("slopes", (out_rank, in_rank))
-    assert core is not None and slopes is not None
+    blocks = damped_blocks(
+        output, inputs, damping, masks.any_rows, masks.any_columns, masks.any_both
+    )
+    # The terms in layer_coefficients' order: a layer's own values round alike.
+    kept = torch.where(masks.kept, blocks.kept, 0.0)
+    core = kept
+    rows = columns = both = row_weights = column_weights = None
+    if blocks.rows is not None:
+        rows = torch.where(masks.rows, blocks.rows, 0.0)
+        core = core - rows.unsqueeze(-1)
+    if blocks.columns is not None:
+        columns = torch.where(masks.columns, blocks.columns, 0.0)
+        core = core - columns.unsqueeze(-2)
+    shared: Tensor | float = 0.0
+    if blocks.both is not None:
+        both = torch.where(masks.both, blocks.both, 0.0)
+        core = core + both[..., None, None]
+        shared = both.unsqueeze(-1)
+    if rows is not None:
+        row_weights = torch.where(masks.rows, shared - rows, 0.0)
+    if columns is not None:
+        column_weights = torch.where(masks.columns, shared - columns, 0.0)
     return LayerCoefficients(
-        slopes=slopes,
+        slopes=-kept,
         curvatures=None,
-        core=core,
-        rows=stacked("rows", (out_rank,)),
-        columns=stacked("columns", (in_rank,)),
-        both=stacked("both", ()),
-        row_weights=stacked("row_weights", (out_rank,)),
-        column_weights=stacked("column_weights", (in_rank,)),
+        core=-torch.where(masks.kept, core, 0.0),
+        rows=rows,
+        columns=columns,
+        both=both,
+        row_weights=row_weights,
+        column_weights=column_weights,
     )
