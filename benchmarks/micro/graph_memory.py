@@ -1,7 +1,7 @@
 """Memory of the CUDA default's graphs: allocated after early and late refreshes, peak.
 
 On a CUDA device the default packs a group's layers and replays their math as a CUDA
-graph, recorded anew after each refresh (:mod:`dampednewton._step.cuda_graphs`). For
+graph, recorded once per run (:mod:`dampednewton._step.cuda_graphs`). For
 each model and variant (``default``: packed and graphed; ``default:packed``: packed,
 eager; ``default:per_layer``: by shape), this trains ``--steps`` steps of the default
 schedule (refreshes at 0, 1, 3, 7, 15, then every 15) on random data and prints, in

@@ -1,9 +1,9 @@
 """A pure function of fixed tensors, replayed as a CUDA graph.
 
-Between refreshes a packed step (:mod:`._step.kronecker_packed`) computes its
-directions from tensors that keep their memory: the pack's gradient buffer (the
-step copies ``.grad`` into it first), its padded eigenpairs and coefficients. Its
-kernels can then be recorded once and replayed with one launch
+A packed step (:mod:`._step.kronecker_packed`) computes its directions from tensors
+that keep their memory for the run: the pack's gradient buffer (the step copies
+``.grad`` into it first), its padded eigenpairs (a refresh copies its own into them)
+and coefficients. Its kernels can then be recorded once and replayed with one launch
 (:class:`ReplayedMath`), where a small model's step lasts as long as its launches.
 A replay overwrites the outputs of the one before: they are read within the step.
 """
@@ -21,7 +21,8 @@ Outputs = TypeVar("Outputs")
 RECORDING_FAILED = (
     "DampedNewton could not record the packed step's math as a CUDA graph ({error}); "
     "this pack's steps run it as they are, the same steps without the single launch "
-    "(the next refresh tries again). KroneckerBasis(graphed=False) skips the attempt."
+    "(a pack rebuilt for new layer shapes tries again). KroneckerBasis(graphed=False) "
+    "skips the attempt."
 )
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -29,7 +30,7 @@ _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 EAGER_CALLS = 1
 """Calls of a function run as they are before it is recorded: a pack used for one
-step only (a refresh right before another, on the schedule's ramp) is never
+step only (rebuilt at the next refresh, for layers whose kept ranks changed) is never
 recorded."""
 
 
@@ -88,8 +89,7 @@ def record_graph(
     On a side stream that waits for the current one: one call first, as PyTorch's
     capture asks (libraries set up their workspaces outside the graph), then the
     recording. ``torch.cuda.graph`` would also synchronize the device and empty the
-    allocator's cache on every recording, one per refresh here; the recording alone
-    needs neither.
+    allocator's cache on every recording; the recording alone needs neither.
 
     Args:
         math: A function of fixed tensors (see :class:`ReplayedMath`).
@@ -119,8 +119,9 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The one side stream that records on ``device`` (created on first use).
 
     torch keeps a cuBLAS workspace for each stream that runs products, for the rest
-    of the process (32 MiB on Hopper GPUs by default): a new stream per recording,
-    one per refresh, cycles through torch's 32 pooled streams and would hold up to
+    of the process (32 MiB on Hopper GPUs by default): a new stream per recording
+    (when packs were recorded at every refresh) cycled through torch's 32 pooled
+    streams and would hold up to
     about 1 GiB of workspaces (with a new stream per recording fmnist_2c2d's peak
     was 1,785 MiB on an H100 against the packed eager step's 710; with this one
     stream 793 MiB, docs/performance.md). ``torch.cuda.graph`` likewise keeps one

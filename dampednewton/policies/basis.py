@@ -77,12 +77,13 @@ class KroneckerBasis:
             unpacked.
         graphed: When packed, on a CUDA device: record each pack's math (the
             products and the slope, after its gradients are copied into the pack's
-            buffer) as a CUDA graph on its second step after a refresh and replay it
-            until the next refresh or damping change: one launch instead of the
-            math's kernels. On a CPU the packed math runs as it is. ``None`` (the
-            default): graphed wherever packed (on an H100, packed and graphed steps
-            reached 0.9 on fmnist_2c2d 1.2-1.3x sooner than unpacked ones, at a peak
-            memory of 793 against 659 MiB, docs/performance.md).
+            buffer) as a CUDA graph on its second step and replay it for the run
+            (refreshes and damping changes copy their values into the buffers it
+            reads): one launch instead of the math's kernels. On a CPU the packed
+            math runs as it is. ``None`` (the default): graphed wherever packed (on
+            an H100, packed and graphed steps reached 0.9 on fmnist_2c2d 1.2-1.3x
+            sooner than unpacked ones, at a peak memory of 793 against 659 MiB,
+            docs/performance.md).
     """
 
     rank: int = DEFAULT_KRONECKER_RANK
