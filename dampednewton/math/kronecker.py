@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -140,6 +140,9 @@ def damped_blocks(
         rows: Also ``c_k⊥`` (the input side's residual).
         columns: Also ``c_⊥k`` (the output side's residual).
         both: Also ``c_⊥⊥`` (with ``rows`` and ``columns`` only).
+
+    Returns:
+        The blocks asked for.
     """
     # π and the residuals keep a trailing 1 to broadcast over a factor's values.
     pi = damping_pi(output, inputs).unsqueeze(-1)
@@ -148,17 +151,17 @@ def damped_blocks(
     out_damped = output.values + out_shift  # τ_i + √δ/π
     in_damped = inputs.values + in_shift  # σ_j + π√δ
     kept = (out_damped.unsqueeze(-1) * in_damped.unsqueeze(-2)).reciprocal()
-    blocks = DampedBlocks(kept, None, None, None)
+    row_block = column_block = corner = None
     if rows:
         in_rest = inputs.residual.unsqueeze(-1) + in_shift
-        blocks = replace(blocks, rows=(out_damped * in_rest).reciprocal())
+        row_block = (out_damped * in_rest).reciprocal()
     if columns:
         out_rest = output.residual.unsqueeze(-1) + out_shift
-        blocks = replace(blocks, columns=(out_rest * in_damped).reciprocal())
+        column_block = (out_rest * in_damped).reciprocal()
     if both:
         assert rows and columns
-        blocks = replace(blocks, both=(out_rest * in_rest).reciprocal().squeeze(-1))
-    return blocks
+        corner = (out_rest * in_rest).reciprocal().squeeze(-1)
+    return DampedBlocks(kept, row_block, column_block, corner)
 
 
 def layer_coefficients(

@@ -8,6 +8,7 @@ fewer operators, a number that does not grow with the layers' shapes.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
@@ -383,3 +384,21 @@ def test_a_refresh_step_refused_for_a_non_finite_batch_leaves_the_pack_usable():
             optimizer.step(closure)
         runs.append(case.model)
     assert_same_parameters(runs[1], runs[0], rtol=0, atol=0)
+
+
+def test_a_packs_coefficients_issue_as_many_operators_for_any_number_of_shapes():
+    """Every layer's coefficients at once from the padded eigenpairs (a refresh's)."""
+    counts = []
+    for widths in ([6, 8, 5], [6, 8, 5, 7, 9, 4]):
+        torch.manual_seed(0)
+        layers = [
+            torch.nn.Linear(fan_in, fan_out).double()
+            for fan_in, fan_out in itertools.pairwise(widths)
+        ]
+        pack = PackedLayers(
+            [random_batch(layer, 3, k) for k, layer in enumerate(layers)]
+        )
+        with ComputingOperators() as operators:
+            pack.coefficients(0.1)
+        counts.append(operators.count)
+    assert counts[0] == counts[1], counts
