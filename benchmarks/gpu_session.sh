@@ -36,7 +36,8 @@
 # `all` runs checks to fmnist_2c2d_peers as listed (most wanted first).
 # The parts share BUDGET seconds (default 540): each part stops at its own cap or when
 # the budget runs out, and writes its results to $OUT as it goes, so a part cut short
-# still returns what it finished; the Hydra runs of fmnist_2c2d go to $OUT/sweeps.
+# still returns what it finished; the Hydra runs of fmnist_2c2d go to $OUT/sweeps (a
+# sweep cut short, in its grid extension say, gets the report of its finished jobs).
 # STEPS (default 4000, the preset's) sets the fmnist_2c2d runs' budget of steps.
 # $OUT of the device tool returns at most 8 files, 2 folders down: point OUT at a
 # scratch folder and tar it into the real one.
@@ -58,6 +59,21 @@ run() {
   fi
   timeout $((cap < left ? cap : left)) "$@" >"$log" 2>&1
   echo "exit $? after $((SECONDS))s: $*" >>"$out/parts.txt"
+}
+
+# sweep NAME LOG OVERRIDES...: a Hydra multirun into $out/sweeps/NAME under a 200 s
+# cap (or the budget left). A multirun cut by either (its grid extension, say) writes
+# no report: the report of the jobs that finished is then written from their results.
+sweep() {
+  local name=$1 log=$2 dir="$out/sweeps/$1"
+  shift 2
+  run 200 "$log" python3 -m benchmarks.run --multirun "${common[@]}" "$@" \
+    hydra.sweep.dir="$dir"
+  if [[ -d "$dir" && ! -f "$dir/report/summary.md" ]]; then
+    echo "cut short: the report of the finished jobs" >>"$log"
+    python3 -m benchmarks.report "$dir" >>"$log" 2>&1
+  fi
+  tail -n 4 "$log"
 }
 
 # The fmnist_2c2d runs: the GPU preset, 3 seeds, one job per grid point.
@@ -93,41 +109,25 @@ part() {
       part fmnist_2c2d_default
       part fmnist_2c2d_adam ;;
     fmnist_2c2d_default)
-      run 200 "$out/dampednewton.txt" python3 -m benchmarks.run --multirun \
-        "${common[@]}" optimizer=dampednewton hydra.sweep.dir="$out/sweeps/dampednewton"
-      tail -n 4 "$out/dampednewton.txt" ;;
+      sweep dampednewton "$out/dampednewton.txt" optimizer=dampednewton ;;
     fmnist_2c2d_adam)
-      run 170 "$out/adam.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
-        optimizer=adam optimizer.lr=0.0003,0.001,0.003 hydra.sweep.dir="$out/sweeps/adam"
-      tail -n 4 "$out/adam.txt" ;;
+      sweep adam "$out/adam.txt" optimizer=adam optimizer.lr=0.0003,0.001,0.003 ;;
     fmnist_2c2d_peers)
       # SOAP and PSGD-Kron at the learning rates that were fastest on the CPU
       # (fmnist_2c2d: SOAP 3e-3, Kron 1e-3) and SOAP's neighbour 1e-3.
       part fmnist_2c2d_soap
       part fmnist_2c2d_kron ;;
     fmnist_2c2d_soap)
-      run 200 "$out/soap.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
-        optimizer=soap optimizer.lr=0.001,0.003 hydra.sweep.dir="$out/sweeps/soap"
-      tail -n 4 "$out/soap.txt" ;;
+      sweep soap "$out/soap.txt" optimizer=soap optimizer.lr=0.001,0.003 ;;
     fmnist_2c2d_kron)
-      run 200 "$out/kron.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
-        optimizer=kron optimizer.lr=0.001 hydra.sweep.dir="$out/sweeps/kron"
-      tail -n 4 "$out/kron.txt" ;;
+      sweep kron "$out/kron.txt" optimizer=kron optimizer.lr=0.001 ;;
     fmnist_2c2d_sgd)
-      run 200 "$out/momentum.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
-        optimizer=momentum optimizer.lr=0.01,0.03,0.1 \
-        hydra.sweep.dir="$out/sweeps/momentum"
-      run 200 "$out/sgd.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
-        optimizer=sgd optimizer.lr=0.1,0.3,1.0 hydra.sweep.dir="$out/sweeps/sgd"
-      tail -n 4 "$out/momentum.txt" "$out/sgd.txt" ;;
+      sweep momentum "$out/momentum.txt" optimizer=momentum optimizer.lr=0.01,0.03,0.1
+      sweep sgd "$out/sgd.txt" optimizer=sgd optimizer.lr=0.1,0.3,1.0 ;;
     fmnist_2c2d_packed)
-      run 200 "$out/packed.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
-        optimizer=dampednewton_packed hydra.sweep.dir="$out/sweeps/packed"
-      tail -n 4 "$out/packed.txt" ;;
+      sweep packed "$out/packed.txt" optimizer=dampednewton_packed ;;
     fmnist_2c2d_per_layer)
-      run 200 "$out/per_layer.txt" python3 -m benchmarks.run --multirun "${common[@]}" \
-        optimizer=dampednewton_per_layer hydra.sweep.dir="$out/sweeps/per_layer"
-      tail -n 4 "$out/per_layer.txt" ;;
+      sweep per_layer "$out/per_layer.txt" optimizer=dampednewton_per_layer ;;
     phases)
       run 120 "$out/phases.md" python3 -m benchmarks.micro.step_phases --models mlp 3c3d \
         --variants default default:per_layer default:packed default:backpack \
