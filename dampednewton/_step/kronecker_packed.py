@@ -223,7 +223,14 @@ def _layer_shapes(eigen: Sequence[FactorEigen]) -> list[tuple[int, int]]:
 
 
 def _same_layers(mine: LayerBatch, theirs: LayerBatch) -> bool:
-    """Whether two batches hold the same parameters in eigenpairs of equal shapes."""
+    """Whether two batches hold the same parameters in eigenpairs of equal layouts.
+
+    Equal shapes, dtypes and devices: a refill copies one into the other's buffers.
+    """
+
+    def layout(tensor: Tensor) -> tuple:
+        return tensor.shape, tensor.dtype, tensor.device
+
     return (
         len(mine.layers) == len(theirs.layers)
         and all(
@@ -231,7 +238,7 @@ def _same_layers(mine: LayerBatch, theirs: LayerBatch) -> bool:
             for a, b in zip(mine.layers, theirs.layers, strict=True)
         )
         and all(
-            getattr(mine_side, name).shape == getattr(their_side, name).shape
+            layout(getattr(mine_side, name)) == layout(getattr(their_side, name))
             for mine_side, their_side in (
                 (mine.output, theirs.output),
                 (mine.inputs, theirs.inputs),

@@ -332,6 +332,10 @@ def random_batch(layer: torch.nn.Linear, rank: int, seed: int) -> LayerBatch:
     return LayerBatch([basis], basis.output, basis.inputs)
 
 
+def to_float32(eigen: FactorEigen) -> FactorEigen:
+    return FactorEigen(*(getattr(eigen, name).float() for name in EIGEN_FIELDS))
+
+
 def test_a_refill_is_undone_by_the_next_one_and_a_misfit_changes_nothing():
     """A failed refresh step's eigenpairs are replaced by the restored ones."""
     torch.manual_seed(0)
@@ -353,6 +357,13 @@ def test_a_refill_is_undone_by_the_next_one_and_a_misfit_changes_nothing():
     before = [buffer.clone() for buffer in pack_buffers(group.packs[0])]
     other_rank = [random_batch(layer, 3, seed) for seed, layer in enumerate(layers)]
     assert not group.refill(other_rank, graphed=False)
+    single = [
+        LayerBatch(
+            batch.layers, *(to_float32(side) for side in (batch.output, batch.inputs))
+        )
+        for batch in kept
+    ]
+    assert not group.refill(single, graphed=False)
     assert not group.refill(kept[:1], graphed=False)
     assert not group.refill(kept, graphed=True)
     assert all(map(torch.equal, pack_buffers(group.packs[0]), before))
