@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from benchmarks.micro.step_profile import EigensolverCalls
-from dampednewton.math.kronecker import (
+from dampednewton.math.kronecker import kronecker_direction, stacked_eigen
+from dampednewton.math.kronecker_coefficients import (
     LayerCoefficients,
     damping_pi,
-    kronecker_direction,
     layer_coefficients,
-    stacked_eigen,
 )
 from dampednewton.math.kronecker_factors import (
     EIGEN_FIELDS,

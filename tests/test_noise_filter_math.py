@@ -11,11 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from dampednewton.math.kronecker import (
-    kronecker_direction,
-    layer_coefficients,
-    projections,
-)
+from dampednewton.math.kronecker import kronecker_direction, projections
+from dampednewton.math.kronecker_coefficients import layer_coefficients
 from dampednewton.math.noise_filter import (
     DirectionMoments,
     advanced,

@@ -28,11 +28,10 @@ from torch import Tensor
 
 from dampednewton._step.kronecker_moments import batch_moments, filtered_layer
 from dampednewton._step.kronecker_state import LayerBasis, parameter_gradient
-from dampednewton.math.kronecker import (
+from dampednewton.math.kronecker import kronecker_direction, stacked_eigen
+from dampednewton.math.kronecker_coefficients import (
     LayerCoefficients,
-    kronecker_direction,
     layer_coefficients,
-    stacked_eigen,
 )
 from dampednewton.math.kronecker_factors import FactorEigen
 from dampednewton.math.noise_filter import DirectionMoments, unstacked_moments

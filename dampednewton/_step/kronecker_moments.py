@@ -22,7 +22,8 @@ from dampednewton._step.kronecker_state import (
     LayerBasis,
 )
 from dampednewton._step.options import GroupOptions
-from dampednewton.math.kronecker import LayerCoefficients, projections
+from dampednewton.math.kronecker import projections
+from dampednewton.math.kronecker_coefficients import LayerCoefficients
 from dampednewton.math.kronecker_factors import FactorEigen
 from dampednewton.math.noise_filter import (
     DirectionMoments,

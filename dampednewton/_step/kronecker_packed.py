@@ -31,7 +31,8 @@ from torch import Tensor
 from dampednewton._step.cuda_graphs import ReplayedMath
 from dampednewton._step.kronecker_group import KroneckerGroupStep, LayerBatch
 from dampednewton._step.kronecker_state import LayerBasis
-from dampednewton.math.kronecker import LayerCoefficients, kronecker_direction
+from dampednewton.math.kronecker import kronecker_direction
+from dampednewton.math.kronecker_coefficients import LayerCoefficients
 from dampednewton.math.kronecker_factors import FactorEigen
 from dampednewton.math.kronecker_packed import (
     batched_fields,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dampednewton.math.kronecker import LayerCoefficients, damped_blocks
+from dampednewton.math.kronecker_coefficients import LayerCoefficients, damped_blocks
 from dampednewton.math.kronecker_factors import FactorEigen
 
 
@@ -179,12 +179,12 @@ def padded_coefficients(
 ) -> LayerCoefficients:
     """Every layer's step coefficients from padded eigenpairs, zero where it has none.
 
-    :func:`~dampednewton.math.kronecker.layer_coefficients` of each layer in the
-    leading entries of ``[R, Q]``, ``[R]``, ``[Q]`` and a number, computed for the
-    whole pack at once. A block a layer does not have (its factor on that side kept
-    whole) is zero, which drops its term from the layer's step; a block no layer has
-    is ``None``. Curvature fields are left out: the padded step computes directions
-    and slopes.
+    :func:`~dampednewton.math.kronecker_coefficients.layer_coefficients` of each layer
+    in the leading entries of ``[R, Q]``, ``[R]``, ``[Q]`` and a number, computed for
+    the whole pack at once. A block a layer does not have (its factor on that side
+    kept whole) is zero, which drops its term from the layer's step; a block no layer
+    has is ``None``. Curvature fields are left out: the padded step computes
+    directions and slopes.
 
     Args:
         output: Padded eigenpairs of the ``S`` factors (:func:`padded_eigen`).

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dampednewton.math.kronecker import LayerCoefficients
+from dampednewton.math.kronecker_coefficients import LayerCoefficients
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,8 @@ def filtered(
     ``ρ`` and its curvature ``ρ²`` times as large); the residual blocks stay.
 
     Args:
-        coefficients: :func:`~dampednewton.math.kronecker.layer_coefficients`.
+        coefficients: The layer's
+            :func:`~dampednewton.math.kronecker_coefficients.layer_coefficients`.
         scales: ``ρ`` ``[r_out, r_in]``.
         with_curvature: Also scale the curvatures (otherwise left as they were: a
             step that does not compute its curvature does not read them).
