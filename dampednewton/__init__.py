@@ -25,6 +25,7 @@ from dampednewton.policies.damping import (
     RelativeDamping,
 )
 from dampednewton.policies.noise_filter import NoiseFilter
+from dampednewton.policies.schedule_free import ScheduleFree
 
 __all__ = [
     "ConstantCurvature",
@@ -46,6 +47,7 @@ __all__ = [
     "NoiseFilter",
     "RelativeDamping",
     "RelativeThreshold",
+    "ScheduleFree",
     "SmallestCurvature",
     "TopK",
     "basis_defaults",

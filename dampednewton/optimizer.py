@@ -39,6 +39,7 @@ from dampednewton.policies.checks import check_subsampling
 from dampednewton.policies.complement import ComplementPolicy
 from dampednewton.policies.criteria import Criterion
 from dampednewton.policies.damping import Damping
+from dampednewton.policies.schedule_free import ScheduleFree
 from dampednewton.process_groups import world_initialized
 
 
@@ -71,8 +72,10 @@ class DampedNewton(Optimizer):
     every ``interval`` steps; the steps in between run the closure without BackPACK's
     hooks and reuse the eigenpairs (docs/design.md). With
     ``KroneckerBasis(noise_filter=NoiseFilter())`` each kept coefficient is also scaled
-    by ``ρ_ij = |m̂_ij|/√v̂_ij`` from SOAP's moments of ``γ_ij`` (opt-in; it helps
-    noisy problems and costs small ones). :class:`GramBasis` instead steps
+    by ``ρ_ij = |m̂_ij|/√v̂_ij`` from SOAP's moments of ``γ_ij`` (opt-in). With
+    ``momentum=ScheduleFree()`` (opt-in) a fast iterate ``z ← z + Δ`` takes the steps
+    ``Δ``, its average is ``x ← (1 − c_t) x + c_t z`` and the parameters hold
+    ``y = (1 − β) z + β x``. :class:`GramBasis` instead steps
     along the leading eigenvectors of the whole block from its Gram matrix (ViViT):
     ``s = Σ_k −φ γ̄_k/(λ̄_k + δ_k) e_k − (ḡ − Σ_k γ̄_k e_k)/ρ`` with the Newton
     fraction ``φ``, the complement curvature ``ρ`` and a trust region on
@@ -130,7 +133,8 @@ class DampedNewton(Optimizer):
             ``CurvatureAveraging()``).
         kl_clip: ``κ > 0`` of the trust region, or ``None`` for none (*basis*:
             1e-3 / 1.0).
-        momentum: ``μ`` in ``[0, 1)`` (*basis*: 0.5 / 0.0).
+        momentum: ``μ`` in ``[0, 1)``, or :class:`ScheduleFree` averaging (*basis*:
+            0.5 / 0.0).
         nesterov: Nesterov's momentum, needs ``momentum > 0`` (default: False).
         weight_decay: Decoupled weight decay ``wd >= 0`` (*basis*: 1e-3 / 0.0).
         mc_samples: Monte-Carlo samples of the loss Hessian's square root, ``0``
@@ -173,7 +177,7 @@ class DampedNewton(Optimizer):
         newton_fraction: float = BASIS_DEFAULT,
         averaging: CurvatureAveraging | None = BASIS_DEFAULT,
         kl_clip: float | None = BASIS_DEFAULT,
-        momentum: float = BASIS_DEFAULT,
+        momentum: float | ScheduleFree = BASIS_DEFAULT,
         nesterov: bool = False,
         weight_decay: float = BASIS_DEFAULT,
         mc_samples: int = 1,

@@ -42,6 +42,7 @@ from dampednewton.policies.damping import (
     as_damping,
     needs_sample_statistics,
 )
+from dampednewton.policies.schedule_free import ScheduleFree
 from dampednewton.process_groups import resolve_process_group
 
 NONFINITE_MODES = ("raise", "skip")
@@ -198,7 +199,7 @@ class GroupOptions:
             along the kept directions.
         averaging: Curvature averaging, or ``None``.
         kl_clip: Trust-region radius ``> 0``, or ``None``.
-        momentum: Heavy-ball momentum in ``[0, 1)``.
+        momentum: Heavy-ball momentum in ``[0, 1)``, or Schedule-Free averaging.
         nesterov: Nesterov's variant (needs ``momentum > 0``).
         weight_decay: Decoupled weight decay ``>= 0``.
         warn_small_eigvals: Threshold of the small-eigenvalue warning ``>= 0``.
@@ -212,7 +213,7 @@ class GroupOptions:
     newton_fraction: float
     averaging: CurvatureAveraging | None
     kl_clip: float | None
-    momentum: float
+    momentum: float | ScheduleFree
     nesterov: bool
     weight_decay: float
     warn_small_eigvals: float
@@ -247,15 +248,15 @@ class GroupOptions:
         newton_fraction = check_newton_fraction(group["newton_fraction"])
         averaging = _checked_averaging(group["averaging"], damping)
         kl_clip = check_kl_clip(group["kl_clip"])
-        momentum = check_number("momentum", group["momentum"])
+        momentum = _checked_momentum(group["momentum"])
         weight_decay = check_number("weight_decay", group["weight_decay"])
-        if not 0 <= momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}.")
         nesterov = group["nesterov"]
         if not isinstance(nesterov, bool):
             raise TypeError(f"nesterov must be True or False, got {nesterov!r}.")
-        if nesterov and momentum == 0:
-            raise ValueError("nesterov=True needs momentum > 0.")
+        if nesterov and (isinstance(momentum, ScheduleFree) or momentum == 0):
+            raise ValueError(
+                "nesterov=True needs a heavy-ball momentum > 0 (not ScheduleFree)."
+            )
         if not (math.isfinite(weight_decay) and weight_decay >= 0):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}.")
         return cls(
@@ -280,6 +281,17 @@ class GroupOptions:
         Cached: the protocol check costs more than a step between refreshes.
         """
         return self.damping if isinstance(self.damping, AdaptiveDamping) else None
+
+
+def _checked_momentum(momentum: Any) -> float | ScheduleFree:
+    if isinstance(momentum, ScheduleFree):
+        return momentum
+    momentum = check_number("momentum", momentum)
+    if not 0 <= momentum < 1:
+        raise ValueError(
+            f"momentum must be in [0, 1) or a ScheduleFree(...), got {momentum!r}."
+        )
+    return momentum
 
 
 def _checked_averaging(averaging: Any, damping: Damping) -> CurvatureAveraging | None:

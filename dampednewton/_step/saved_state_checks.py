@@ -25,11 +25,16 @@ from dampednewton._step.kronecker_state import (
 )
 from dampednewton._step.kronecker_state import STATE_KEYS as KRONECKER_STATE_KEYS
 from dampednewton._step.records import BASIS, GROUPS
-from dampednewton._step.update import MOMENTUM
+from dampednewton._step.update import AVERAGED_STEPS, FAST_ITERATE, MOMENTUM
 
 #: Per-parameter state entries DampedNewton writes (averaged basis, momentum buffer,
-#: a Kronecker layer's factors and eigenpairs, the noise filter's moments).
-PARAMETER_STATE_KEYS = frozenset({BASIS, MOMENTUM}) | KRONECKER_STATE_KEYS | MOMENT_KEYS
+#: Schedule-Free's iterate and count, a Kronecker layer's factors and eigenpairs, the
+#: noise filter's moments).
+PARAMETER_STATE_KEYS = (
+    frozenset({BASIS, MOMENTUM, FAST_ITERATE, AVERAGED_STEPS})
+    | KRONECKER_STATE_KEYS
+    | MOMENT_KEYS
+)
 #: What a Kronecker layer's first parameter holds after a refresh.
 LAYER_KEYS = KRONECKER_STATE_KEYS
 MISSING_HINT = (
@@ -73,9 +78,10 @@ def foreign_entry_problem(
 
 def _fits(entry: Mapping[str, Any], param: Tensor) -> Tensor | None:
     """The first of a parameter's state tensors that does not fit its shape."""
-    buffer = entry.get(MOMENTUM)
-    if buffer is not None and buffer.shape != param.shape:
-        return buffer
+    for key in (MOMENTUM, FAST_ITERATE):
+        buffer = entry.get(key)
+        if buffer is not None and buffer.shape != param.shape:
+            return buffer
     basis = entry.get(BASIS)
     if basis is not None and basis.shape[1:] != param.shape:
         return basis

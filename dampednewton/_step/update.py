@@ -9,7 +9,17 @@ decay ``wd``:
     \theta \leftarrow (1 - \mathrm{lr}\cdot\mathrm{wd})\,\theta + \mathrm{lr}\cdot m
 
 (Nesterov: ``θ += lr·(νs + μm)``; without momentum ``m = νs`` and no buffer is kept).
-The trust-region scale ``ν`` comes from
+With :class:`~dampednewton.ScheduleFree` as the momentum, the parameters hold
+``y = (1 − β) z + β x`` of a fast iterate ``z`` and its average ``x``: with the step
+``Δ = lr·νs − lr·wd·y``
+
+.. math::
+
+    y \leftarrow (1 - c)\,y + c\,z + (1 - \beta(1 - c))\,\Delta, \quad
+    z \leftarrow z + \Delta
+
+(:func:`schedule_free_update`: ``x = (y − (1 − β) z)/β`` is never stored). The
+trust-region scale ``ν`` comes from
 :func:`~dampednewton._step.quadratic_model.trust_region_scale`.
 """
 
@@ -25,8 +35,45 @@ from dampednewton._step.group_result import GroupStep
 from dampednewton._step.options import GroupOptions
 from dampednewton._step.quadratic_model import trust_region_scale
 from dampednewton.math.precision import computation_dtype
+from dampednewton.policies.schedule_free import ScheduleFree
 
 MOMENTUM = "momentum_buffer"
+FAST_ITERATE = "schedule_free_iterate"
+"""Schedule-Free's fast iterate ``z`` (the parameters hold ``y``)."""
+AVERAGED_STEPS = "step"
+"""Schedule-Free's count of a parameter's steps: an int64 CPU tensor under Adam's key,
+which torch's ``load_state_dict`` leaves where it is (reading it syncs no device)."""
+
+
+def schedule_free_update(
+    param: Tensor, fast: Tensor, update: Tensor, interpolation: float, weight: float
+) -> None:
+    """One Schedule-Free step of ``y`` (``param``) and ``z`` (``fast``), in place.
+
+    With ``x`` the average and ``y = (1 − β) z + β x``, the step ``z' = z + Δ``,
+    ``x' = (1 − c) x + c z'`` gives ``y' = (1 − c) y + c z + (1 − β(1 − c)) Δ``.
+
+    Args:
+        param: ``y``.
+        fast: ``z`` (``param``'s dtype).
+        update: ``Δ``.
+        interpolation: ``β``.
+        weight: ``c``.
+    """
+    param.lerp_(fast, weight).add_(update, alpha=1 - interpolation * (1 - weight))
+    fast.add_(update)
+
+
+def _averaged_weight(
+    state: dict[str, Any], param: Tensor, policy: ScheduleFree
+) -> float:
+    """Count a Schedule-Free step of ``param`` (its iterate created at the first)."""
+    if FAST_ITERATE not in state:
+        state[FAST_ITERATE] = param.detach().to(computation_dtype(param.dtype)).clone()
+        state[AVERAGED_STEPS] = torch.zeros((), dtype=torch.int64)
+    steps = state[AVERAGED_STEPS]
+    steps += 1
+    return policy.weight(int(steps.item()))
 
 
 def update_parameter(
@@ -44,6 +91,17 @@ def update_parameter(
     # Half-precision parameters keep their momentum in float32; ``add_`` rounds once.
     update = direction.to(computation_dtype(param.dtype))
     mu = options.momentum
+    if isinstance(mu, ScheduleFree):
+        weight = _averaged_weight(state, param, mu)
+        fast = state[FAST_ITERATE]
+        point = param.detach().to(fast.dtype)
+        update = update * options.lr - point * (options.lr * options.weight_decay)
+        if point.dtype == param.dtype:
+            schedule_free_update(param, fast, update, mu.interpolation, weight)
+        else:  # a half-precision parameter: y in float32, rounded once
+            schedule_free_update(point, fast, update, mu.interpolation, weight)
+            param.copy_(point)
+        return
     if mu > 0:
         buffer = state.get(MOMENTUM)
         if buffer is None:
@@ -142,6 +200,9 @@ def update_parameters(
     params = [p for p, _ in moving]
     directions = [d for _, d in moving]
     mu = options.momentum
+    if isinstance(mu, ScheduleFree):
+        _schedule_free_updates(moving, state, options, scale, mu)
+        return
     stored = [state[p].get(MOMENTUM) for p in params] if mu > 0 else []
     buffers: list[Tensor] = [b for b in stored if b is not None]
     same_dtypes = all(d.dtype == p.dtype for p, d in moving)
@@ -161,3 +222,38 @@ def update_parameters(
         torch._foreach_add_(params, buffers, alpha=options.lr * mu)
     else:
         torch._foreach_add_(params, buffers, alpha=options.lr)
+
+
+def _schedule_free_updates(
+    moving: Sequence[tuple[Tensor, Tensor]],
+    state: MutableMapping[Any, dict[str, Any]],
+    options: GroupOptions,
+    scale: float,
+    policy: ScheduleFree,
+) -> None:
+    """:func:`schedule_free_update` of each parameter, multi-tensor per weight ``c``.
+
+    Parameters of one group share their count of steps unless some missed steps
+    (unused by a forward pass): each count's parameters move together.
+    """
+    if any(
+        d.dtype != p.dtype or computation_dtype(p.dtype) != p.dtype for p, d in moving
+    ):
+        for param, direction in moving:
+            update_parameter(param, direction * scale, state[param], options)
+        return
+    by_weight: dict[float, list[tuple[Tensor, Tensor]]] = {}
+    for param, direction in moving:
+        weight = _averaged_weight(state[param], param, policy)
+        by_weight.setdefault(weight, []).append((param, direction))
+    lr, decay = options.lr, options.weight_decay
+    for weight, pairs in by_weight.items():
+        params = [p for p, _ in pairs]
+        fast = [state[p][FAST_ITERATE] for p in params]
+        updates = torch._foreach_mul([d for _, d in pairs], lr * scale)
+        if decay > 0:
+            torch._foreach_add_(updates, params, alpha=-lr * decay)
+        torch._foreach_lerp_(params, fast, weight)
+        interpolated = 1 - policy.interpolation * (1 - weight)
+        torch._foreach_add_(params, updates, alpha=interpolated)
+        torch._foreach_add_(fast, updates)

@@ -10,7 +10,9 @@ dataclasses) and the shorthand conversion (``as_criterion``, ``as_damping``,
   and the base :class:`MeanStatisticsDamping`;
 * :mod:`~dampednewton.policies.complement`: :class:`ComplementPolicy` (``ρ``);
 * :mod:`~dampednewton.policies.noise_filter`: :class:`NoiseFilter` (the Kronecker
-  basis' per-direction scale).
+  basis' per-direction scale);
+* :mod:`~dampednewton.policies.schedule_free`: :class:`ScheduleFree` (Schedule-Free
+  averaging of the steps, a value of ``momentum``).
 """
 
 from dampednewton.policies.basis import Basis, GramBasis, KroneckerBasis
@@ -37,6 +39,7 @@ from dampednewton.policies.damping import (
     RelativeDamping,
 )
 from dampednewton.policies.noise_filter import NoiseFilter
+from dampednewton.policies.schedule_free import ScheduleFree
 
 __all__ = [
     "AdaptiveDamping",
@@ -57,6 +60,7 @@ __all__ = [
     "NoiseFilter",
     "RelativeDamping",
     "RelativeThreshold",
+    "ScheduleFree",
     "SmallestCurvature",
     "TopK",
 ]

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dampednewton import CurvatureAveraging, KroneckerBasis, NoiseFilter
+from dampednewton import CurvatureAveraging, KroneckerBasis, NoiseFilter, ScheduleFree
 from tests.distributed.spawning import spawn_ranks
 from tests.distributed.workers import (
     EVERY_RANK,
@@ -30,6 +30,8 @@ NOISE_FILTER = {
 """With the noise filter, its moments rotated on every refresh."""
 PACKED = {**KRONECKER, "basis": KroneckerBasis(packed=True)}
 """Every layer in one padded batch."""
+SCHEDULE_FREE = {**KRONECKER, "momentum": ScheduleFree(0.8, 2.0), "kl_clip": 1e-2}
+"""Schedule-Free averaging of the steps instead of the heavy ball."""
 
 # Each test spawns processes that import torch and BackPACK: 5-25 s.
 pytestmark = [
@@ -59,6 +61,7 @@ pytestmark = [
         ),
         (2, Job(model="cnn", steps=3, options={**KRONECKER, "mc_samples": 1})),
         (2, Job(model="mlp", steps=5, options=NOISE_FILTER, ddp=True)),
+        (2, Job(model="mlp", steps=5, options=SCHEDULE_FREE, ddp=True)),
         (2, Job(model="cnn", steps=4, options=PACKED, ddp=True)),
         (2, Job(model="mlp", steps=8, options={"damping": "lm"}, ddp=True)),
         (2, Job(model="mlp-bce", steps=3, ddp=True)),
@@ -73,6 +76,7 @@ pytestmark = [
         "cnn-kronecker-lm-ddp-3",
         "cnn-kronecker-mc-2",
         "mlp-kronecker-noise-filter-ddp-2",
+        "mlp-kronecker-schedule-free-ddp-2",
         "cnn-kronecker-packed-ddp-2",
         "mlp-lm-between-refreshes-ddp-2",  # the damping adapts on refreshes only
         "mlp-bce-multilabel-ddp-2",
