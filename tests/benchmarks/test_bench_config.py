@@ -121,6 +121,22 @@ def test_the_noise_filter_config_is_the_default_with_the_filter(compose_config):
     }
 
 
+def test_the_schedule_free_config_is_the_default_with_averaged_steps(compose_config):
+    from dampednewton import ScheduleFree
+
+    cfg = compose_config(["optimizer=dampednewton_schedule_free"])
+    problem = tiny_problem(steps=3)
+    optimizer = instantiate(cfg.optimizer)(problem.trainable_parameters())
+    (group,) = optimizer.param_groups
+    assert group["momentum"] == ScheduleFree(interpolation=0.9, recency=4.0)
+    assert group["kl_clip"] == 1e-2
+    default = compose_config(["optimizer=dampednewton"]).optimizer
+    changed = ("momentum", "kl_clip")
+    assert {k: v for k, v in cfg.optimizer.items() if k not in changed} == {
+        k: v for k, v in default.items() if k not in changed
+    }
+
+
 @pytest.mark.parametrize(
     "name, settings",
     [
