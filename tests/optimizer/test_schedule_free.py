@@ -105,7 +105,19 @@ RUNS = [
 
 @pytest.mark.parametrize("problem, settings", RUNS)
 def test_steps_equal_the_explicit_reference(problem, settings):
-    case, twin = build_case(problem), build_case(problem)
+    assert_matches_reference(problem, settings, "cpu")
+
+
+@pytest.mark.cuda
+def test_packed_and_graphed_steps_equal_the_explicit_reference():
+    """On a CUDA device the defaults step packed, replayed as CUDA graphs."""
+    assert_matches_reference(case_by_id("cnn-ce"), {}, "cuda")
+
+
+def assert_matches_reference(problem, settings: dict[str, Any], device: str) -> None:
+    """Twelve steps with ``POLICY`` equal the explicit sequences of a plain twin."""
+    case = build_case(problem, torch.float64, device)
+    twin = build_case(problem, torch.float64, device)
     optimizer = DampedNewton(
         case.model.parameters(), momentum=POLICY, kl_clip=1e-2, seed=0, **settings
     )
@@ -149,7 +161,10 @@ def test_parameters_that_missed_steps_average_with_their_own_weights():
     state: dict = {p: {} for p in params}
     twin_state: dict = {i: {} for i in range(3)}
     for step in range(4):
-        directions = [torch.randn_like(p, dtype=torch.float64) for p in params]
+        directions = [
+            torch.randn(p.shape, generator=generator, dtype=torch.float64)
+            for p in params
+        ]
         moving = [0, 1, 2] if step % 2 == 0 else [0, 2]  # the second misses steps
         with torch.no_grad():
             update_parameters(
