@@ -95,7 +95,9 @@ def update_parameter(
         weight = _averaged_weight(state, param, mu)
         fast = state[FAST_ITERATE]
         point = param.detach().to(fast.dtype)
-        update = update * options.lr - point * (options.lr * options.weight_decay)
+        update = update * options.lr
+        if options.weight_decay > 0:
+            update.add_(point, alpha=-options.lr * options.weight_decay)
         if point.dtype == param.dtype:
             schedule_free_update(param, fast, update, mu.interpolation, weight)
         else:  # a half-precision parameter: y in float32, rounded once
