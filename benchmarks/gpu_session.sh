@@ -18,6 +18,8 @@
 #   graph_memory: the memory the CUDA default's graphs hold, early and late in a run,
 #     and its peak, against the packed and the per-layer step;
 #   solvers: eigh and QR of the refreshes' shapes on the device and on the host;
+#   refresh_schedule: the profile's counts and times of the defaults against fewer
+#     refreshes (every 30 steps) and fewer rotations (every third refresh), 90 steps;
 #   compile: the in-between step's math eager, compiled and as CUDA graphs;
 #   step_cost: step cost with peak memory;
 #   fmnist_2c2d: time to target, DampedNewton's default against Adam over 3e-4,
@@ -32,7 +34,11 @@
 #     `profile` counts its step as default:packed);
 #   fmnist_2c2d_per_layer: the defaults by shape, neither packed nor graphed
 #     (KroneckerBasis(packed=False), the CPU's default), 3 seeds (not part of `all`;
-#     `profile` counts its step as default:per_layer).
+#     `profile` counts its step as default:per_layer);
+#   fmnist_2c2d_interval30: the defaults refreshed every 30 steps past the ramp
+#     (CurvatureAveraging(interval=30)), 3 seeds (not part of `all`);
+#   fmnist_2c2d_schedule_free: the opt-in Schedule-Free averaging
+#     (optimizer=dampednewton_schedule_free), 3 seeds (not part of `all`).
 # `all` runs checks to fmnist_2c2d_peers as listed (most wanted first).
 # The parts share BUDGET seconds (default 540): each part stops at its own cap or when
 # the budget runs out, and writes its results to $OUT as it goes, so a part cut short
@@ -128,6 +134,18 @@ part() {
       sweep packed "$out/packed.txt" optimizer=dampednewton_packed ;;
     fmnist_2c2d_per_layer)
       sweep per_layer "$out/per_layer.txt" optimizer=dampednewton_per_layer ;;
+    fmnist_2c2d_interval30)
+      sweep interval30 "$out/interval30.txt" optimizer=dampednewton \
+        optimizer.averaging.interval=30 ;;
+    fmnist_2c2d_schedule_free)
+      sweep schedule_free "$out/schedule_free.txt" optimizer=dampednewton_schedule_free ;;
+    refresh_schedule)
+      # 90 steps: a whole period of refreshes every 30 steps (and of rotations on
+      # every third of the defaults' refreshes).
+      run 120 "$out/refresh_schedule.md" python3 -m benchmarks.micro.step_profile \
+        --models mlp 3c3d --warmup 60 --steps 90 \
+        --variants sgd adam default default:interval30 default:rotation3
+      cat "$out/refresh_schedule.md" ;;
     phases)
       run 120 "$out/phases.md" python3 -m benchmarks.micro.step_phases --models mlp 3c3d \
         --variants default default:per_layer default:packed default:backpack \
@@ -155,10 +173,11 @@ part() {
       cat "$out/step_cost.txt" ;;
     *)
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
-        "(PART: checks tests profile phases refresh_pass graph_memory solvers compile" \
-        "step_cost fmnist_2c2d fmnist_2c2d_default fmnist_2c2d_adam" \
-        "fmnist_2c2d_peers fmnist_2c2d_soap fmnist_2c2d_kron fmnist_2c2d_sgd" \
-        "fmnist_2c2d_packed fmnist_2c2d_per_layer)" >&2
+        "(PART: checks tests profile refresh_schedule phases refresh_pass" \
+        "graph_memory solvers compile step_cost fmnist_2c2d fmnist_2c2d_default" \
+        "fmnist_2c2d_adam fmnist_2c2d_peers fmnist_2c2d_soap fmnist_2c2d_kron" \
+        "fmnist_2c2d_sgd fmnist_2c2d_packed fmnist_2c2d_per_layer" \
+        "fmnist_2c2d_interval30 fmnist_2c2d_schedule_free)" >&2
       exit 2 ;;
   esac
 }

@@ -3,7 +3,9 @@
 :data:`MODELS` are the networks of the performance issue on random inputs;
 :func:`make_step` builds one closure-driven step of a variant (``sgd``, ``adam``,
 the peers ``soap`` and ``kron``, ``fast:<ggn>``, ``dense:<ggn>``, ``default``,
-``default:exact``, ``default:per_layer``, ``default:packed``, ``default:graphed``);
+``default:exact``, ``default:per_layer``, ``default:packed``, ``default:graphed``, and
+the defaults with fewer refreshes ``default:interval30`` and fewer rotations
+``default:rotation3``);
 :func:`time_blocks` and :func:`round_robin_medians` time variants in alternating
 blocks of consecutive steps, synchronized by :class:`benchmarks.measure.Stopwatch`.
 """
@@ -22,6 +24,7 @@ from torch.optim import Optimizer
 from benchmarks.measure import Stopwatch
 from benchmarks.problems.models import cifar10_3c3d, mlp
 from dampednewton import (
+    CurvatureAveraging,
     DampedNewton,
     DirectionalDampedNewtonComputation,
     GramBasis,
@@ -203,7 +206,17 @@ def peer(name: str, model: nn.Module) -> Optimizer:
 VARIANT_KINDS = ("sgd", "adam", *PEERS, "fast", "dense", "default")
 """The kinds of step :func:`make_step` builds (``kind:ggn``)."""
 GGN_KINDS = {"fast": ("mc1", "exact"), "dense": ("mc1", "exact")}
-DEFAULT_KINDS = ("", "mc1", "exact", "per_layer", "packed", "graphed", "backpack")
+DEFAULT_KINDS = (
+    "",
+    "mc1",
+    "exact",
+    "per_layer",
+    "packed",
+    "graphed",
+    "backpack",
+    "interval30",
+    "rotation3",
+)
 
 
 def check_variant(kind: str, ggn: str) -> None:
@@ -218,7 +231,8 @@ def check_variant(kind: str, ggn: str) -> None:
             f"Unknown step variant {kind}:{ggn}. Variants: sgd, adam, "
             f"{', '.join(PEERS)}, fast:mc1, fast:exact, dense:mc1, dense:exact, "
             "default, default:exact, default:per_layer, default:packed, "
-            "default:graphed, default:backpack."
+            "default:graphed, default:backpack, default:interval30, "
+            "default:rotation3."
         )
 
 
@@ -260,9 +274,14 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
         # layers by shape (the CPU's default), ``default:packed`` every layer in one
         # padded batch, ``default:graphed`` replays that batch's math as a CUDA graph;
         # ``default:backpack`` refreshes through BackPACK's pass every time (the
-        # optimizer's private switch: the defaults' later refreshes take autograd's).
+        # optimizer's private switch: the defaults' later refreshes take autograd's);
+        # ``default:interval30`` refreshes every 30 steps past the ramp (the default:
+        # 15), ``default:rotation3`` rotates the eigenbases on every third refresh
+        # (the others refresh the eigenvalues along the kept eigenvectors).
         changed: dict[str, dict[str, Any]] = {
             "exact": {"mc_samples": 0},
+            "interval30": {"averaging": CurvatureAveraging(interval=30)},
+            "rotation3": {"basis": KroneckerBasis(rotation_interval=3)},
             "per_layer": {"basis": KroneckerBasis(packed=False)},
             "packed": {"basis": KroneckerBasis(packed=True, graphed=False)},
             "graphed": {"basis": KroneckerBasis(packed=True, graphed=True)},

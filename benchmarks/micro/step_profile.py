@@ -47,6 +47,7 @@ from benchmarks.measure import synchronize
 from benchmarks.micro.harness import (
     MODELS,
     PEERS,
+    check_variant,
     make_step,
     round_robin_medians,
     script_device,
@@ -232,6 +233,7 @@ def table(
     warmup: int = 3,
     steps: int = 1,
     peers: Sequence[str] = (),
+    chosen: Sequence[str] = (),
 ) -> list[str]:
     """Markdown rows of every model, GGN and variant (SGD and Adam first).
 
@@ -245,6 +247,9 @@ def table(
         warmup: Steps of each variant before timing and counting.
         steps: Steps the counts are averaged over (see :func:`profile_step`).
         peers: Curvature peers to add (``soap``, ``kron``: :data:`PEERS`).
+        chosen: The variants to profile, in this order, in place of SGD, Adam, the
+            peers, the ViViT steps and the defaults' layouts (``sgd`` among them:
+            the ratios are to its step).
 
     Returns:
         The table's lines.
@@ -256,16 +261,20 @@ def table(
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for model in models:
-        variants = [
-            "sgd",
-            "adam",
-            *peers,
-            *(f"fast:{ggn}" for ggn in ggns),
-            "default",
-            *(["default:per_layer"] if device.type == "cuda" else []),
-            "default:packed",
-            *(["default:exact"] if "exact" in ggns else []),
-        ]
+        variants = (
+            list(chosen)
+            if chosen
+            else [
+                "sgd",
+                "adam",
+                *peers,
+                *(f"fast:{ggn}" for ggn in ggns),
+                "default",
+                *(["default:per_layer"] if device.type == "cuda" else []),
+                "default:packed",
+                *(["default:exact"] if "exact" in ggns else []),
+            ]
+        )
         step_of = {v: make_step(v, model, batch_size, device) for v in variants}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -326,7 +335,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         choices=PEERS,
         help="curvature peers to add (pytorch-optimizer, the bench extra)",
     )
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=[],
+        help="profile these variants only (sgd among them; harness.make_step's "
+        "names, e.g. sgd adam default default:interval30)",
+    )
     args = parser.parse_args(argv)
+    if args.variants and "sgd" not in args.variants:
+        parser.error("--variants needs sgd among them: the ratios are to its step.")
+    for variant in args.variants:
+        kind, _, ggn = variant.partition(":")
+        check_variant(kind, ggn)
     device, name = script_device(args.threads)
     print(f"device {name}, N={args.batch_size}, {torch.get_num_threads()} threads")
     lines = table(
@@ -338,6 +359,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         warmup=args.warmup,
         steps=args.steps,
         peers=args.peers,
+        chosen=args.variants,
     )
     for line in lines:
         print(line)

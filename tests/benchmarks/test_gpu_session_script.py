@@ -51,6 +51,9 @@ def test_the_parts_outside_all_run_on_their_own(tmp_path):
         ("fmnist_2c2d_soap", "soap.txt"),
         ("fmnist_2c2d_kron", "kron.txt"),
         ("tests", "cuda-tests.txt"),
+        ("refresh_schedule", "refresh_schedule.md"),
+        ("fmnist_2c2d_interval30", "interval30.txt"),
+        ("fmnist_2c2d_schedule_free", "schedule_free.txt"),
     ]:
         result = run_script(part, budget=10, out=tmp_path / part)
         assert result.returncode == 0, result.stderr

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from benchmarks.micro.critical_batch import largest_fitting, main
+from benchmarks.micro.step_profile import main as profile_main
 from benchmarks.micro.step_profile import table
 
 
@@ -117,3 +118,31 @@ def test_step_profile_counts_the_curvature_peers():
     assert list(rows) == ["sgd", "adam", "soap", "kron", "default", "default:packed"]
     for peer in ("soap", "kron"):
         assert int(rows[peer][4]) > int(rows["adam"][4]) > 0
+
+
+@pytest.mark.slow
+def test_step_profile_compares_the_refresh_schedules():
+    """Fewer refreshes, or fewer rotations, issue fewer operators per amortized step.
+
+    Over 90 steps past the ramp the defaults refresh six times, every refresh
+    rotating; every 30 steps three times; rotating on every third refresh, two of the
+    six rotate. Counts, not times.
+    """
+    chosen = ["sgd", "default", "default:interval30", "default:rotation3"]
+    lines = table(
+        ["mlp"], [], 16, torch.device("cpu"), 1, warmup=60, steps=90, chosen=chosen
+    )
+    rows = _rows(lines)
+    assert list(rows) == chosen
+    default = int(rows["default"][4])
+    assert int(rows["default:interval30"][4]) < default
+    assert int(rows["default:rotation3"][4]) < default
+    assert all(rows[name][5] == "1" for name in chosen[1:])  # one read each
+
+
+def test_step_profile_refuses_variants_without_sgd_or_unknown(capsys):
+    with pytest.raises(SystemExit):
+        profile_main(["--variants", "adam", "default"])
+    assert "needs sgd" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="Unknown step variant default:every30"):
+        profile_main(["--variants", "sgd", "default:every30"])
