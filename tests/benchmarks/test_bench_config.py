@@ -122,7 +122,7 @@ def test_the_noise_filter_config_is_the_default_with_the_filter(compose_config):
 
 
 def test_the_schedule_free_config_is_the_default_with_averaged_steps(compose_config):
-    from dampednewton import ScheduleFree
+    from dampednewton import CurvatureAveraging, ScheduleFree
 
     cfg = compose_config(["optimizer=dampednewton_schedule_free"])
     problem = tiny_problem(steps=3)
@@ -130,11 +130,17 @@ def test_the_schedule_free_config_is_the_default_with_averaged_steps(compose_con
     (group,) = optimizer.param_groups
     assert group["momentum"] == ScheduleFree(interpolation=0.9, recency=4.0)
     assert group["kl_clip"] == 1e-2
+    # The defaults' schedule without the loss-triggered refreshes.
+    assert group["averaging"] == CurvatureAveraging(
+        decay=0.95, interval=15, loss_tolerance=None
+    )
     default = compose_config(["optimizer=dampednewton"]).optimizer
-    changed = ("momentum", "kl_clip")
+    changed = ("momentum", "kl_clip", "averaging")
     assert {k: v for k, v in cfg.optimizer.items() if k not in changed} == {
         k: v for k, v in default.items() if k not in changed
     }
+    averaging = {k: v for k, v in cfg.optimizer.averaging.items()}
+    assert averaging == {**default.averaging, "loss_tolerance": None}
 
 
 @pytest.mark.parametrize(
