@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,15 +25,17 @@ from torch.optim import Optimizer
 from benchmarks.measure import Stopwatch
 from benchmarks.problems.models import cifar10_3c3d, mlp
 from dampednewton import (
-    CurvatureAveraging,
     DampedNewton,
     DirectionalDampedNewtonComputation,
     GramBasis,
     KroneckerBasis,
+    basis_defaults,
 )
 
 NUM_CLASSES = 10
 DIRECTIONS = 10
+DEFAULT_AVERAGING = basis_defaults(KroneckerBasis())["averaging"]
+"""The defaults' refresh schedule (``default:interval30`` stretches its interval)."""
 
 
 def flat_mlp(hidden: tuple[int, ...]) -> Callable[[], nn.Module]:
@@ -280,7 +283,7 @@ def make_step(variant: str, model_name: str, batch_size: int, device: torch.devi
         # (the others refresh the eigenvalues along the kept eigenvectors).
         changed: dict[str, dict[str, Any]] = {
             "exact": {"mc_samples": 0},
-            "interval30": {"averaging": CurvatureAveraging(interval=30)},
+            "interval30": {"averaging": replace(DEFAULT_AVERAGING, interval=30)},
             "rotation3": {"basis": KroneckerBasis(rotation_interval=3)},
             "per_layer": {"basis": KroneckerBasis(packed=False)},
             "packed": {"basis": KroneckerBasis(packed=True, graphed=False)},

@@ -253,7 +253,12 @@ def table(
 
     Returns:
         The table's lines.
+
+    Raises:
+        ValueError: For ``chosen`` variants without ``sgd``.
     """
+    if chosen and "sgd" not in chosen:
+        raise ValueError("Profile sgd among the chosen variants: the ratios are to it.")
     kernels = "kernels" if device.type == "cuda" else "ATen ops"
     lines = [
         f"| model | variant | ms | ×SGD | {kernels} | host reads | syncs: mean / most "

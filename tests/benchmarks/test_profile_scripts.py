@@ -146,3 +146,13 @@ def test_step_profile_refuses_variants_without_sgd_or_unknown(capsys):
     assert "needs sgd" in capsys.readouterr().err
     with pytest.raises(ValueError, match="Unknown step variant default:every30"):
         profile_main(["--variants", "sgd", "default:every30"])
+
+
+def test_the_fewer_refreshes_variant_stretches_the_defaults_schedule():
+    from benchmarks.micro.harness import DEFAULT_AVERAGING
+    from dampednewton import DampedNewton
+
+    optimizer = DampedNewton([torch.zeros(1, requires_grad=True)])
+    assert optimizer.param_groups[0]["averaging"] == DEFAULT_AVERAGING
+    with pytest.raises(ValueError, match="sgd among the chosen"):
+        table(["mlp"], [], 8, torch.device("cpu"), 1, chosen=["default"])
