@@ -36,7 +36,7 @@
 #     (KroneckerBasis(packed=False), the CPU's default), 3 seeds (not part of `all`;
 #     `profile` counts its step as default:per_layer);
 #   fmnist_2c2d_interval30: the defaults refreshed every 30 steps past the ramp
-#     (CurvatureAveraging(interval=30)), 3 seeds (not part of `all`);
+#     (the defaults' averaging with interval=30), 3 seeds (not part of `all`);
 #   fmnist_2c2d_schedule_free: the opt-in Schedule-Free averaging
 #     (optimizer=dampednewton_schedule_free), 3 seeds (not part of `all`).
 # `all` runs checks to fmnist_2c2d_peers as listed (most wanted first).

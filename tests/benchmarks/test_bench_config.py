@@ -139,7 +139,7 @@ def test_the_schedule_free_config_is_the_default_with_averaged_steps(compose_con
     assert {k: v for k, v in cfg.optimizer.items() if k not in changed} == {
         k: v for k, v in default.items() if k not in changed
     }
-    averaging = {k: v for k, v in cfg.optimizer.averaging.items()}
+    averaging = dict(cfg.optimizer.averaging)
     assert averaging == {**default.averaging, "loss_tolerance": None}
 
 
