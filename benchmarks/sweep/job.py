@@ -38,6 +38,7 @@ from benchmarks.sweep.data_parallel import (
 from benchmarks.sweep.grid import select_grid_point, skip_reason
 from benchmarks.sweep.result import FinalMetrics, RunResult, StepTime
 from benchmarks.sweep.resume import finished_result
+from benchmarks.sweep.schedules import lr_scheduler
 from benchmarks.sweep.training import OptimizerNeeds, mini_batches, train
 
 DATA_PARALLEL_HINT = (
@@ -128,6 +129,7 @@ def _train_from_config(cfg: DictConfig, result: RunResult, output_dir: Path) -> 
         problem.model = extend(problem.model)
         problem.loss_fn = extend(problem.loss_fn)
     optimizer = _build_optimizer(cfg, problem)
+    scheduler = lr_scheduler(cfg.get("lr_schedule"), optimizer, problem.protocol.steps)
     batches = mini_batches(
         problem.data.x_train.shape[0],
         problem.protocol.batch_size,
@@ -148,6 +150,7 @@ def _train_from_config(cfg: DictConfig, result: RunResult, output_dir: Path) -> 
         Stopwatch(device),
         data_parallel,
         checkpointing,
+        scheduler,
     )
     communication_end = _communication_seconds(optimizer)
     curves = log.curves
@@ -238,6 +241,8 @@ def run_job(
         else:
             result.grid_point = point
             result.hyperparameters = hyperparameters(cfg.optimizer)
+            if cfg.get("lr_schedule") is not None:
+                result.hyperparameters["lr_schedule"] = cfg.lr_schedule
             _train_from_config(cfg, result, output_dir)
     except Exception as err:
         result.status = "failed"

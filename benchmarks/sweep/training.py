@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
 
 from benchmarks.measure import Stopwatch
 from benchmarks.problems.problems import Problem, Protocol
@@ -203,6 +204,7 @@ def train(
     stopwatch: Stopwatch,
     data_parallel: DataParallel | None = None,
     checkpointing: Checkpointing | None = None,
+    scheduler: LRScheduler | None = None,
 ) -> TrainingLog:
     """Train for the problem's step budget, evaluating on its schedule.
 
@@ -226,6 +228,8 @@ def train(
         checkpointing: Save a checkpoint every ``checkpointing.every`` steps, and
             continue from this job's checkpoint if there is one (one process only;
             see :mod:`benchmarks.sweep.checkpointing`).
+        scheduler: Stepped after every optimizer step, untimed
+            (:mod:`benchmarks.sweep.schedules`); ``None``: constant learning rates.
 
     Returns:
         The log.
@@ -296,8 +300,12 @@ def train(
             setattr(log, key, value)
         log.resumed_from_step = step
         elapsed = sum(log.step_times)  # the same additions in the same order
-        for _ in range(step):  # replay the batch order up to the checkpoint
-            next(batches)
+        with warnings.catch_warnings():  # torch: "scheduler stepped before optimizer"
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(step):  # replay the batch order (and schedule) up to it
+                next(batches)
+                if scheduler is not None:
+                    scheduler.step()
     else:
         log.divergence = record(0)
     while not log.diverged and step < protocol.steps:
@@ -312,6 +320,8 @@ def train(
             loss = data_parallel.mean(loss)
         elapsed += seconds
         log.step_times.append(seconds)
+        if scheduler is not None:
+            scheduler.step()
         if not math.isfinite(loss):
             log.divergence = f"non-finite mini-batch loss or step at step {step}"
         elif step % protocol.eval_every == 0 or step == protocol.steps:

@@ -40,15 +40,18 @@ def run_job(job_dir: Path, *extra: str, kill_at: int | None = None):
     )
 
 
-def test_killed_job_resumes_bit_identically_from_its_checkpoint(tmp_path):
-    reference = run_job(tmp_path / "reference")
+@pytest.mark.parametrize(
+    "schedule", [[], ["lr_schedule=linear"]], ids=["constant", "linear_schedule"]
+)
+def test_killed_job_resumes_bit_identically_from_its_checkpoint(tmp_path, schedule):
+    reference = run_job(tmp_path / "reference", *schedule)
     assert reference.returncode == 0, reference.stderr
-    killed = run_job(tmp_path / "job", "checkpoint_every=3", kill_at=KILL_AT)
+    killed = run_job(tmp_path / "job", "checkpoint_every=3", *schedule, kill_at=KILL_AT)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert (tmp_path / "job" / CHECKPOINT_FILE).exists()
     assert not (tmp_path / "job" / RESULT_FILE).exists()
 
-    resumed = run_job(tmp_path / "job", "checkpoint_every=3")
+    resumed = run_job(tmp_path / "job", "checkpoint_every=3", *schedule)
 
     assert resumed.returncode == 0, resumed.stderr
     expected = RunResult.read(tmp_path / "reference" / RESULT_FILE)
