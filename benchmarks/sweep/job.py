@@ -243,6 +243,10 @@ def run_job(
             result.hyperparameters = hyperparameters(cfg.optimizer)
             if cfg.get("lr_schedule") is not None:
                 result.hyperparameters["lr_schedule"] = cfg.lr_schedule
+                if cfg.lr_schedule == "inverse_sqrt":
+                    result.hyperparameters["lr_schedule_horizon"] = (
+                        cfg.lr_schedule_horizon
+                    )
             _train_from_config(cfg, result, output_dir)
     except Exception as err:
         result.status = "failed"

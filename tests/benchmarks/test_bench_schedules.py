@@ -13,7 +13,7 @@ from benchmarks.problems.models import mlp
 from benchmarks.problems.problems import Problem, Protocol
 from benchmarks.sweep.job import run_job
 from benchmarks.sweep.result import RESULT_FILE
-from benchmarks.sweep.schedules import LinearDecay, lr_scheduler
+from benchmarks.sweep.schedules import InverseSqrtDecay, LinearDecay, lr_scheduler
 from benchmarks.sweep.training import OptimizerNeeds, mini_batches, train
 
 STEPS = 5
@@ -40,6 +40,12 @@ def _batches():
 def test_linear_decay_factors():
     decay = LinearDecay(4)
     assert [decay(step) for step in range(6)] == [1.0, 0.75, 0.5, 0.25, 0.0, 0.0]
+
+
+def test_inverse_sqrt_decay_factors():
+    decay = InverseSqrtDecay(50.0)
+    factors = [decay(step) for step in (0, 50, 150, 2400)]
+    assert factors == pytest.approx([1.0, 2**-0.5, 0.5, 1 / 7], rel=1e-15)
 
 
 def test_training_with_the_linear_schedule_is_sgd_at_hand_decayed_rates():
@@ -77,6 +83,8 @@ def test_an_unknown_schedule_is_refused():
     optimizer = torch.optim.SGD(_problem().model.parameters(), lr=LR)
     with pytest.raises(ValueError, match=r"lr_schedule must be null .* linear"):
         lr_scheduler("cosine", optimizer, STEPS)
+    with pytest.raises(ValueError, match="lr_schedule_horizon must be > 0"):
+        lr_scheduler("inverse_sqrt", optimizer, STEPS, horizon=0.0)
     assert lr_scheduler(None, optimizer, STEPS) is None
 
 
@@ -112,3 +120,12 @@ def test_a_dampednewton_job_takes_the_schedule_from_its_second_step(
     losses = decayed["curves"]["train_loss"], constant["curves"]["train_loss"]
     assert losses[0][:2] == losses[1][:2]  # the same first step
     assert losses[0][2] != losses[1][2]  # the second at half the learning rate
+
+
+def test_an_inverse_sqrt_job_records_its_horizon(compose_config, tmp_path):
+    result = _dampednewton_job(
+        compose_config, tmp_path, "lr_schedule=inverse_sqrt", "lr_schedule_horizon=4"
+    )
+    assert result["status"] == "ok"
+    assert result["hyperparameters"]["lr_schedule"] == "inverse_sqrt"
+    assert result["hyperparameters"]["lr_schedule_horizon"] == 4
