@@ -129,7 +129,12 @@ def _train_from_config(cfg: DictConfig, result: RunResult, output_dir: Path) -> 
         problem.model = extend(problem.model)
         problem.loss_fn = extend(problem.loss_fn)
     optimizer = _build_optimizer(cfg, problem)
-    scheduler = lr_scheduler(cfg.get("lr_schedule"), optimizer, problem.protocol.steps)
+    scheduler = lr_scheduler(
+        cfg.get("lr_schedule"),
+        optimizer,
+        problem.protocol.steps,
+        cfg.get("lr_schedule_horizon", 50.0),
+    )
     batches = mini_batches(
         problem.data.x_train.shape[0],
         problem.protocol.batch_size,

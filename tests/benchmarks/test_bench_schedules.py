@@ -122,10 +122,21 @@ def test_a_dampednewton_job_takes_the_schedule_from_its_second_step(
     assert losses[0][2] != losses[1][2]  # the second at half the learning rate
 
 
-def test_an_inverse_sqrt_job_records_its_horizon(compose_config, tmp_path):
-    result = _dampednewton_job(
-        compose_config, tmp_path, "lr_schedule=inverse_sqrt", "lr_schedule_horizon=4"
+def test_an_inverse_sqrt_job_decays_by_its_horizon(compose_config, tmp_path):
+    """Step 1 at the full rate whatever the horizon, step 2 at ``(1 + 1/h)^(-1/2)``."""
+    short, long = (
+        _dampednewton_job(
+            compose_config,
+            tmp_path / f"horizon{horizon}",
+            "lr_schedule=inverse_sqrt",
+            f"lr_schedule_horizon={horizon}",
+        )
+        for horizon in (1, 1000)
     )
-    assert result["status"] == "ok"
-    assert result["hyperparameters"]["lr_schedule"] == "inverse_sqrt"
-    assert result["hyperparameters"]["lr_schedule_horizon"] == 4
+    assert short["status"] == long["status"] == "ok"
+    assert short["hyperparameters"]["lr_schedule"] == "inverse_sqrt"
+    assert short["hyperparameters"]["lr_schedule_horizon"] == 1
+    assert long["hyperparameters"]["lr_schedule_horizon"] == 1000
+    losses = short["curves"]["train_loss"], long["curves"]["train_loss"]
+    assert losses[0][:2] == losses[1][:2]
+    assert losses[0][2] != losses[1][2]
