@@ -133,7 +133,7 @@ def _train_from_config(cfg: DictConfig, result: RunResult, output_dir: Path) -> 
         cfg.get("lr_schedule"),
         optimizer,
         problem.protocol.steps,
-        cfg.get("lr_schedule_horizon", 50.0),
+        cfg.lr_schedule_horizon,
     )
     batches = mini_batches(
         problem.data.x_train.shape[0],

@@ -52,7 +52,7 @@ class InverseSqrtDecay:
 
 
 def lr_scheduler(
-    name: str | None, optimizer: Optimizer, steps: int, horizon: float = 50.0
+    name: str | None, optimizer: Optimizer, steps: int, horizon: float
 ) -> LambdaLR | None:
     """The scheduler of ``lr_schedule`` over a budget of ``steps`` steps.
 

@@ -1,4 +1,4 @@
-"""The jobs' learning-rate schedule: linear decay to zero, as torch's LambdaLR."""
+"""The jobs' learning-rate schedules (linear, inverse square root) as LambdaLR."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from benchmarks.sweep.training import OptimizerNeeds, mini_batches, train
 
 STEPS = 5
 LR = 0.3
+HORIZON = 50.0
 
 
 def _problem() -> Problem:
@@ -52,7 +53,7 @@ def test_training_with_the_linear_schedule_is_sgd_at_hand_decayed_rates():
     problem = _problem()
     reference = _problem()  # the same initialization and data
     optimizer = torch.optim.SGD(problem.model.parameters(), lr=LR)
-    scheduler = lr_scheduler("linear", optimizer, STEPS)
+    scheduler = lr_scheduler("linear", optimizer, STEPS, HORIZON)
     train(
         problem,
         optimizer,
@@ -82,10 +83,10 @@ def test_training_with_the_linear_schedule_is_sgd_at_hand_decayed_rates():
 def test_an_unknown_schedule_is_refused():
     optimizer = torch.optim.SGD(_problem().model.parameters(), lr=LR)
     with pytest.raises(ValueError, match=r"lr_schedule must be null .* linear"):
-        lr_scheduler("cosine", optimizer, STEPS)
+        lr_scheduler("cosine", optimizer, STEPS, HORIZON)
     with pytest.raises(ValueError, match="lr_schedule_horizon must be > 0"):
-        lr_scheduler("inverse_sqrt", optimizer, STEPS, horizon=0.0)
-    assert lr_scheduler(None, optimizer, STEPS) is None
+        lr_scheduler("inverse_sqrt", optimizer, STEPS, 0.0)
+    assert lr_scheduler(None, optimizer, STEPS, HORIZON) is None
 
 
 def _dampednewton_job(compose_config, tmp_path, *overrides):
