@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from dampednewton.math.patches import conv_patches
+from dampednewton.math.patches import conv_patches, window_patches
 
 CONVOLUTIONS = {
     "conv1d-k5-s2-p1": nn.Conv1d(3, 2, 5, stride=2, padding=1),
@@ -78,6 +78,26 @@ def test_patches_equal_the_loop(case):
     conv, inputs = case
     patches = patches_of(conv, inputs)
     assert torch.equal(patches, patches_by_loop(inputs, conv))
+
+
+def test_window_patches_equal_the_loop(case):
+    """The views route (every input off the CPU, 2-D included) on every case."""
+    conv, inputs = case
+    patches = window_patches(
+        inputs,
+        conv.kernel_size,
+        stride=conv.stride,
+        padding=conv.padding,
+        dilation=conv.dilation,
+    )
+    assert torch.equal(patches, patches_by_loop(inputs, conv))
+
+
+def test_patches_on_the_device_equal_the_loop(case, device):
+    """On CUDA the 2-D patches take the views route: the same patches."""
+    conv, inputs = case
+    patches = patches_of(conv, inputs.to(device))
+    assert torch.equal(patches.cpu(), patches_by_loop(inputs, conv))
 
 
 def test_patches_times_the_weight_are_the_convolution(case):

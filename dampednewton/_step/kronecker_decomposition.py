@@ -10,7 +10,9 @@ size rather than per factor); :meth:`Decomposed.eigenpairs` then picks the batch
 eigenpairs from the solved list. Rotations past
 :attr:`~dampednewton.KroneckerBasis.solved_rotations` need no eigensolver: one
 QR-orthonormalized subspace iteration from the stored eigenvectors
-(:func:`~dampednewton.math.kronecker_factors.power_rotated`).
+(:func:`~dampednewton.math.kronecker_factors.power_rotated`), queued likewise on the
+refresh's :class:`~dampednewton.math.kronecker_rotation.RotationBatch` (on a GPU
+every factor's QR in one padded batch).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from dampednewton.math.kronecker import stacked_eigen
 from dampednewton.math.kronecker_factors import (
     FactorEigen,
     FactorEigenBatch,
-    power_rotated,
     refreshed_values,
 )
+from dampednewton.math.kronecker_rotation import RotationBatch
 from dampednewton.policies.basis import KroneckerBasis
 
 
@@ -39,23 +41,27 @@ class Decomposed:
     Attributes:
         refreshed: The eigenpairs along the stored eigenvectors (no eigensolver).
         queued: The positions of ``(S, A)`` in the solved list.
+        rotated: The positions of ``(S, A)`` in the rotated list.
         layers: Per layer, its own decomposition, stacked afterwards (layers whose
             stored eigenpairs differ in kind).
     """
 
     refreshed: tuple[FactorEigen, FactorEigen] | None = None
     queued: tuple[int, int] | None = None
+    rotated: tuple[int, int] | None = None
     layers: tuple[Decomposed, ...] = ()
 
     def eigenpairs(
-        self, solved: Sequence[FactorEigen]
+        self, solved: Sequence[FactorEigen], rotated: Sequence[FactorEigen]
     ) -> tuple[FactorEigen, FactorEigen]:
-        """``(S, A)``, with the queued eigenproblems' solutions ``solved``."""
+        """``(S, A)``, with the queued eigenproblems' solutions and rotations."""
         if self.refreshed is not None:
             return self.refreshed
         if self.queued is not None:
             return solved[self.queued[0]], solved[self.queued[1]]
-        each = [layer.eigenpairs(solved) for layer in self.layers]
+        if self.rotated is not None:
+            return rotated[self.rotated[0]], rotated[self.rotated[1]]
+        each = [layer.eigenpairs(solved, rotated) for layer in self.layers]
         return (
             stacked_eigen([output for output, _ in each]),
             stacked_eigen([input_side for _, input_side in each]),
@@ -69,6 +75,7 @@ def decomposed(
     outputs: Tensor,
     rotate: bool,
     eigen_batch: FactorEigenBatch,
+    rotations: RotationBatch,
     solve: bool = True,
 ) -> Decomposed:
     """Eigenpairs of layers' averaged factors ``(S, A)`` for this refresh.
@@ -76,8 +83,9 @@ def decomposed(
     Rotating refreshes (``rotate``: :meth:`KroneckerBasis.rotates`, or every refresh
     without averaging) queue the factors on ``eigen_batch`` to be decomposed anew;
     the others refresh the eigenvalues along the stored eigenvectors. A rotating
-    refresh that does not ``solve`` (:meth:`KroneckerBasis.solves`) rotates the
-    stored eigenvectors by one QR-orthonormalized subspace iteration instead
+    refresh that does not ``solve`` (:meth:`KroneckerBasis.solves`) queues one
+    QR-orthonormalized subspace iteration of the stored eigenvectors on
+    ``rotations`` instead
     (:func:`~dampednewton.math.kronecker_factors.power_rotated`). ``stored``
     holds each layer's state; with several layers the factors are stacked
     ``[L, d, d]`` and decomposed together, unless the layers' stored eigenpairs
@@ -92,7 +100,14 @@ def decomposed(
         return Decomposed(
             layers=tuple(
                 decomposed(
-                    basis, [entry], input_side, output, rotate, eigen_batch, solve
+                    basis,
+                    [entry],
+                    input_side,
+                    output,
+                    rotate,
+                    eigen_batch,
+                    rotations,
+                    solve,
                 )
                 for entry, output, input_side in zip(
                     stored, outputs.unbind(0), inputs.unbind(0), strict=True
@@ -115,10 +130,7 @@ def decomposed(
     ):
         assert output is not None and input_eigen is not None
         return Decomposed(
-            refreshed=(
-                power_rotated(outputs, output),
-                power_rotated(inputs, input_eigen),
-            )
+            rotated=(rotations.add(outputs, output), rotations.add(inputs, input_eigen))
         )
     if output is None or input_eigen is None or rotate:
         return Decomposed(

@@ -49,6 +49,7 @@ from dampednewton.backpack.kronecker_hook import LayerFactors
 from dampednewton.distributed import Communicator
 from dampednewton.math.kronecker import unstacked_eigen
 from dampednewton.math.kronecker_factors import FactorEigen, FactorEigenBatch
+from dampednewton.math.kronecker_rotation import RotationBatch
 from dampednewton.policies.basis import KroneckerBasis
 
 COMPILE_HINT = (
@@ -124,15 +125,16 @@ def refreshed_layers(
         _averaged_batch(members, state, decay, counts) for members in shapes.values()
     ]
     # Every layer's eigenproblems are queued first, then solved in one batched
-    # eigh per size (on a GPU one synchronization each, not one per factor).
-    eigen_batch = FactorEigenBatch()
+    # eigh per size (on a GPU one synchronization each, not one per factor); the
+    # rotations likewise (on a GPU one padded QR of every factor).
+    eigen_batch, rotations = FactorEigenBatch(), RotationBatch()
     decompositions = [
-        batch.decomposition(basis_policy, rotate, solve, eigen_batch)
+        batch.decomposition(basis_policy, rotate, solve, eigen_batch, rotations)
         for batch in batches
     ]
-    solved = eigen_batch.solve()
+    solved, rotated = eigen_batch.solve(), rotations.solve()
     return [
-        _with_eigenpairs(batch, decomposition.eigenpairs(solved))
+        _with_eigenpairs(batch, decomposition.eigenpairs(solved, rotated))
         for batch, decomposition in zip(batches, decompositions, strict=True)
     ]
 
@@ -187,6 +189,7 @@ class _AveragedBatch:
         rotate: bool,
         solve: bool,
         eigen_batch: FactorEigenBatch,
+        rotations: RotationBatch,
     ) -> Decomposed:
         """Queue the eigenpairs of the bias-corrected averages.
 
@@ -199,6 +202,7 @@ class _AveragedBatch:
             bias_corrected(self.outputs, self.correction),
             rotate,
             eigen_batch,
+            rotations,
             solve,
         )
 

@@ -4,12 +4,15 @@ The weight of ``nn.Conv1d/2d/3d`` (one group, zero padding) acts on each output
 position ``p`` as a linear layer on the patch ``x_p`` of input values under the
 kernel: ``y_p = W x_p`` with ``W = weight.flatten(1)``. :func:`conv_patches` lays
 the patches out as a linear layer's inputs, ``[N, P, C_in·K_1⋯K_d]``: for 2-D inputs
-with torch's native im2col (``F.unfold``, its ``[N, C_in·ΠK, P]`` result transposed,
-as BackPACK does), otherwise with views (``Tensor.unfold``) and one copy. BackPACK
-unfolds 1-D and 3-D inputs with a convolution by one-hot kernels (``unfoldNd``), which
-costs ``C_in·ΠK`` multiply-adds per patch entry: 11–14× longer on the MNIST-1D CNN's
-25-channel layers. (For 2-D inputs the views were as fast as ``F.unfold`` on some
-DeepOBS layers and up to 1.9× slower on others, so 2-D keeps the native route.)
+on the CPU with torch's native im2col (``F.unfold``, its ``[N, C_in·ΠK, P]`` result
+transposed, as BackPACK does), otherwise with views (``Tensor.unfold``) and one copy
+(:func:`window_patches`). BackPACK unfolds 1-D and 3-D inputs with a convolution by
+one-hot kernels (``unfoldNd``), which costs ``C_in·ΠK`` multiply-adds per patch entry:
+11–14× longer on the MNIST-1D CNN's 25-channel layers. On the CPU the views were as
+fast as ``F.unfold`` on some DeepOBS layers and up to 1.9× slower on others, so 2-D
+keeps the native route there; on CUDA torch's im2col launches one kernel per sample
+(cifar10_3c3d's three convolutions at batch 128: 384 of a refresh's 1,326 kernels on
+an H200), the views one copy per layer.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def conv_patches(
     Returns:
         ``[N, P, C_in·K_1⋯K_d]`` with ``P = O_1⋯O_d`` output positions in row-major
         order and each patch ordered as ``weight.flatten(1)``'s columns
-        (``C_in``, then ``K_1``, …, ``K_d``); for 2-D inputs a transposed view.
+        (``C_in``, then ``K_1``, …, ``K_d``); for 2-D inputs on the CPU a transposed
+        view.
 
     Raises:
         ValueError: If the lengths of the arguments do not match the input's
@@ -53,7 +57,7 @@ def conv_patches(
             f"paddings and dilations, got {tuple(kernel_size)}, {tuple(stride)}, "
             f"{tuple(padding)} and {tuple(dilation)}"
         )
-    if dims == 2:
+    if dims == 2 and inputs.device.type == "cpu":
         return torch.nn.functional.unfold(
             inputs,
             tuple(kernel_size),
@@ -61,6 +65,25 @@ def conv_patches(
             padding=tuple(padding),
             stride=tuple(stride),
         ).transpose(1, 2)
+    return window_patches(
+        inputs, kernel_size, stride=stride, padding=padding, dilation=dilation
+    )
+
+
+def window_patches(
+    inputs: Tensor,
+    kernel_size: Sequence[int],
+    *,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+) -> Tensor:
+    """:func:`conv_patches` by views of the (zero-padded) input and one copy.
+
+    Arguments as :func:`conv_patches`'s, checked there; returns ``[N, P,
+    C_in·K_1⋯K_d]``, contiguous.
+    """
+    dims = inputs.dim() - 2
     pads = [amount for pad in reversed(padding) for amount in (pad, pad)]
     windows = torch.nn.functional.pad(inputs, pads) if any(pads) else inputs
     for dim, (size, step, spread) in enumerate(
