@@ -14,6 +14,8 @@
 #     H100 150 s with the peers);
 #   phases: the defaults' step between refreshes, refresh and rotating refresh apart
 #     (time, kernels, syncs, busy time of each);
+#   step_parts: where the kernels of a step between refreshes and of a rotating
+#     refresh go, part by part of the pipeline (the MLP and 3c3d; 25 s on the H200);
 #   refresh_pass: the refreshes through torch.autograd.grad against BackPACK's pass;
 #   graph_memory: the memory the CUDA default's graphs hold, early and late in a run,
 #     and its peak, against the packed and the per-layer step;
@@ -151,6 +153,9 @@ part() {
         --variants default default:per_layer default:packed default:backpack \
         default:exact --periods 2
       cat "$out/phases.md" ;;
+    step_parts)
+      run 90 "$out/step_parts.md" python3 -m benchmarks.micro.step_parts --models mlp 3c3d
+      cat "$out/step_parts.md" ;;
     refresh_pass)
       run 90 "$out/refresh_pass.md" python3 -m benchmarks.micro.refresh_pass \
         --models mlp-tiny mlp 3c3d --steps 150
@@ -173,7 +178,7 @@ part() {
       cat "$out/step_cost.txt" ;;
     *)
       echo "usage: bash benchmarks/gpu_session.sh all | PART [PART ...]" \
-        "(PART: checks tests profile refresh_schedule phases refresh_pass" \
+        "(PART: checks tests profile refresh_schedule phases step_parts refresh_pass" \
         "graph_memory solvers compile step_cost fmnist_2c2d fmnist_2c2d_default" \
         "fmnist_2c2d_adam fmnist_2c2d_peers fmnist_2c2d_soap fmnist_2c2d_kron" \
         "fmnist_2c2d_sgd fmnist_2c2d_packed fmnist_2c2d_per_layer" \

@@ -52,6 +52,7 @@ def test_the_parts_outside_all_run_on_their_own(tmp_path):
         ("fmnist_2c2d_kron", "kron.txt"),
         ("tests", "cuda-tests.txt"),
         ("refresh_schedule", "refresh_schedule.md"),
+        ("step_parts", "step_parts.md"),
         ("fmnist_2c2d_interval30", "interval30.txt"),
         ("fmnist_2c2d_schedule_free", "schedule_free.txt"),
     ]:
