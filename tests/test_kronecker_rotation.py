@@ -12,7 +12,7 @@ from dampednewton.math.kronecker_factors import (
     power_rotated,
 )
 from dampednewton.math.kronecker_rotation import ROTATION_SHIFT, RotationBatch
-from dampednewton.math.linalg import cholesky_qr
+from dampednewton.math.linalg import cholesky_qr3
 from tests.assertions import assert_close
 from tests.reference.kronecker import power_rotation
 
@@ -45,34 +45,33 @@ def tall(rows: int, columns: int, seed: int, condition: float = 10.0):
     return (left.Q * values.to(DTYPE)) @ right.Q.T
 
 
-def test_cholesky_qr_is_householders_q_for_every_shape_together():
-    """Mixed rows, column counts, dtypes and stacks: each as LAPACK's QR alone."""
-    matrices = [
-        tall(30, 5, seed=0),
-        tall(12, 5, seed=1),  # fewer rows: padded in the batch of 5 columns
-        torch.stack([tall(12, 5, seed=2), tall(12, 5, seed=3)]),  # stacked
-        tall(9, 3, seed=4),  # a column count of its own
-        tall(7, 7, seed=5),  # square
-        tall(20, 4, seed=6).float(),  # float32: solved in float64, cast back
-    ]
-    found = cholesky_qr(matrices)
-    for matrix, q in zip(matrices, found, strict=True):
-        assert q.shape == matrix.shape and q.dtype == matrix.dtype
-        expected = householder_q(matrix.double()).to(matrix.dtype)
-        atol = 1e-12 if matrix.dtype == DTYPE else 1e-6
-        assert_close(q, expected, atol=atol, rtol=0, name=str(tuple(matrix.shape)))
+def test_cholesky_qr3_is_householders_q_with_zero_rows_padded():
+    """Stacked matrices of fewer rows padded with zeros: each as LAPACK's QR alone."""
+    matrices = [tall(30, 5, seed=0), tall(12, 5, seed=1), tall(5, 5, seed=2)]
+    padded = torch.zeros(3, 30, 5, dtype=DTYPE)
+    for index, matrix in enumerate(matrices):
+        padded[index, : matrix.shape[0]] = matrix
+    found = cholesky_qr3(padded)
+    for index, matrix in enumerate(matrices):
+        rows = matrix.shape[0]
+        assert_close(found[index, :rows], householder_q(matrix), atol=1e-12, rtol=0)
+        assert torch.equal(found[index, rows:], torch.zeros(30 - rows, 5, dtype=DTYPE))
 
 
 @pytest.mark.parametrize("condition", [1e4, 1e8, 1e12], ids=lambda c: f"cond{c:.0e}")
-def test_cholesky_qr_stays_orthonormal_when_ill_conditioned(condition):
+def test_cholesky_qr3_stays_orthonormal_when_ill_conditioned(condition):
     """The shifted first pass: ``QᵀQ = I``, ``R = QᵀA`` upper triangular, ``QR = A``."""
     matrix = tall(200, 16, seed=7, condition=condition)
-    (q,) = cholesky_qr([matrix])
+    q = cholesky_qr3(matrix.unsqueeze(0))[0]
     assert_close(q.T @ q, torch.eye(16, dtype=DTYPE), atol=1e-13, rtol=0, name="QᵀQ")
     r = q.T @ matrix
     assert_close(r.tril(-1), torch.zeros_like(r), atol=1e-13, rtol=0, name="tril R")
     assert_close(q @ r.triu(), matrix, atol=1e-13, rtol=0, name="QR")
     assert (r.diagonal() > 0).all()
+
+
+SINGULAR = 2
+"""The position of the singular factor in :func:`rotations`."""
 
 
 def rotations() -> list[tuple[torch.Tensor, FactorEigen]]:
@@ -81,7 +80,7 @@ def rotations() -> list[tuple[torch.Tensor, FactorEigen]]:
     return [
         (psd(20, seed=9, decay=0.8), factor_eigen(psd(20, seed=10, decay=0.8), 5)),
         (psd(6, seed=2), factor_eigen(psd(6, seed=3), 6)),  # whole basis
-        (psd(8, seed=4, rank=5), factor_eigen(psd(8, seed=5), 8)),  # singular
+        (psd(8, seed=4, rank=5), factor_eigen(psd(8, seed=5), 8)),  # SINGULAR
         (stacked, factor_eigen(torch.stack([psd(12, seed=14), psd(12, 15)]), 4)),
         (psd(30, seed=6, decay=0.5), factor_eigen(psd(30, seed=8, decay=0.5), 4)),
     ]
@@ -98,7 +97,7 @@ def each_alone(factor, eigen):
 
 
 def test_a_batched_rotation_is_one_shifted_subspace_iteration():
-    """Gram-Schmidt's basis of ``(F + ε·tr F·I) V``, ``F``'s Rayleigh quotients."""
+    """Gram-Schmidt's basis of ``(F + ε·‖F V‖_F·I) V``, ``F``'s Rayleigh quotients."""
     queued = rotations()
     batch = RotationBatch(batched=True)
     indices = [batch.add(factor, eigen) for factor, eigen in queued]
@@ -109,9 +108,8 @@ def test_a_batched_rotation_is_one_shifted_subspace_iteration():
             each_alone(factors, eigens), found, strict=True
         ):
             dim, rank = eigen.vectors.shape
-            shifted = factor + ROTATION_SHIFT * torch.trace(factor) * torch.eye(
-                dim, dtype=DTYPE
-            )
+            scale = torch.linalg.matrix_norm(factor @ eigen.vectors)  # ‖F V‖_F
+            shifted = factor + ROTATION_SHIFT * scale * torch.eye(dim, dtype=DTYPE)
             expected = power_rotation(shifted, eigen.values, eigen.vectors)
             # CholeskyQR's columns point along the products (R's diagonal > 0).
             ordered = eigen.vectors[:, torch.argsort(eigen.values, descending=True)]
@@ -166,4 +164,31 @@ def test_a_singular_factor_keeps_an_orthonormal_whole_basis():
     # The leading directions still follow one iteration of F (their span: F's range).
     leading = vectors[:, -3:]
     projected = leading @ (leading.T @ factor @ leading)
-    assert_close(factor @ leading, projected, atol=1e-7, rtol=0)  # ε·tr F ≈ 3e-8
+    assert_close(
+        factor @ leading, projected, atol=1e-7, rtol=0
+    )  # the shift: ε·‖F V‖_F ≈ 2e-8
+
+
+def test_float32_rotations_are_the_float64_ones_rounded():
+    """float32 factors: the products in float32, the QR in float64, cast back."""
+    queued = rotations()
+    single, double = RotationBatch(batched=True), RotationBatch(batched=True)
+    for factor, eigen in queued:
+        double.add(factor, eigen)
+        single.add(
+            factor.float(),
+            FactorEigen(*(getattr(eigen, n).float() for n in EIGEN_FIELDS)),
+        )
+    for index, (low, high) in enumerate(
+        zip(single.solve(), double.solve(), strict=True)
+    ):
+        assert low.vectors.dtype == torch.float32
+        vectors = low.vectors.double()
+        eye = torch.eye(vectors.shape[-1], dtype=DTYPE)
+        assert_close(
+            vectors.mT @ vectors, eye.expand_as(vectors.mT @ vectors), atol=1e-6
+        )
+        if index == SINGULAR:  # its null space's basis is float32's round-off
+            continue
+        for name in EIGEN_FIELDS:
+            assert_close(getattr(low, name).double(), getattr(high, name), atol=1e-5)

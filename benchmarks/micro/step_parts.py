@@ -47,7 +47,7 @@ PARTS = (
     ("dampednewton.math.kronecker_factors", "FactorEigenBatch.solve", "refresh.eigh"),
     ("dampednewton.math.kronecker_rotation", "RotationBatch.solve", "rotations"),
     ("dampednewton.math.kronecker_factors", "power_rotated", "rotations.householder"),
-    ("dampednewton.math.linalg", "cholesky_qr", "rotations.cholesky_qr"),
+    ("dampednewton.math.linalg", "cholesky_qr3", "rotations.cholesky_qr"),
     ("dampednewton.math.kronecker_factors", "refreshed_values", "rayleigh"),
     ("dampednewton._step.kronecker_refresh", "commit_layers", "commit"),
     ("dampednewton._step.kronecker_packed", "PackedGroup.refill", "pack.refill"),

@@ -264,17 +264,12 @@ def power_rotated(factor: Tensor, eigen: FactorEigen) -> FactorEigen:
     Returns:
         The rotated eigenpairs, the residual and the mean of the new factor.
     """
-    previous = descending_vectors(eigen)
+    order = eigen.values.argsort(dim=-1, descending=True)
+    previous = eigen.vectors.gather(-1, order.unsqueeze(-2).expand_as(eigen.vectors))
     rotated = torch.linalg.qr(factor @ previous.to(factor.dtype)).Q.flip(-1)
     return refreshed_values(
         factor, FactorEigen(eigen.values, rotated, eigen.residual, eigen.mean)
     )
-
-
-def descending_vectors(eigen: FactorEigen) -> Tensor:
-    """The eigenvectors ``[..., d, r]`` ordered by their values, largest first."""
-    order = eigen.values.argsort(dim=-1, descending=True)
-    return eigen.vectors.gather(-1, order.unsqueeze(-2).expand_as(eigen.vectors))
 
 
 def _trace(factor: Tensor) -> Tensor:

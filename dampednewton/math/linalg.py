@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
@@ -192,67 +190,37 @@ def _ritz_pairs(
     return values, vectors, (residuals.norm(dim=0) / scale <= tolerance).all()
 
 
-def cholesky_qr(matrices: Sequence[Tensor]) -> list[Tensor]:
-    """The ``Q`` factors of full-column-rank matrices ``[..., m_i, n_i]``, batched.
+def cholesky_qr3(matrix: Tensor) -> Tensor:
+    """The ``Q`` factors of stacked full-column-rank matrices ``[B, m, n]``.
 
-    Shifted CholeskyQR3 in float64 (Fukaya et al., 2020): each pass takes
-    ``Q ← Q·R⁻¹`` with ``RᵀR`` the Cholesky factor of ``QᵀQ``; the first adds
-    ``11(mn + n(n+1))·u·‖Q‖²_F`` to the diagonal so that its Cholesky factorization
-    cannot break down, which leaves ``Q`` well enough conditioned for the two plain
-    passes that follow (those of CholeskyQR2). As Householder's ``Q`` with a
-    non-negative diagonal of ``R``: each ``Q``'s first ``k`` columns span its matrix'
-    first ``k``. Matrices of one column count, dtype and device are padded with zero
-    rows (which leave ``QᵀQ`` and the other rows alone) and orthonormalized in one
-    batch: three products, three Cholesky factorizations and three triangular
-    solves, with no host synchronization (``cholesky_ex``), where ``torch.linalg.qr``
-    on CUDA calls cuSOLVER per matrix (about 24 kernels each). The result is cast
-    back to each matrix's dtype.
+    Shifted CholeskyQR3 (Fukaya et al., 2020): each pass takes ``Q ← Q·R⁻¹`` with
+    ``RᵀR`` the Cholesky factorization of ``QᵀQ``; the first adds
+    ``11(mn + n(n+1))·u·‖Q‖²_F`` to the diagonal so that it cannot break down, which
+    leaves ``Q`` well enough conditioned for the two plain passes that follow (those
+    of CholeskyQR2). As Householder's ``Q`` with a positive diagonal of ``R``: the
+    first ``k`` columns span the matrix' first ``k``. Rows of zeros (padding) leave
+    ``QᵀQ`` and the other rows alone and stay zero. Three batched products, Cholesky
+    factorizations and triangular solves, without a host synchronization
+    (``cholesky_ex``), where ``torch.linalg.qr`` on CUDA calls cuSOLVER per matrix
+    (about 24 kernels each).
 
     Args:
-        matrices: Tall matrices of full column rank (their condition number below
-            ``1/u`` of float64); leading dimensions are batches of matrices.
+        matrix: ``[B, m, n]``, each of full column rank with a condition number
+            below ``1/u`` of its dtype (float64: about ``10¹⁵``).
 
     Returns:
-        Each matrix' ``Q``, in its shape and dtype.
+        ``Q`` ``[B, m, n]``.
     """
-    groups: dict[tuple, list[int]] = {}
-    for index, matrix in enumerate(matrices):
-        key = (matrix.shape[-1], matrix.dtype, matrix.device)
-        groups.setdefault(key, []).append(index)
-    found: dict[int, Tensor] = {}
-    for indices in groups.values():
-        parts = [matrices[i].reshape(-1, *matrices[i].shape[-2:]) for i in indices]
-        rows = max(part.shape[-2] for part in parts)
-        padded = parts[0].new_zeros(
-            sum(part.shape[0] for part in parts), rows, parts[0].shape[-1]
-        )
-        views, start = [], 0
-        for part in parts:
-            views.append(padded[start : start + part.shape[0], : part.shape[-2]])
-            start += part.shape[0]
-        torch._foreach_copy_(views, parts)
-        basis = _cholesky_qr3(padded.to(torch.float64))
-        start = 0
-        for i, part in zip(indices, parts, strict=True):
-            piece = basis[start : start + part.shape[0], : part.shape[-2]]
-            found[i] = piece.to(part.dtype).reshape(matrices[i].shape)
-            start += part.shape[0]
-    return [found[index] for index in range(len(matrices))]
-
-
-def _cholesky_qr3(matrix: Tensor) -> Tensor:
-    """Shifted CholeskyQR3 of stacked float64 matrices ``[B, m, n]``."""
     rows, columns = matrix.shape[-2:]
-    gram = matrix.mT @ matrix
-    norms = gram.diagonal(dim1=-2, dim2=-1).sum(-1)  # ‖Q‖²_F
     unit = torch.finfo(matrix.dtype).eps / 2
-    shift = 11 * (rows * columns + columns * (columns + 1)) * unit * norms
-    gram = gram + shift[:, None, None] * torch.eye(
-        columns, dtype=matrix.dtype, device=matrix.device
-    )
     for step in range(3):
-        if step:
-            gram = matrix.mT @ matrix
+        gram = matrix.mT @ matrix
+        if not step:
+            diagonal = gram.diagonal(dim1=-2, dim2=-1)
+            norms = diagonal.sum(-1, keepdim=True)  # ‖Q‖²_F
+            diagonal.add_(
+                11 * (rows * columns + columns * (columns + 1)) * unit * norms
+            )
         lower = torch.linalg.cholesky_ex(gram).L
         matrix = torch.linalg.solve_triangular(lower.mT, matrix, upper=True, left=False)
     return matrix
