@@ -190,8 +190,8 @@ part() {
 (($#)) || part usage
 parts=("$@")
 [[ "$1" == all ]] &&
-  parts=(checks profile phases refresh_pass solvers compile step_cost fmnist_2c2d
-    fmnist_2c2d_peers)
+  parts=(checks profile phases step_parts refresh_pass solvers compile step_cost
+    fmnist_2c2d fmnist_2c2d_peers)
 for name in "${parts[@]}"; do
   part "$name"
 done
