@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from dampednewton.math.patches import conv_patches, window_patches
+from dampednewton.math.patches import conv_patches
 
 CONVOLUTIONS = {
     "conv1d-k5-s2-p1": nn.Conv1d(3, 2, 5, stride=2, padding=1),
@@ -80,15 +80,19 @@ def test_patches_equal_the_loop(case):
     assert torch.equal(patches, patches_by_loop(inputs, conv))
 
 
-def test_window_patches_equal_the_loop(case):
-    """The views route (every input off the CPU, 2-D included) on every case."""
+@pytest.mark.parametrize("views", [True, False], ids=["views", "im2col"])
+def test_either_route_equals_the_loop(case, views):
+    """Views (every input off the CPU, 2-D included) and im2col (2-D only)."""
     conv, inputs = case
-    patches = window_patches(
+    if not views and inputs.dim() != 4:
+        pytest.skip("torch's im2col takes 2-D inputs only")
+    patches = conv_patches(
         inputs,
         conv.kernel_size,
         stride=conv.stride,
         padding=conv.padding,
         dilation=conv.dilation,
+        views=views,
     )
     assert torch.equal(patches, patches_by_loop(inputs, conv))
 

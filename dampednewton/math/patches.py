@@ -6,7 +6,7 @@ kernel: ``y_p = W x_p`` with ``W = weight.flatten(1)``. :func:`conv_patches` lay
 the patches out as a linear layer's inputs, ``[N, P, C_in·K_1⋯K_d]``: for 2-D inputs
 on the CPU with torch's native im2col (``F.unfold``, its ``[N, C_in·ΠK, P]`` result
 transposed, as BackPACK does), otherwise with views (``Tensor.unfold``) and one copy
-(:func:`window_patches`). BackPACK unfolds 1-D and 3-D inputs with a convolution by
+(``views``). BackPACK unfolds 1-D and 3-D inputs with a convolution by
 one-hot kernels (``unfoldNd``), which costs ``C_in·ΠK`` multiply-adds per patch entry:
 11–14× longer on the MNIST-1D CNN's 25-channel layers. On the CPU the views were as
 fast as ``F.unfold`` on some DeepOBS layers and up to 1.9× slower on others, so 2-D
@@ -30,6 +30,7 @@ def conv_patches(
     stride: Sequence[int],
     padding: Sequence[int],
     dilation: Sequence[int],
+    views: bool | None = None,
 ) -> Tensor:
     """The patches of ``inputs`` under a convolution's kernel.
 
@@ -39,12 +40,13 @@ def conv_patches(
         stride: Per spatial dimension.
         padding: Zeros added on both sides, per spatial dimension.
         dilation: Per spatial dimension.
+        views: Take them by views of the (zero-padded) input and one copy; without
+            (default), torch's im2col for 2-D inputs on the CPU (module docstring).
 
     Returns:
         ``[N, P, C_in·K_1⋯K_d]`` with ``P = O_1⋯O_d`` output positions in row-major
         order and each patch ordered as ``weight.flatten(1)``'s columns
-        (``C_in``, then ``K_1``, …, ``K_d``); for 2-D inputs on the CPU a transposed
-        view.
+        (``C_in``, then ``K_1``, …, ``K_d``); from im2col a transposed view.
 
     Raises:
         ValueError: If the lengths of the arguments do not match the input's
@@ -57,7 +59,9 @@ def conv_patches(
             f"paddings and dilations, got {tuple(kernel_size)}, {tuple(stride)}, "
             f"{tuple(padding)} and {tuple(dilation)}"
         )
-    if dims == 2 and inputs.device.type == "cpu":
+    if views is None:
+        views = dims != 2 or inputs.device.type != "cpu"
+    if not views:
         return torch.nn.functional.unfold(
             inputs,
             tuple(kernel_size),
@@ -65,25 +69,6 @@ def conv_patches(
             padding=tuple(padding),
             stride=tuple(stride),
         ).transpose(1, 2)
-    return window_patches(
-        inputs, kernel_size, stride=stride, padding=padding, dilation=dilation
-    )
-
-
-def window_patches(
-    inputs: Tensor,
-    kernel_size: Sequence[int],
-    *,
-    stride: Sequence[int],
-    padding: Sequence[int],
-    dilation: Sequence[int],
-) -> Tensor:
-    """:func:`conv_patches` by views of the (zero-padded) input and one copy.
-
-    Arguments as :func:`conv_patches`'s, checked there; returns ``[N, P,
-    C_in·K_1⋯K_d]``, contiguous.
-    """
-    dims = inputs.dim() - 2
     pads = [amount for pad in reversed(padding) for amount in (pad, pad)]
     windows = torch.nn.functional.pad(inputs, pads) if any(pads) else inputs
     for dim, (size, step, spread) in enumerate(
