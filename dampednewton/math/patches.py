@@ -40,8 +40,9 @@ def conv_patches(
         stride: Per spatial dimension.
         padding: Zeros added on both sides, per spatial dimension.
         dilation: Per spatial dimension.
-        views: Take them by views of the (zero-padded) input and one copy; without
-            (default), torch's im2col for 2-D inputs on the CPU (module docstring).
+        views: Take 2-D ones by views of the (zero-padded) input and one copy too,
+            not by torch's im2col (default: off the CPU; module docstring). 1-D and
+            3-D inputs always take the views.
 
     Returns:
         ``[N, P, C_in·K_1⋯K_d]`` with ``P = O_1⋯O_d`` output positions in row-major
@@ -60,8 +61,8 @@ def conv_patches(
             f"{tuple(padding)} and {tuple(dilation)}"
         )
     if views is None:
-        views = dims != 2 or inputs.device.type != "cpu"
-    if not views:
+        views = inputs.device.type != "cpu"
+    if dims == 2 and not views:
         return torch.nn.functional.unfold(
             inputs,
             tuple(kernel_size),
